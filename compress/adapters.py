@@ -1,0 +1,71 @@
+"""Architecture adapters: where each family keeps its layers, projections and norms.
+
+Methods never hard-code module names; they ask the adapter. One decoder layer
+of the Llama family (llama, mistral, qwen2) looks like::
+
+    h = x + o_proj(attn(q_proj(n1(x)), k_proj(n1(x)), v_proj(n1(x))))    n1 = input_layernorm
+    y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          n2 = post_attention_layernorm
+"""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from compress.errors import CompressError
+
+
+@dataclass(frozen=True)
+class Adapter:
+    family: str
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
+    # role -> path inside one decoder layer
+    linears: tuple = (
+        ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+        ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+        ("down", "mlp.down_proj"),
+    )
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.get_submodule(self.layers)
+
+    def linear(self, layer: nn.Module, role: str) -> nn.Module:
+        return layer.get_submodule(dict(self.linears)[role])
+
+    def named_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """``{path inside the layer: module}`` for the seven projections."""
+        return {path: layer.get_submodule(path) for _, path in self.linears}
+
+    def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
+        """``{full module name: module}`` for every projection of every decoder layer."""
+        out = {}
+        for i, layer in enumerate(self.decoder_layers(model)):
+            for path, mod in self.named_linears(layer).items():
+                out[f"{self.layers}.{i}.{path}"] = mod
+        return out
+
+
+LLAMA = Adapter(family="llama")
+ADAPTERS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA}
+
+
+def get_adapter(config) -> Adapter:
+    """The adapter for an HF config (or anything with ``model_type``)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise CompressError(
+            f"unsupported architecture '{model_type}'. compress supports the Llama family: "
+            f"{', '.join(sorted(ADAPTERS))}. Add an Adapter in compress/adapters.py that names "
+            f"the decoder layers, projections and norms of '{model_type}'."
+        )
+    return ADAPTERS[model_type]
+
+
+def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted path ``name``."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)

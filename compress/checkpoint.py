@@ -1,0 +1,155 @@
+"""The checkpoint inside a run folder: write it, and load it back for evaluation.
+
+A run folder holds an HF-format checkpoint::
+
+    config.json        the model config + "quantization_config" (absent for fp)
+    model.safetensors  every tensor of model.state_dict(); a tied lm_head is omitted
+    tokenizer files    as tokenizer.save_pretrained writes them
+
+``quantization_config["quant_method"]`` says which layer replaces the decoder's
+linears on load: "awq" (INT4, AutoAWQ GEMM) and "compress" (other widths) load
+as ``QuantLinear``; "bitsandbytes" as the LLM.int8 layer. Layers whose names
+contain an entry of ``modules_to_not_convert`` stay ``nn.Linear``.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.adapters import get_adapter, set_module
+from compress.errors import CompressError
+
+WEIGHTS = "model.safetensors"
+
+
+@contextlib.contextmanager
+def guard_safetensors(where):
+    """Turn safetensors' parse errors into a CompressError naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise CompressError(
+            f"the safetensors file in '{where}' is corrupt or truncated ({e}). Re-run the recipe "
+            f"that wrote it, or download the checkpoint again."
+        ) from None
+
+
+def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_config: dict | None) -> None:
+    """Write config.json, model.safetensors and the tokenizer into ``folder``."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    if quantization_config:
+        config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def quantized_layer(qcfg: dict, linear: nn.Linear) -> nn.Module:
+    """An empty quantized layer of ``linear``'s shape, for the config's quant_method."""
+    method = qcfg.get("quant_method")
+    bias = linear.bias is not None
+    if method in ("awq", "compress"):
+        from compress.quant.linear import QuantLinear
+
+        return QuantLinear(linear.in_features, linear.out_features, qcfg["bits"], qcfg["group_size"], bias=bias)
+    if method == "bitsandbytes":
+        from compress.quant.llm_int8 import Int8Linear
+
+        return Int8Linear(linear.in_features, linear.out_features, bias=bias,
+                          threshold=qcfg.get("llm_int8_threshold", 6.0))
+    raise CompressError(f"unknown quant_method '{method}' in config.json; compress reads "
+                        f"'awq', 'compress' and 'bitsandbytes'.")
+
+
+def build_model(config, qcfg: dict | None) -> nn.Module:
+    """An HF model of ``config`` (random weights) with its linears swapped for quantized layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if qcfg:
+        skip = qcfg.get("modules_to_not_convert") or []
+        for name, lin in get_adapter(config).all_linears(model).items():
+            if not any(s in name for s in skip):
+                set_module(model, name, quantized_layer(qcfg, lin))
+    return model
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CompressError(f"run folder '{folder}' has no *.safetensors file; the run did not finish "
+                            f"or the folder is not a checkpoint.")
+    out = {}
+    with guard_safetensors(folder):
+        for f in files:
+            out.update(load_file(str(f)))
+    return out
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``tensors`` into ``model``, checking names, shapes and dtypes against it."""
+    expected = model.state_dict()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, ref in expected.items():
+        if name not in tensors:
+            if tied and name == "lm_head.weight":
+                continue
+            raise CompressError(f"'{where}' lacks tensor '{name}' (expected shape {tuple(ref.shape)}); "
+                                f"the checkpoint does not match its config.json.")
+        t = tensors[name]
+        if t.shape != ref.shape:
+            raise CompressError(f"tensor '{name}' in '{where}' has shape {tuple(t.shape)}, but the config "
+                                f"expects {tuple(ref.shape)}; the checkpoint does not match its config.json.")
+        if t.is_floating_point() != ref.is_floating_point():
+            raise CompressError(f"tensor '{name}' in '{where}' has dtype {t.dtype}, expected {ref.dtype}.")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise CompressError(f"'{where}' has tensors the config does not use, e.g. '{extra[0]}'; "
+                            f"the checkpoint does not match its config.json.")
+    with torch.no_grad():
+        for name, ref in expected.items():
+            if name in tensors:
+                ref.copy_(tensors[name])
+    if tied:
+        model.tie_weights()
+
+
+def load_run(folder) -> tuple[nn.Module, object]:
+    """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from compress.models import check_finite
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise CompressError(f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
+                            f"Pass the folder a recipe wrote (outputs/...).")
+    raw = json.loads((folder / "config.json").read_text())
+    qcfg = raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    get_adapter(config)
+    model = build_model(config, qcfg)
+    load_state(model, read_tensors(folder), str(folder))
+    model.eval()
+    check_finite(model, f"run folder '{folder}'")
+    tok = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+    return model, tok

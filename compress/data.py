@@ -1,0 +1,79 @@
+"""Text sources for calibration and evaluation.
+
+A source is a local text file or a ``datasets`` id written
+``repo[:config[:split]]`` (for example
+``Salesforce/wikitext:wikitext-2-raw-v1:test``). The shipped data configs read
+WikiText-2 from ``$COMPRESS_DATA_DIR/wikitext-2/``.
+
+Eval windows (DESIGN.md): tokenize the whole text once, cut it into
+non-overlapping windows of ``seqlen`` tokens. Calibration samples: random
+non-overlapping blocks of ``seqlen`` tokens from the calibration text, seeded.
+"""
+
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+
+_SUFFIXES = (".txt", ".raw", ".tokens", ".jsonl", ".json", ".md")
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith(("/", ".", "~")) or source.endswith(_SUFFIXES) or "\\" in source
+
+
+def read_text(source: str, role: str = "data") -> str:
+    """Whole text of a source, with CRLF line endings normalised to ``\\n``."""
+    p = Path(str(source)).expanduser()
+    if p.is_file():
+        return p.read_text(encoding="utf-8").replace("\r\n", "\n")
+    if _looks_like_path(str(source)):
+        raise CompressError(
+            f"{role} file '{source}' not found. Set COMPRESS_DATA_DIR to the folder that holds "
+            f"wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or set "
+            f"data.{role}.source to a local text file or a datasets id such as "
+            f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
+        )
+    repo, config, split = (str(source).split(":") + [None, None])[:3]
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(repo, config, split=split or "test")
+    except Exception as e:  # offline, unknown id, ...
+        raise CompressError(
+            f"could not load {role} dataset '{source}' ({type(e).__name__}). Without network "
+            f"access, set COMPRESS_DATA_DIR to a folder holding wikitext-2/, or set "
+            f"data.{role}.source to a local text file."
+        ) from None
+    return "\n\n".join(ds["text"])
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of the whole text, as one 1-D tensor (the tokenizer adds BOS if it does)."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True, verbose=False).input_ids
+    return ids[0]
+
+
+def eval_windows(tokenizer, text: str, seqlen: int, windows: int | None = None) -> torch.Tensor:
+    """``[n, seqlen]`` non-overlapping windows from the start of the text."""
+    ids = tokenize(tokenizer, text)
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise CompressError(f"eval text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
+                            f"lower eval.seqlen or use a longer text.")
+    if windows:
+        n = min(n, int(windows))
+    return ids[: n * seqlen].reshape(n, seqlen)
+
+
+def calib_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``[samples, seqlen]`` blocks drawn without replacement from the calibration text."""
+    ids = tokenize(tokenizer, text)
+    blocks = ids.numel() // seqlen
+    if blocks < samples:
+        raise CompressError(f"calibration text has {blocks} blocks of {seqlen} tokens, fewer than "
+                            f"the {samples} samples asked for; lower calib.samples or calib.seqlen.")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(blocks, generator=g)[:samples].sort().values
+    return ids[: blocks * seqlen].reshape(blocks, seqlen)[pick]

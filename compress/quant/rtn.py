@@ -1,0 +1,50 @@
+"""Round-to-nearest (RTN): quantize every decoder linear group-wise, no calibration."""
+
+from torch import nn
+
+from compress.adapters import get_adapter, set_module
+from compress.quant.linear import QuantLinear, layout_for
+from compress.quant.quantizer import check_group_size, quantize, auto_group_size
+
+
+def resolve_group_size(model: nn.Module, group_size) -> int:
+    """``auto`` -> 128, 64 or 32 (the largest dividing every quantized in_features); else validated."""
+    linears = get_adapter(model.config).all_linears(model)
+    if group_size in (None, "auto"):
+        return auto_group_size([m.in_features for m in linears.values()])
+    group_size = int(group_size)
+    for name, m in linears.items():
+        check_group_size(f"{name} [{m.out_features}x{m.in_features}]", m.in_features, group_size)
+    return group_size
+
+
+def quantization_config(bits: int, group_size: int, symmetric: bool = False) -> dict:
+    """config.json's ``quantization_config`` for a group-quantized checkpoint."""
+    if layout_for(bits) == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
+    return {"quant_method": "compress", "bits": bits, "group_size": group_size,
+            "zero_point": not symmetric, "layout": "bitplanes"}
+
+
+def pack_model(model: nn.Module, bits: int, group_size: int, symmetric: bool = False, clip=None) -> nn.Module:
+    """Replace every decoder linear by a ``QuantLinear`` holding its RTN codes.
+
+    ``clip`` maps a full module name to a ``[out, in/g]`` max |w| (AWQ's clip search).
+    """
+    clip = clip or {}
+    for name, lin in get_adapter(model.config).all_linears(model).items():
+        qw = quantize(lin.weight.data, bits, group_size, symmetric, clip.get(name))
+        set_module(model, name, QuantLinear.from_quantized(qw, lin.bias))
+    return model
+
+
+def rtn(model: nn.Module, ctx) -> nn.Module:
+    """Stage: RTN with ``ctx.cfg.quant`` = {bits, group_size, symmetric}."""
+    q = ctx.cfg.quant
+    g = resolve_group_size(model, q.group_size)
+    model = pack_model(model, q.bits, g, q.get("symmetric", False))
+    ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False))
+    ctx.record["group_size"] = g
+    ctx.record["bits"] = q.bits
+    return model
