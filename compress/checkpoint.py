@@ -51,7 +51,7 @@ def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_conf
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
+    config = model.config.to_diff_dict()
     config.pop("quantization_config", None)
     if quantization_config:
         config["quantization_config"] = quantization_config

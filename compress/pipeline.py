@@ -1,0 +1,128 @@
+"""checkpoint -> stages -> run folder -> eval -> report.
+
+``run(cfg, run_dir)`` loads the source model, applies the recipe's stages in
+order (each a function ``(model, ctx) -> model``), writes the checkpoint into a
+temporary sibling of ``run_dir``, evaluates *the saved checkpoint* against the
+source, writes report and manifest, and only then renames the folder into
+place. An interrupted run leaves no run folder that looks complete.
+"""
+
+import importlib
+import logging
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from compress.checkpoint import load_run, save_checkpoint
+from compress.data import calib_samples, eval_windows, read_text
+from compress.errors import CompressError
+from compress.eval.perplexity import evaluate
+from compress.eval.run_report import write_report
+from compress.manifest import write_manifest
+from compress.models import atomic_dir, commit_dir, load_model
+
+log = logging.getLogger(__name__)
+
+# stage name -> "module:function"; imported on use so a recipe pays only for its stages
+STAGES = {
+    "rtn": "compress.quant.rtn:rtn",
+    "awq": "compress.quant.awq:awq",
+    "llm_int8": "compress.quant.llm_int8:llm_int8",
+}
+
+
+@dataclass
+class Context:
+    """What a stage may read (cfg, tokenizer) and write (quantization_config, record)."""
+
+    cfg: DictConfig
+    tokenizer: object
+    quantization_config: dict | None = None
+    record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
+
+    def calibration(self) -> torch.Tensor:
+        """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
+        c = self.cfg.calib
+        text = read_text(self.cfg.data.calib.source, role="calib")
+        return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
+
+
+def get_stage(name: str):
+    if name not in STAGES:
+        raise CompressError(f"unknown stage '{name}' in the recipe; known stages: {', '.join(STAGES)}.")
+    module, fn = STAGES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _weight_bytes(model) -> tuple[int, int]:
+    """Bytes of every saved tensor, and of the decoder linears alone."""
+    from compress.adapters import get_adapter
+    from compress.checkpoint import state_dict_for_save
+
+    total = sum(t.numel() * t.element_size() for t in state_dict_for_save(model).values())
+    linear = sum(t.numel() * t.element_size()
+                 for m in get_adapter(model.config).all_linears(model).values()
+                 for t in m.state_dict().values())
+    return total, linear
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise CompressError(f"run folder '{run_dir}' already exists and is not empty; pick another "
+                            f"hydra.run.dir, or remove that folder.")
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Run a recipe into ``run_dir``; returns the report."""
+    start = time.time()
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir)
+    torch.manual_seed(cfg.seed)
+    stage_fns = [(name, get_stage(name)) for name in cfg.stages]
+    m = cfg.model
+    model, tok, source = load_model(m.path, m.dtype, m.trust_remote_code)
+    ctx = Context(cfg=cfg, tokenizer=tok)
+    timings = {}
+    for name, fn in stage_fns:
+        t = time.time()
+        log.info("stage %s", name)
+        model = fn(model, ctx)
+        timings[name] = round(time.time() - t, 2)
+
+    tmp = atomic_dir(run_dir)
+    try:
+        t = time.time()
+        weight_bytes, linear_bytes = _weight_bytes(model)
+        save_checkpoint(model, tok, tmp, ctx.quantization_config)
+        del model
+        timings["export"] = round(time.time() - t, 2)
+
+        t = time.time()
+        windows = eval_windows(tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows)
+        compressed, _ = load_run(tmp)  # evaluate what was saved, not the in-memory model
+        reference = load_model(m.path, m.dtype, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+        figures = evaluate(compressed, windows, reference)
+        del compressed, reference
+        timings["eval"] = round(time.time() - t, 2)
+
+        report = {
+            "recipe": cfg.name, "model": source.name, **figures,
+            "weight_bytes": weight_bytes, "linear_weight_bytes": linear_bytes,
+            **ctx.record,
+            "stages": timings, "elapsed_s": round(time.time() - start, 2),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "trust_remote_code": bool(m.trust_remote_code),
+        }
+        write_report(tmp, report)
+        write_manifest(tmp, OmegaConf.to_container(cfg, resolve=True), source, timings, bool(m.trust_remote_code))
+        commit_dir(tmp, run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("run folder: %s", run_dir)
+    return report

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity/KL/top-1, per-run reports, benchmarks (scripts)."""

@@ -1,0 +1,45 @@
+"""Perplexity, KL(source || compressed) and top-1 agreement on the same windows.
+
+For each window x of ``seqlen`` tokens, with p = softmax of the source's
+logits and q = softmax of the compressed model's, over the ``seqlen - 1``
+predicted positions t::
+
+    ppl  = exp( mean_t  -log q(x_{t+1} | x_<=t) )
+    KL   = mean_t  sum_v p_t(v) (log p_t(v) - log q_t(v))
+    top1 = mean_t  [argmax p_t == argmax q_t]
+
+Means run over every predicted token of every window.
+"""
+
+import math
+
+import torch
+from tqdm import tqdm
+
+
+def _log_probs(model, window: torch.Tensor) -> torch.Tensor:
+    logits = model(window.unsqueeze(0)).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, source=None, desc: str = "eval") -> dict:
+    """Figures of ``model`` on ``windows [n, seqlen]``; KL and top-1 against ``source`` if given."""
+    nll, kl, agree, count = 0.0, 0.0, 0, 0
+    for window in tqdm(windows, desc=desc, unit="window"):
+        lq = _log_probs(model, window)
+        target = window[1:]
+        nll += -lq.gather(1, target.unsqueeze(1)).sum().item()
+        if source is not None:
+            lp = _log_probs(source, window)
+            kl += (lp.exp() * (lp - lq)).sum().item()
+            agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+            del lp
+        count += target.numel()
+        del lq
+    out = {"ppl": math.exp(nll / count), "ppl_windows": int(windows.shape[0]),
+           "seqlen": int(windows.shape[1]), "tokens": count}
+    if source is not None:
+        out["kl_vs_source"] = kl / count
+        out["top1_vs_source"] = agree / count
+    return out
