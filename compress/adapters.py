@@ -23,6 +23,8 @@ class Adapter:
     lm_head: str = "lm_head"
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
+    attn: str = "self_attn"  # the attention block: (hidden_states, **layer kwargs) -> (out, ...)
+    mlp: str = "mlp"  # the MLP block: x -> y
     # role -> path inside one decoder layer
     linears: tuple = (
         ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),

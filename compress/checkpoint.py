@@ -9,7 +9,8 @@ A run folder holds an HF-format checkpoint::
 ``quantization_config["quant_method"]`` says which layer replaces the decoder's
 linears on load: "awq" (INT4, AutoAWQ GEMM) and "compress" (other widths) load
 as ``QuantLinear``; "bitsandbytes" as the LLM.int8 layer. Layers whose names
-contain an entry of ``modules_to_not_convert`` stay ``nn.Linear``.
+contain an entry of ``modules_to_not_convert`` (bitsandbytes: ``llm_int8_skip_modules``)
+stay ``nn.Linear``.
 """
 
 import contextlib
@@ -61,8 +62,11 @@ def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_conf
         tokenizer.save_pretrained(folder)
 
 
-def quantized_layer(qcfg: dict, linear: nn.Linear) -> nn.Module:
-    """An empty quantized layer of ``linear``'s shape, for the config's quant_method."""
+def quantized_layer(qcfg: dict, linear: nn.Linear, name: str = "") -> nn.Module:
+    """An empty quantized layer of ``linear``'s shape, for the config's quant_method.
+
+    ``name`` (the module's full name) lets a layer name itself in run-time errors.
+    """
     method = qcfg.get("quant_method")
     bias = linear.bias is not None
     if method in ("awq", "compress"):
@@ -73,7 +77,7 @@ def quantized_layer(qcfg: dict, linear: nn.Linear) -> nn.Module:
         from compress.quant.llm_int8 import Int8Linear
 
         return Int8Linear(linear.in_features, linear.out_features, bias=bias,
-                          threshold=qcfg.get("llm_int8_threshold", 6.0))
+                          threshold=qcfg.get("llm_int8_threshold", 6.0), name=name)
     raise CompressError(f"unknown quant_method '{method}' in config.json; compress reads "
                         f"'awq', 'compress' and 'bitsandbytes'.")
 
@@ -84,10 +88,10 @@ def build_model(config, qcfg: dict | None) -> nn.Module:
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if qcfg:
-        skip = qcfg.get("modules_to_not_convert") or []
+        skip = qcfg.get("modules_to_not_convert") or qcfg.get("llm_int8_skip_modules") or []
         for name, lin in get_adapter(config).all_linears(model).items():
             if not any(s in name for s in skip):
-                set_module(model, name, quantized_layer(qcfg, lin))
+                set_module(model, name, quantized_layer(qcfg, lin, name))
     return model
 
 

@@ -1,0 +1,110 @@
+"""``python -m compress.decoder RUN --prompt "..." [--max-new-tokens 128]``: generate from a run folder.
+
+Streams the continuation to stdout as it is produced (greedy unless ``--temperature``), then
+prints TTFT, prefill and decode tokens/s, peak memory and KV bytes per token to stderr.
+``--json`` prints one JSON object instead: ``text`` (the continuation only), ``ttft_s``,
+``decode_tok_s``, ``prefill_tok_s``, ``peak_mem_bytes`` and ``kv_bytes_per_token``.
+"""
+
+import argparse
+import json
+import sys
+
+from compress.errors import CompressError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m compress.decoder", description=__doc__.splitlines()[0])
+    p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--kv", choices=("fp16", "kivi", "packkv", "full"), default="fp16",
+                   help="KV cache; full: the model's dtype, exact")
+    p.add_argument("--kv-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="cache option, e.g. --kv-opt bits=2 (repeatable)")
+    p.add_argument("--max-len", type=int, help="KV cache length (default: prompt + max new tokens)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the decode step (auto: when the cache supports it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return p.parse_args(argv)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def kv_options(pairs: list[str]) -> dict:
+    """``["bits=2", "rel_k=0.05"]`` -> ``{"bits": 2, "rel_k": 0.05}`` (values parsed as JSON when they can be)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CompressError(f"--kv-opt takes KEY=VALUE, got '{pair}'.")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except CompressError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args) -> None:
+    import torch
+
+    from compress.decoder.generate import Sampling, generate, peak_memory, peak_memory_reset
+    from compress.decoder.model import load
+    from compress.decoder.step import decode_step
+
+    model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device)
+    if tok is None:
+        raise CompressError(f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt.")
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=not args.chat).input_ids
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    kv_opts = kv_options(args.kv_opt)
+    step = decode_step(model, args.compile, args.kv)
+
+    def stream(_row, piece):
+        print(piece, end="", flush=True)
+
+    peak_memory_reset()
+    r = generate(model, [ids], args.max_new_tokens, tok, sampling, args.kv, kv_opts, args.max_len,
+                 tuple(args.stop), on_text=None if args.json else stream, step=step)
+    peak = peak_memory()
+    stats = {"text": r.texts[0], "ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
+             "prefill_tok_s": r.prefill_tok_s, "peak_mem_bytes": peak, "kv_bytes_per_token": r.kv_bytes_per_token}
+    if args.json:
+        print(json.dumps(stats))
+        return
+    print(flush=True)
+    print(f"[{len(ids)} prompt tokens, {len(r.tokens[0])} generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
+          f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
+          f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

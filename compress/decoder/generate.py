@@ -1,0 +1,267 @@
+"""Generation: prefill the prompts, then decode one token at a time into a preallocated KV cache.
+
+    prefill:  l_0 = model(prompt [B, T0])[:, -1]        x_1 = sample(l_0)
+    decode:   l_t = model(x_t [B, 1])                     x_{t+1} = sample(l_t)
+
+``sample`` is greedy (argmax) at temperature 0. Otherwise p = softmax(l / temperature),
+restricted to the ``top_k`` largest entries, then to the smallest set of largest entries
+whose mass reaches ``top_p``, renormalised, and drawn with a seeded generator.
+
+Prompts of different lengths are left-padded to the longest; row b's tokens start at
+slot ``start[b]``, which the cache masks before and the model takes as position 0, so each
+row decodes exactly as it would alone.
+
+Cache length: ``max_len`` defaults to the longest prompt + ``max_new_tokens``, capped at the
+model's ``max_position_embeddings``. A prompt that does not fit (T0 >= max_len) raises a
+``CompressError``; a continuation that would overrun the cache stops at ``max_len`` with a
+warning. An empty prompt is an error.
+"""
+
+import logging
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from compress.decoder.kv_cache import Cache, FP16Cache, make_cache
+from compress.decoder.model import head_dim_of
+from compress.errors import CompressError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """``logits [B, V]`` -> probabilities after temperature, top-k and top-p."""
+    logits = logits.float() / max(s.temperature, 1e-5)
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p is not None and s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p  # mass before this token already reaches top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids ``[B]`` from ``logits [B, V]``."""
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, s)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def peak_memory_reset() -> None:
+    """Start a new peak: CUDA's allocator statistics, or the process's peak RSS on Linux."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM
+    except OSError:
+        pass
+
+
+def peak_memory() -> int:
+    """Peak bytes since :func:`peak_memory_reset`: CUDA allocated if a GPU is used, else peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
+        return torch.cuda.max_memory_allocated()
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Detokenizer:
+    """Incremental text of one generated row; ``push(id)`` returns the text that became final.
+
+    Text that could still begin a stop string, or that ends inside a UTF-8 sequence, is held
+    back. Once a stop string appears, the text is cut before it and ``stopped`` is set.
+    """
+
+    def __init__(self, tokenizer, stop=()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids, self.text, self.emitted, self.stopped = [], "", 0, False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            text, self.stopped = text[:min(hits)], True
+        self.text = text
+        hold = 0 if self.stopped else max((len(s) - 1 for s in self.stop), default=0)
+        out = text[self.emitted:max(self.emitted, len(text) - hold)]
+        self.emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]  # generated ids per prompt (EOS excluded)
+    texts: list[str]  # their text, cut before a stop string ("" without a tokenizer)
+    prompt_tokens: int  # tokens prefilled (the padded batch)
+    prefill_s: float
+    ttft_s: float  # prefill + first sample
+    decode_s: float  # every later token
+    decode_steps: int
+    kv_bytes: int
+    kv_tokens: int  # slots the cache holds at the end, all rows
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second of the decode loop (tokens after the first, per row)."""
+        return self.decode_steps / self.decode_s if self.decode_steps else float("nan")
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_bytes / max(self.kv_tokens, 1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ids [B, T0], start [B] or None)`` with each prompt right-aligned."""
+    T0 = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T0), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T0 - len(p):] = torch.tensor(p, dtype=torch.long)
+    start = torch.tensor([T0 - len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids.to(device), (start if start.any() else None)
+
+
+class FullCache(FP16Cache):
+    """The fp16 cache's layout and attention, stored in the model's dtype: exact, for equivalence."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        Cache.__init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+
+KV_KINDS = ("fp16", "kivi", "packkv", "full")
+
+
+def new_cache(model, kind: str, batch: int, max_len: int, **opts):
+    """A preallocated cache for ``model``: ``kind`` fp16 | kivi | packkv, or full (the model's dtype)."""
+    c, device = model.config, model.lm_head.weight.device
+    shape = (c.num_hidden_layers, batch, c.num_key_value_heads, head_dim_of(c), max_len)
+    if kind == "full":
+        if opts:
+            raise CompressError(f"the full-precision KV cache takes no options, got {sorted(opts)}.")
+        return FullCache(*shape, model.dtype, torch.device(device))
+    return make_cache(kind, *shape, dtype=model.dtype, device=device, **opts)
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids = getattr(model.config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
+    """The cache length for a prompt, per the module docstring's rule."""
+    if prompt_len == 0:
+        raise CompressError("the prompt is empty; give at least one token of text to continue.")
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    max_len = min(max_len or prompt_len + max_new_tokens, limit)
+    if prompt_len >= max_len:
+        raise CompressError(
+            f"the prompt has {prompt_len} tokens, but the KV cache holds {max_len} (the model's "
+            f"max_position_embeddings is {limit}). Shorten the prompt or raise --max-len.")
+    if prompt_len + max_new_tokens > max_len:
+        warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                      f"cache ({max_len}); generation stops after {max_len - prompt_len} tokens.")
+    return max_len
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
+             sampling: Sampling = Sampling(), kv: str = "fp16", kv_opts: dict | None = None,
+             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, step=None) -> Result:
+    """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
+
+    ``on_text(row, text)`` receives text as it becomes final. ``step``, if given, replaces
+    ``model`` for decode steps (e.g. a compiled :func:`decode_step`).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise CompressError("a prompt is empty; give at least one token of text to continue.")
+    if stop and tokenizer is None:
+        raise CompressError("stop strings need a tokenizer, and this run folder has none.")
+    device = model.lm_head.weight.device
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    ids, start = left_pad(prompts, pad, device)
+    B, T0 = ids.shape
+    max_len = cache_size(model, T0, max_new_tokens, max_len)
+    n_new = min(max_new_tokens, max_len - T0)
+    cache = new_cache(model, kv, B, max_len, **(kv_opts or {}))
+    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    eos = eos_ids_of(model, tokenizer)
+    detok = [Detokenizer(tokenizer, stop) if tokenizer is not None else None for _ in range(B)]
+    out, done = [[] for _ in range(B)], [False] * B
+    step = step or model
+
+    def take(next_ids: torch.Tensor):
+        for b, t in enumerate(next_ids.tolist()):
+            if done[b]:
+                continue
+            if t in eos:
+                done[b] = True
+                continue
+            out[b].append(t)
+            if detok[b] is not None:
+                text = detok[b].push(t)
+                done[b] = detok[b].stopped
+                if on_text and text:
+                    on_text(b, text)
+
+    t0 = time.perf_counter()
+    logits = model(ids, cache, start, last=True)[:, -1]
+    sync(device)
+    t1 = time.perf_counter()
+    x = sample(logits, sampling, gen)
+    take(x)
+    t2 = time.perf_counter()
+    steps = 0
+    while steps < n_new - 1 and not all(done):
+        x = sample(step(x[:, None], cache, start)[:, -1], sampling, gen)
+        take(x)
+        steps += 1
+    t3 = time.perf_counter()
+    for b, d in enumerate(detok):
+        if d is not None and on_text and (rest := d.flush()):
+            on_text(b, rest)
+    texts = [d.text if d is not None else "" for d in detok]
+    return Result(out, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

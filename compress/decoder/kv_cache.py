@@ -1,0 +1,414 @@
+"""KV caches for the built-in decoder: fp16, KIVI (2-/4-bit) and PackKV, behind one interface.
+
+    cache = make_cache(kind, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, **opts)
+    cache.append(layer, k, v)             k, v [B, Hkv, T, D], K after RoPE, stored at positions length..
+    out = cache.attend(layer, q, start)   q [B, H, Tq, D] for the last Tq positions -> [B, H, Tq, D]
+    cache.length, cache.nbytes(), cache.reset()
+
+``attend`` returns ``softmax(q K^T / sqrt(D) + mask) V``; query head ``j`` reads KV head
+``j // (H / Hkv)`` (GQA). The mask hides future positions and, per row ``b``, the left
+padding ``positions < start[b]``. Softmax runs in ``dtype`` (fp32 by default).
+
+The compressed caches keep the most recent ``residual`` tokens in an fp16 window and
+compress the older ones a block at a time (32 tokens for KIVI, 64 for PackKV) once a
+whole block has left the window. A block is never compressed in the ``append`` that
+brought it, so a prefill attends over exact fp16 keys (as KIVI does), and the
+compressed history is always older than every query: the causal mask never cuts
+through it, only left padding can.
+
+``nbytes()`` counts what is held for the tokens in the cache: codes, every scale, minimum,
+bit width, offset and permutation, and the fp16 window (the fp16 cache's preallocated
+buffer counts its ``length`` tokens, so bytes per token compare across kinds).
+"""
+
+import math
+
+import torch
+
+from compress.errors import CompressError
+from compress.kernels import packkv_ref
+from compress.quant.packing import pack_planes, unpack_planes
+
+
+def make_cache(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+               dtype: torch.dtype = torch.float32, device="cpu", **opts):
+    """A cache of ``kind`` in {"fp16", "kivi", "packkv"}; ``opts`` are that kind's options."""
+    if kind not in CACHES:
+        raise CompressError(f"unknown KV cache kind '{kind}'. Use one of {sorted(CACHES)}.")
+    cls = CACHES[kind]
+    unknown = set(opts) - set(cls.OPTIONS)
+    if unknown:
+        raise CompressError(f"KV cache '{kind}' has no option(s) {sorted(unknown)}; its options are "
+                            f"{cls.OPTIONS}.")
+    return cls(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, torch.device(device), **opts)
+
+
+def hidden(kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Mask ``[B|1, Hkv|1, 1, Tq, Lk]``, True where key position ``kpos [B|1, Hkv|1, Lk]`` is in
+    query position ``qpos [Tq]``'s future or in row b's left padding (``< start[b]``)."""
+    m = kpos[:, :, None, None, :] > qpos[:, None]
+    if start is not None:
+        m = m | (kpos < start.view(-1, 1, 1))[:, :, None, None, :]
+    return m
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
+    """Softmax over keys of ``scores [B, Hkv, g*Tq, Lk]`` with ``mask`` from :func:`hidden`.
+
+    A query whose keys are all hidden (a padding query) gets finite weights, not NaN.
+    """
+    B, H, M, L = scores.shape
+    s = scores.view(B, H, M // tq, tq, L).masked_fill(mask, torch.finfo(scores.dtype).min)
+    return s.softmax(-1).view(B, H, M, L)
+
+
+class Cache:
+    """Shape checks, GQA query layout and lengths, shared by every kind."""
+
+    OPTIONS: dict = {}
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        self.n_layers, self.batch, self.n_kv_heads, self.head_dim = n_layers, batch, n_kv_heads, head_dim
+        self.max_len, self.dtype, self.device = max_len, dtype, device
+        self.lens = [0] * n_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens held; the last layer's count, so it is the step's start while a step runs."""
+        return self.lens[-1]
+
+    def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)
+        if k.dim() != 4 or tuple(k.shape) != want or k.shape != v.shape:
+            raise CompressError(f"KV cache append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                                f"[batch, kv_heads, T, head_dim] = {want}; build the cache with the "
+                                f"model's batch, num_key_value_heads and head_dim.")
+        if self.lens[layer] + k.shape[2] > self.max_len:
+            raise CompressError(f"KV cache full: layer {layer} holds {self.lens[layer]} tokens and "
+                                f"{k.shape[2]} more exceed max_len={self.max_len}. Create the cache "
+                                f"with a larger max_len (prompt + new tokens).")
+        return k.shape[2]
+
+    def queries(self, q: torch.Tensor):
+        """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], qpos [Tq])`` for this layer."""
+        B, H, Tq, D = q.shape
+        if B != self.batch or D != self.head_dim or H % self.n_kv_heads:
+            raise CompressError(f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
+                                f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}].")
+        return (q.to(self.dtype) * D ** -0.5).reshape(B, self.n_kv_heads, -1, D), Tq
+
+    def qpos(self, layer: int, tq: int) -> torch.Tensor:
+        return torch.arange(self.lens[layer] - tq, self.lens[layer], device=self.device)
+
+    def heads(self, out: torch.Tensor, tq: int) -> torch.Tensor:
+        """``[B, Hkv, g*Tq, D]`` -> ``[B, H, Tq, D]``."""
+        return out.reshape(self.batch, -1, tq, self.head_dim)
+
+
+class FP16Cache(Cache):
+    """The baseline: K and V in fp16, preallocated ``[layers, B, Hkv, max_len, D]``."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=torch.float16, device=device)
+        self.v = torch.zeros(shape, dtype=torch.float16, device=device)
+
+    def append(self, layer, k, v):
+        T, L = self.check_append(layer, k, v), self.lens[layer]
+        self.k[layer, :, :, L:L + T] = k
+        self.v[layer, :, :, L:L + T] = v
+        self.lens[layer] = L + T
+
+    def attend(self, layer, q, start=None):
+        q4, tq = self.queries(q)
+        L = self.lens[layer]
+        scores = q4 @ self.k[layer, :, :, :L].to(self.dtype).transpose(-1, -2)
+        kpos = torch.arange(L, device=self.device)[None, None]
+        p = masked_softmax(scores, hidden(kpos, self.qpos(layer, tq), start), tq)
+        return self.heads(p @ self.v[layer, :, :, :L].to(self.dtype), tq)
+
+    def nbytes(self) -> int:
+        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k.element_size()
+
+    def reset(self):
+        self.lens = [0] * self.n_layers
+
+
+class ResidualCache(Cache):
+    """An fp16 window of recent tokens in front of a compressed history.
+
+    Per layer: ``win_k, win_v`` fp16 ``[B, Hkv, w, D]`` hold positions ``ncomp .. length-1``;
+    positions ``0 .. ncomp-1`` are compressed (``ncomp`` a multiple of ``block``). Subclasses
+    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions.
+    """
+
+    block = 64
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        if residual < 0:
+            raise CompressError(f"KV cache residual={residual} must be >= 0 (tokens kept in fp16).")
+        self.residual = residual
+        self.cap = max_len // self.block * self.block  # most tokens the history can hold
+        self.reset()
+
+    def reset(self):
+        self.lens = [0] * self.n_layers
+        self.ncomp = [0] * self.n_layers
+        empty = torch.zeros(self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device)
+        self.win_k, self.win_v = [empty] * self.n_layers, [empty] * self.n_layers
+        self.reset_history()
+
+    def append(self, layer, k, v):
+        T = self.check_append(layer, k, v)
+        old = self.win_k[layer].shape[2]
+        wk = torch.cat([self.win_k[layer], k.half()], 2)
+        wv = torch.cat([self.win_v[layer], v.half()], 2)
+        # whole blocks older than this chunk and outside the newest `residual` tokens
+        n = max(0, min(old, old + T - self.residual)) // self.block * self.block
+        if n:
+            self.compress(layer, wk[:, :, :n].float(), wv[:, :, :n].float())
+            self.ncomp[layer] += n
+            wk, wv = wk[:, :, n:].clone(), wv[:, :, n:].clone()
+        self.win_k[layer], self.win_v[layer] = wk, wv
+        self.lens[layer] += T
+
+    def attend(self, layer, q, start=None):
+        q4, tq = self.queries(q)
+        C, qpos = self.ncomp[layer], self.qpos(layer, tq)
+        wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
+        scores = q4 @ wk.transpose(-1, -2)
+        kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
+        if C:
+            scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
+            hpos = self.history_positions(layer, qpos, start)
+            kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
+        p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
+        out = p[..., C:] @ wv
+        if C:
+            out = out + self.history_mix(layer, p[..., :C].contiguous()).to(self.dtype)
+        return self.heads(out, tq)
+
+    def history_positions(self, layer, qpos, start) -> torch.Tensor:
+        """Positions ``[B|1, Hkv|1, C]`` of the compressed slots; in order by default."""
+        return torch.arange(self.ncomp[layer], device=self.device)[None, None]
+
+    def window_nbytes(self) -> int:
+        return sum(w.nbytes for w in self.win_k + self.win_v)
+
+
+def minmax_quantize(x: torch.Tensor, bits: int, dim: int):
+    """Asymmetric ``bits``-bit quantization of ``x`` over ``dim``: ``(codes, zero fp16, scale fp16)``.
+
+    ``scale = (max - min) / (2^bits - 1)``, ``code = round((x - min) / scale)``, ``x_hat = min + scale * code``;
+    the fp16 ``zero`` and ``scale`` are the ones used to round, so ``|x - x_hat| <= scale / 2``.
+    """
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - lo) / (2 ** bits - 1)).clamp(min=2.0 ** -14).half()
+    codes = torch.round((x - zero.float()) / scale.float()).clamp(0, 2 ** bits - 1)
+    return codes.to(torch.int32), zero, scale
+
+
+class KIVICache(ResidualCache):
+    """KIVI (Liu et al. 2024): K per channel over 32-token groups, V per token over 32-channel groups.
+
+    Layout per layer (``BH = B * Hkv``, ``cap`` tokens, ``G = group``, ``b = bits``)::
+
+        kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.quant.packing planes
+        kz, ks : fp16  [BH, cap/G, D]      K zero and scale per (token group, channel)
+        vz, vs : fp16  [BH, cap, D/G]      V zero and scale per (token, channel group)
+    """
+
+    OPTIONS = {"bits": 2, "group": 32, "residual": 128}
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device,
+                 bits=2, group=32, residual=128):
+        if bits not in (2, 4):
+            raise CompressError(f"KIVI bits={bits} is not supported; use bits=2 or bits=4.")
+        if group < 1 or head_dim % group or head_dim % 32:
+            raise CompressError(f"KIVI needs head_dim ({head_dim}) to be a multiple of 32 and of "
+                                f"group ({group}); use group=32 or another divisor of head_dim.")
+        self.bits, self.block = bits, group
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
+
+    def reset_history(self):
+        BH, cap, D, G, dev = self.batch * self.n_kv_heads, self.cap, self.head_dim, self.block, self.device
+        words = torch.zeros(self.n_layers, BH, cap, D * self.bits // 32, dtype=torch.int32, device=dev)
+        self.kq, self.vq = words, words.clone()
+        self.kz = torch.zeros(self.n_layers, BH, cap // G, D, dtype=torch.float16, device=dev)
+        self.ks = self.kz.clone()
+        self.vz = torch.zeros(self.n_layers, BH, cap, D // G, dtype=torch.float16, device=dev)
+        self.vs = self.vz.clone()
+
+    def compress(self, layer, k, v):
+        BH, n, D, G, C = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block, self.ncomp[layer]
+        kc, kz, ks = minmax_quantize(k.reshape(BH, n // G, G, D), self.bits, dim=2)
+        vc, vz, vs = minmax_quantize(v.reshape(BH, n, D // G, G), self.bits, dim=3)
+        plane = f"w{self.bits}"
+        self.kq[layer, :, C:C + n] = pack_planes(kc.reshape(BH * n, D), self.bits)[plane].view(BH, n, -1)
+        self.vq[layer, :, C:C + n] = pack_planes(vc.reshape(BH * n, D), self.bits)[plane].view(BH, n, -1)
+        self.kz[layer, :, C // G:(C + n) // G], self.ks[layer, :, C // G:(C + n) // G] = kz[:, :, 0], ks[:, :, 0]
+        self.vz[layer, :, C:C + n], self.vs[layer, :, C:C + n] = vz[..., 0], vs[..., 0]
+
+    def dequantize(self, layer, which: str) -> torch.Tensor:
+        """``K_hat`` or ``V_hat`` ``[B, Hkv, C, D]`` in ``dtype``."""
+        BH, C, D, G = self.batch * self.n_kv_heads, self.ncomp[layer], self.head_dim, self.block
+        words = (self.kq if which == "k" else self.vq)[layer, :, :C]
+        codes = unpack_planes({f"w{self.bits}": words.reshape(BH * C, -1)}, self.bits).view(BH, C, D)
+        if which == "k":
+            z, s = (t[layer, :, :C // G].repeat_interleave(G, 1) for t in (self.kz, self.ks))
+        else:
+            z, s = (t[layer, :, :C].repeat_interleave(G, 2) for t in (self.vz, self.vs))
+        x = z.to(self.dtype) + s.to(self.dtype) * codes.to(self.dtype)
+        return x.view(self.batch, self.n_kv_heads, C, D)
+
+    def history_scores(self, layer, q4):
+        return q4 @ self.dequantize(layer, "k").transpose(-1, -2)
+
+    def history_mix(self, layer, p):
+        return p @ self.dequantize(layer, "v")
+
+    def nbytes(self) -> int:
+        G, total = self.block, self.window_nbytes()
+        for layer, C in enumerate(self.ncomp):
+            total += self.kq[layer, :, :C].nbytes + self.vq[layer, :, :C].nbytes
+            total += self.kz[layer, :, :C // G].nbytes + self.ks[layer, :, :C // G].nbytes
+            total += self.vz[layer, :, :C].nbytes + self.vs[layer, :, :C].nbytes
+        return total
+
+
+def order_median(codes: torch.Tensor) -> torch.Tensor:
+    """Permutation ``[N, T]`` sorting each block's tokens by the median of their codes (mean breaks ties).
+
+    ``codes [N, T, C]``: the K and V codes of a block's tokens, side by side.
+    """
+    key = codes.median(-1).values.double() * 512 + codes.double().mean(-1)
+    return key.argsort(dim=-1, stable=True)
+
+
+def order_greedy(codes: torch.Tensor, pack: int = packkv_ref.PACK) -> torch.Tensor:
+    """Permutation ``[N, T]`` filling packs one token at a time.
+
+    Each pack starts from the remaining token with the lowest median code, then takes, 15
+    times, the remaining token that least grows ``sum_c log2(1 + max_c - min_c)`` over the
+    pack's channels (a smooth proxy for the pack's total bit width).
+    """
+    N, T, _ = codes.shape
+    x = codes.float()
+    rows = torch.arange(N, device=codes.device)
+    seed_key = codes.median(-1).values.float()
+    taken = torch.zeros(N, T, dtype=torch.bool, device=codes.device)
+    perm = torch.empty(N, T, dtype=torch.long, device=codes.device)
+    for s in range(T):
+        if s % pack == 0:
+            pick = seed_key.masked_fill(taken, math.inf).argmin(-1)
+            lo = hi = x[rows, pick]
+        else:
+            grow = torch.log2(1 + torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)).sum(-1)
+            pick = grow.masked_fill(taken, math.inf).argmin(-1)
+            lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
+        taken[rows, pick] = True
+        perm[:, s] = pick
+    return perm
+
+
+ORDERS = {"greedy": order_greedy, "median": order_median,
+          "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2])}
+
+
+class PackKVCache(ResidualCache):
+    """PackKV (arXiv 2512.24449): error-bounded per-token codes, repacked, bit-packed per 16-token pack.
+
+    A block of ``block`` tokens leaving the window is quantized per token (``k_rel``, ``v_rel``:
+    step = rel * token range), its tokens reordered by one permutation shared by K and V
+    (attention is invariant to permuting key/value pairs together) so that packs of 16 tokens
+    span small code ranges, then bit-packed (``compress.kernels.packkv_ref`` has the format).
+    The permutation is kept (uint8 ``[layers, BH, cap]``) only if ``keep_perm`` (default: when
+    batch > 1, for left-padding masks); the causal mask never needs it (see the module docstring).
+
+    Attention products come from ``compress.kernels.packkv`` (Triton, decoding in registers) on
+    CUDA and from ``packkv_ref`` (unpack into a scratch tensor, then matmul) on the CPU.
+    """
+
+    OPTIONS = {"k_rel": 0.1, "v_rel": 0.2, "block": 64, "pack": 16, "residual": 128, "order": "greedy",
+               "keep_perm": None}
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device,
+                 k_rel=0.1, v_rel=0.2, block=64, pack=16, residual=128, order="greedy", keep_perm=None):
+        for name, rel in (("k_rel", k_rel), ("v_rel", v_rel)):
+            if not 1 / (packkv_ref.MAX_CODE - 1) <= rel <= 1:
+                raise CompressError(f"PackKV {name}={rel} is out of range; use a relative error bound in "
+                                    f"[1/{packkv_ref.MAX_CODE - 1}, 1] (step = rel * token range).")
+        if pack != packkv_ref.PACK or block % pack or block > 256:
+            raise CompressError(f"PackKV needs pack=16 (the packed format's) and block a multiple of 16 "
+                                f"up to 256; got pack={pack}, block={block}.")
+        if order not in ORDERS:
+            raise CompressError(f"PackKV order='{order}' is unknown; use one of {sorted(ORDERS)}.")
+        if head_dim % 2:
+            raise CompressError(f"PackKV needs an even head_dim (bit widths are stored two per byte); "
+                                f"got {head_dim}.")
+        self.k_rel, self.v_rel, self.block, self.order = k_rel, v_rel, block, order
+        self.keep_perm = batch > 1 if keep_perm is None else bool(keep_perm)
+        if device.type == "cuda":
+            from compress.kernels import packkv as ops
+        else:
+            ops = packkv_ref
+        self.ops = ops
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
+
+    def reset_history(self):
+        BH, dev = self.batch * self.n_kv_heads, self.device
+        self.k = [packkv_ref.Packed.empty(BH, self.cap, self.head_dim, dev) for _ in range(self.n_layers)]
+        self.v = [packkv_ref.Packed.empty(BH, self.cap, self.head_dim, dev) for _ in range(self.n_layers)]
+        self.perm = torch.zeros(self.n_layers, BH, self.cap if self.keep_perm else 0, dtype=torch.uint8, device=dev)
+
+    def compress(self, layer, k, v):
+        BH, n, D, blk = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block
+        kc, kmin, kstep = packkv_ref.quantize_tokens(k.reshape(BH, n, D), self.k_rel)
+        vc, vmin, vstep = packkv_ref.quantize_tokens(v.reshape(BH, n, D), self.v_rel)
+        perm = ORDERS[self.order](torch.cat([kc, vc], -1).view(BH * n // blk, blk, 2 * D)).view(BH, n // blk, blk)
+        idx = (perm + torch.arange(0, n, blk, device=self.device)[:, None]).view(BH, n)
+
+        def take(t):
+            return t.gather(1, idx if t.dim() == 2 else idx[..., None].expand_as(t))
+
+        self.k[layer].append(take(kc), take(kmin), take(kstep))
+        self.v[layer].append(take(vc), take(vmin), take(vstep))
+        if self.keep_perm:
+            C = self.ncomp[layer]
+            self.perm[layer, :, C:C + n] = perm.reshape(BH, n).to(torch.uint8)
+
+    def history_scores(self, layer, q4):
+        B, H, M, D = q4.shape
+        return self.ops.qk(q4.reshape(B * H, M, D).float(), self.k[layer]).view(B, H, M, -1)
+
+    def history_mix(self, layer, p):
+        B, H, M, C = p.shape
+        return self.ops.pv(p.reshape(B * H, M, C).float(), self.v[layer]).view(B, H, M, -1)
+
+    def history_positions(self, layer, qpos, start):
+        C, blk = self.ncomp[layer], self.block
+        slots = torch.arange(C, device=self.device)
+        if self.keep_perm:
+            pos = slots // blk * blk + self.perm[layer, :, :C].long()
+            return pos.view(self.batch, self.n_kv_heads, C)
+        # without the permutation a slot's position is known up to its block: fine unless a
+        # mask boundary (a causal limit qpos + 1, or a row's start) falls inside a block.
+        cuts = qpos + 1 if start is None else torch.cat([qpos + 1, start.to(qpos)])
+        if ((cuts > 0) & (cuts < C) & (cuts % blk != 0)).any():
+            raise CompressError(f"a mask boundary (left padding start={None if start is None else start.tolist()}"
+                                f" or the causal limit) falls inside PackKV's compressed history of {C} "
+                                f"tokens, whose token order within blocks was not kept. Create the cache "
+                                f"with keep_perm=True (the default when batch > 1).")
+        return slots[None, None]
+
+    def nbytes(self) -> int:
+        total = self.window_nbytes()
+        for layer, C in enumerate(self.ncomp):
+            total += self.k[layer].nbytes() + self.v[layer].nbytes() + self.perm[layer, :, :C].nbytes
+        return total
+
+
+CACHES = {"fp16": FP16Cache, "kivi": KIVICache, "packkv": PackKVCache}

@@ -1,0 +1,227 @@
+"""Our own Llama-family transformer (llama, mistral, qwen2), in the spirit of gpt-fast's ``model.py``.
+
+One decoder layer, with n1 = input_layernorm and n2 = post_attention_layernorm::
+
+    h = x + o_proj(attend(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))
+
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)                      (computed in fp32)
+    rope(x)[p] = x * cos(p * f) + rotate_half(x) * sin(p * f),       f_i = theta^(-2i / head_dim)
+    rotate_half([a, b]) = [-b, a]                                    (HF's half-split layout)
+
+``attend`` is the KV cache's (``compress.decoder.kv_cache``): K and V are
+appended after RoPE, and the cache computes causal GQA attention over what it
+holds. Module names are the HF checkpoint's, so a run folder's tensors load by
+name and validation errors name the tensor as it is stored. Linears are
+``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks
+for (``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.adapters import get_adapter, set_module
+from compress.checkpoint import load_state, quantized_layer, read_tensors
+from compress.errors import CompressError
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """Frequencies ``f_i = theta^(-2i/d)`` [d/2], with "linear" or "llama3" scaling if asked.
+
+    llama3: wavelengths longer than ``ctx/low_freq_factor`` are divided by ``factor``, shorter
+    than ``ctx/high_freq_factor`` kept, and those between interpolated smoothly.
+    """
+    theta = float(rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        ctx = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise CompressError(f"RoPE type '{kind}' is not supported by compress's decoder (it reads "
+                        f"'default', 'linear' and 'llama3'); config.json's rope_parameters asks for it.")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]``; ``cos``, ``sin`` [B or 1, 1, T, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+        dim, qkv_bias, o_bias = config.hidden_size, *attention_biases(config)
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
+
+    def forward(self, x, cos, sin, cache, start):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.append(self.layer, k, v)
+        y = cache.attend(self.layer, q, start)  # [B, H, T, D]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        dim, hidden, bias = config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x, cos, sin, cache, start):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """``forward(idx [B, T], cache, start) -> logits [B, T, V]`` for the T tokens after the cache's."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim_of(config), config.rope_parameters), persistent=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self):
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, idx: torch.Tensor, cache, start: torch.Tensor | None = None, last: bool = False):
+        """Run ``idx`` at positions ``cache.length ...``; row b's position 0 is slot ``start[b]``.
+
+        ``last=True`` returns only the last position's logits ``[B, 1, V]`` (prefill).
+        """
+        T = idx.shape[1]
+        pos = torch.arange(cache.length, cache.length + T, device=idx.device)
+        pos = pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
+        angles = (pos[..., None].float() * self.inv_freq).repeat(1, 1, 2)[:, None]  # [B or 1, 1, T, D]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        x = self.model.embed_tokens(idx)
+        for block in self.model.layers:
+            x = block(x, cos, sin, cache, start)
+        if last:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_biases(config) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias): Llama's ``attention_bias`` covers all four; Qwen2 biases q/k/v only."""
+    if config.model_type == "qwen2":
+        return True, False
+    bias = getattr(config, "attention_bias", False)
+    return bias, bias
+
+
+def read_config(folder: Path):
+    """``(HF config, quantization_config or None)`` of a run folder or HF folder."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise CompressError(f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
+                            f"Pass the folder a recipe wrote (outputs/...) or an HF model folder.")
+    raw = json.loads((folder / "config.json").read_text())
+    qcfg = raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
+    get_adapter(config)  # unsupported architectures fail here, with the fix
+    return config, qcfg
+
+
+def load(folder, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, object]:
+    """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
+
+    Tensors are checked by name, shape and finiteness against config.json. Floating-point
+    parameters (embedding, norms, unquantized linears) take ``dtype``; quantized layers keep
+    their packed buffers and fp16 scales.
+    """
+    from transformers import AutoTokenizer
+
+    from compress.models import check_finite
+
+    folder = Path(folder)
+    config, qcfg = read_config(folder)
+    with torch.device("meta"):
+        model = Transformer(config)
+        if qcfg:
+            skip = qcfg.get("modules_to_not_convert") or []
+            for name, lin in get_adapter(config).all_linears(model).items():
+                if not any(s in name for s in skip):
+                    set_module(model, name, quantized_layer(qcfg, lin))
+    model.to_empty(device=device)
+    model.inv_freq.copy_(rope_inv_freq(head_dim_of(config), config.rope_parameters))
+    load_state(model, read_tensors(folder), str(folder))
+    check_finite(model, f"run folder '{folder}'")
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    model.eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+    return model, tok

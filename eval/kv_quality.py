@@ -1,0 +1,168 @@
+"""KV-cache quality: KL and perplexity of compressed caches against the fp16 cache, per byte stored.
+
+Teacher-forced decoding on WikiText-2 test windows of ``--tokens`` tokens (batched, one row a
+window): prefill the first ``--prefill`` tokens, then feed the true tokens one at a time, every
+cache in lock step, so each decoded position t has next-token distributions from every cache::
+
+    KL  = mean_t sum_v p_fp16,t(v) (log p_fp16,t(v) - log p_cache,t(v))
+    ppl = exp(mean_t -log p_cache,t(x_{t+1}))            over the decoded part
+    bytes/token = cache.nbytes() / (windows * tokens)     at the end (context = --tokens)
+
+The forward is a small Llama written here on the HF model's modules, so it runs any cache
+through ``compress.decoder.kv_cache``'s interface. Prints a table, writes ``kv_quality.json``
+and a plot of KL against bytes/token to ``--out``.
+
+    python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
+    python -m compress.eval.kv_quality --windows 1 --tokens 1536 --packkv 0.05:0.1
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from compress.data import read_text, tokenize
+from compress.decoder.kv_cache import make_cache
+
+DATA = "/work/shared/data/wikitext-2/wiki.test.raw"
+
+
+@torch.no_grad()
+def forward(model, ids: torch.Tensor, cache, last: bool = False) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of ``ids [B, T]`` at positions ``cache.length ..`` (Llama, HF modules)."""
+    m, cfg = model.model, model.config
+    B, T = ids.shape
+    D = cfg.head_dim
+    pos = torch.arange(cache.length, cache.length + T, device=ids.device).expand(B, T)
+    x = m.embed_tokens(ids)
+    cos, sin = m.rotary_emb(x, pos)
+    for i, layer in enumerate(m.layers):
+        a, h = layer.self_attn, layer.input_layernorm(x)
+        q = a.q_proj(h).view(B, T, -1, D).transpose(1, 2)
+        k = a.k_proj(h).view(B, T, -1, D).transpose(1, 2)
+        v = a.v_proj(h).view(B, T, -1, D).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        cache.append(i, k, v)
+        x = x + a.o_proj(cache.attend(i, q).transpose(1, 2).reshape(B, T, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    if last:
+        x = x[:, -1:]
+    return model.lm_head(m.norm(x))
+
+
+def configs(args) -> list[tuple[str, str, dict]]:
+    """``(label, kind, options)``; the fp16 cache first (the reference)."""
+    out = [("fp16", "fp16", {})]
+    out += [(f"kivi-{b}", "kivi", {"bits": b, "residual": args.residual}) for b in args.kivi]
+    for kr, vr in args.packkv:
+        out.append((f"packkv-{kr:g}:{vr:g}", "packkv",
+                    {"k_rel": kr, "v_rel": vr, "order": args.order, "residual": args.residual,
+                     "keep_perm": False}))
+    return out
+
+
+@torch.no_grad()
+def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
+    """Lock-step teacher forcing of every cache in ``cfgs`` over ``windows [B, T]``."""
+    c = model.config
+    B, T = windows.shape
+    caches = [make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, c.head_dim, T, **opts)
+              for _, kind, opts in cfgs]
+    kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
+    for t in range(prefill, T):
+        ids = windows[:, :t] if t == prefill else windows[:, t - 1:t]
+        target, ref = windows[:, t], None
+        for i, cache in enumerate(caches):
+            t0 = time.perf_counter()
+            logp = torch.log_softmax(forward(model, ids, cache, last=True)[:, -1].float(), -1)
+            secs[i] += time.perf_counter() - t0
+            ref = logp if ref is None else ref
+            kl[i] += (ref.exp() * (ref - logp)).sum().item()
+            nll[i] -= logp.gather(1, target[:, None]).sum().item()
+    n = B * (T - prefill)
+    fp16_bytes = caches[0].nbytes() / (B * caches[0].length)
+    rows = []
+    for (label, kind, opts), cache, k, l, s in zip(cfgs, caches, kl, nll, secs):
+        bpt = cache.nbytes() / (B * cache.length)
+        rows.append({"label": label, "kind": kind, "opts": opts, "bytes_per_token": bpt,
+                     "ratio_vs_fp16": bpt / fp16_bytes, "kl": k / n, "ppl": math.exp(l / n),
+                     "seconds": s, "context": cache.length})
+    return rows
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, marker in (("kivi", "s"), ("packkv", "o")):
+        pts = sorted((r["bytes_per_token"], r["kl"], r["label"]) for r in rows if r["kind"] == kind)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=kind)
+            for x, y, label in pts:
+                ax.annotate(label.split("-", 1)[1], (x, y), fontsize=7)
+    fp16 = next(r["bytes_per_token"] for r in rows if r["kind"] == "fp16")
+    ax.axvline(fp16, color="gray", ls="--", label="fp16 cache")
+    ax.set_xlabel("KV bytes per token (all layers, metadata and fp16 window included)")
+    ax.set_ylabel("KL(fp16 cache || cache), nats/token")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows) -> str:
+    lines = ["| cache | bytes/token | vs fp16 | KL vs fp16 | ppl | s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['bytes_per_token']:.0f} | {r['ratio_vs_fp16']:.3f} | "
+                     f"{r['kl']:.2e} | {r['ppl']:.3f} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def rel_pair(s: str) -> tuple[float, float]:
+    k, _, v = s.partition(":")
+    return float(k), float(v or k)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--windows", type=int, default=2, help="WikiText-2 test windows, decoded as one batch")
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per window (prefill + decoded)")
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--residual", type=int, default=128, help="fp16 window of the compressed caches")
+    ap.add_argument("--kivi", type=int, nargs="*", default=[2, 4], help="KIVI bit widths")
+    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.025, 0.05)],
+                    help="PackKV k_rel:v_rel pairs")
+    ap.add_argument("--order", default="greedy", choices=["greedy", "median", "none"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--out", default="outputs/kv_quality")
+    args = ap.parse_args(argv)
+
+    from compress.models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tok, _ = load_model()
+    model.eval()
+    ids = tokenize(tok, read_text(args.data))
+    windows = ids[: args.windows * args.tokens].view(args.windows, args.tokens)
+    rows = run(model, windows, configs(args), args.prefill)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv_quality.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                                                      "rows": rows}, indent=1))
+    plot(rows, out / "kv_quality.png")
+    print(f"{args.windows} windows x {args.tokens} tokens, prefill {args.prefill}, residual {args.residual}, "
+          f"order {args.order}")
+    print(table(rows))
+    print(f"wrote {out / 'kv_quality.json'} and {out / 'kv_quality.png'}")
+
+
+if __name__ == "__main__":
+    main()

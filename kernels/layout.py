@@ -1,0 +1,56 @@
+"""How the kernels see a ``QuantLinear``: its bit planes, and the inputs they accept.
+
+Every packed weight is a list of bit planes, low bits first (see
+``compress/quant/packing.py``)::
+
+    "awq"      (INT4): one 4-bit plane, qweight [in, out/8], nibbles in AWQ_ORDER
+    "compress" (other): plane w{p} per p in plane_widths(bits), widest (low bits) first,
+                        qweight_w{p} [in, out*p/32], 32/p consecutive columns per int32
+
+and ``W_hat[o, i] = (q[i, o] - z[i // g, o]) * s[i // g, o]`` with ``s = scales [in/g, out]``.
+"""
+
+import torch
+
+from compress.errors import CompressError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8*j + AWQ_ORDER[i]
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def planes(layer) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(p, qweight, qzeros)`` for each bit plane of ``layer``, low bits first."""
+    if layer.format == "awq":
+        return [(4, layer.qweight, layer.qzeros)]
+    widths = [p for p in (8, 4, 2, 1) if layer.bits & p]
+    return [(p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}")) for p in widths]
+
+
+def check_inputs(x: torch.Tensor, layer) -> None:
+    """Raise ``CompressError`` unless ``x [M, in]`` and the packed tensors of ``layer`` fit the kernels."""
+    k, n, g = layer.in_features, layer.out_features, layer.group_size
+    where = f"quantized layer [{k} -> {n}], {layer.bits}-bit, group size {g}"
+    if x.dim() != 2 or x.shape[1] != k:
+        raise CompressError(f"{where}: input of shape {tuple(x.shape)} is not [M, {k}]; "
+                            f"flatten the leading dimensions to [M, in_features] first.")
+    if x.dtype not in FLOAT_DTYPES:
+        raise CompressError(f"{where}: input dtype {x.dtype} is not supported; "
+                            f"cast it to float16, bfloat16 or float32.")
+    if layer.scales.device != x.device:
+        raise CompressError(f"{where}: input is on {x.device} but the packed weight is on "
+                            f"{layer.scales.device}; move the model and its inputs to the same device.")
+    if g <= 0 or k % g:
+        raise CompressError(f"{where}: in_features {k} is not a multiple of the group size {g}; "
+                            f"re-quantize with a group size that divides {k} (e.g. 128, 64 or 32).")
+    pack = 8 if layer.format == "awq" else 32
+    if n % pack:
+        raise CompressError(f"{where}: out_features {n} is not a multiple of {pack}, the columns per "
+                            f"packed int32 word of the '{layer.format}' format; pad the layer or leave it unquantized.")
+    if layer.scales.shape != (k // g, n) or not layer.scales.is_floating_point():
+        raise CompressError(f"{where}: scales have shape {tuple(layer.scales.shape)} and dtype "
+                            f"{layer.scales.dtype}, expected a float tensor [{k // g}, {n}]; the checkpoint is corrupt.")
+    for p, qw, qz in planes(layer):
+        for name, t, rows in (("qweight", qw, k), ("qzeros", qz, k // g)):
+            if t.dtype != torch.int32 or t.shape != (rows, n * p // 32):
+                raise CompressError(f"{where}: {p}-bit plane of {name} has shape {tuple(t.shape)} and dtype "
+                                    f"{t.dtype}, expected int32 [{rows}, {n * p // 32}]; the checkpoint is corrupt.")

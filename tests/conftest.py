@@ -1,0 +1,67 @@
+"""Shared fixtures: data dir, a tiny random Llama with the real tokenizer, recipe composition."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("COMPRESS_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+DATA = Path(os.environ["COMPRESS_DATA_DIR"])
+
+
+def tiny_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              tie_word_embeddings=True, rope_theta=10000.0)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def make_tiny_model(seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(**overrides), dtype=torch.float32)
+    with torch.no_grad():  # a little structure so quantization has something to do
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from compress.models import convert_default_model
+
+    return AutoTokenizer.from_pretrained(convert_default_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama saved as an HF folder, with SmolLM2's tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_model()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def compose(recipe: str, overrides=()):
+    """The resolved Hydra config of a recipe, as ``python -m compress recipe=...`` builds it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
+        return hydra_compose(config_name=recipe, overrides=list(overrides))
+
+
+TINY_OVERRIDES = ["eval.windows=2", "eval.seqlen=64", "calib.samples=4", "calib.seqlen=64"]

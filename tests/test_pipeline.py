@@ -1,0 +1,188 @@
+"""The recipe pipeline end to end on a tiny model, and every user-facing error."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from compress.__main__ import rewrite_argv
+from compress.checkpoint import load_run
+from compress.errors import CompressError
+from compress.eval.perplexity import evaluate
+from compress.pipeline import run
+from compress.quant.packing import unpack_awq
+from compress.quant.quantizer import quantize
+from tests.conftest import DATA, ROOT, TINY_OVERRIDES, compose
+
+
+def run_recipe(recipe, tiny_dir, out, *extra):
+    cfg = compose(recipe, [f"model.path={tiny_dir}", *TINY_OVERRIDES, *extra])
+    return run(cfg, out)
+
+
+def test_rtn_int4_run_folder(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    report = run_recipe("rtn_int4", tiny_dir, out)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "manifest.json", "report.json", "report.md"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.tmp")]  # temp folder renamed
+
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg == {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                    "version": "gemm", "modules_to_not_convert": None}
+    # the saved tensors decode to RTN of the source weights (AutoAWQ GEMM layout)
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    t = load_file(str(out / "model.safetensors"))
+    w = src.model.layers[1].mlp.down_proj.weight.data
+    qw = quantize(w, 4, 128)
+    p = "model.layers.1.mlp.down_proj."
+    assert t[p + "qweight"].dtype == torch.int32 and t[p + "qweight"].shape == (256, 128 // 8)
+    assert torch.equal(unpack_awq(t[p + "qweight"]), qw.q.t())
+    assert torch.equal(unpack_awq(t[p + "qzeros"]), qw.zeros.t())
+    assert torch.equal(t[p + "scales"], qw.scales.t())
+    assert "lm_head.weight" not in t  # tied to the embeddings
+
+    saved = json.loads((out / "report.json").read_text())
+    for key in ("recipe", "model", "ppl", "ppl_windows", "seqlen", "kl_vs_source", "top1_vs_source",
+                "weight_bytes", "elapsed_s", "stages"):
+        assert key in saved, key
+    assert saved["group_size"] == 128 and saved["bits"] == 4 and saved["ppl_windows"] == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == names - {"manifest.json"}
+    from compress.models import sha256_file
+
+    for name, entry in manifest["files"].items():
+        assert entry["bytes"] == (out / name).stat().st_size
+        assert entry["sha256"] == sha256_file(out / name)
+    assert manifest["recipe"]["quant"]["bits"] == 4 and "rtn" in manifest["stages"]
+
+
+def test_packed_checkpoint_equals_fake_quant(tiny_dir, tmp_path, tokenizer):
+    """Perplexity of the loaded packed checkpoint = perplexity of the in-memory fake-quant model."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.adapters import get_adapter
+    from compress.quant.quantizer import fake_quantize
+
+    run_recipe("rtn_int3", tiny_dir, tmp_path / "run")
+    packed, _ = load_run(tmp_path / "run")
+    fake = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    for lin in get_adapter(fake.config).all_linears(fake).values():
+        lin.weight.data = fake_quantize(lin.weight.data, 3, 128)
+    windows = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(0))
+    a, b = evaluate(packed, windows), evaluate(fake, windows)
+    assert abs(a["ppl"] - b["ppl"]) / b["ppl"] < 1e-5
+
+
+def test_fp_recipe_kl_is_zero(tiny_dir, tmp_path):
+    report = run_recipe("fp", tiny_dir, tmp_path / "run")
+    assert report["kl_vs_source"] < 1e-6 and report["top1_vs_source"] == 1.0
+    assert "quantization_config" not in json.loads((tmp_path / "run" / "config.json").read_text())
+
+
+def test_cli_end_to_end(tiny_dir, tmp_path):
+    env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
+    out = tmp_path / "cli"
+    args = [sys.executable, "-m", "compress", "recipe=rtn_int8", f"model.path={tiny_dir}",
+            *TINY_OVERRIDES, f"hydra.run.dir={out}"]
+    res = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["recipe"] == "rtn_int8" and report["bits"] == 8
+    res = subprocess.run([sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 0 and str(DATA) in res.stdout  # resolved, not ${oc.env:...}
+    assert "group_size: auto" in res.stdout
+
+
+def test_cli_unknown_recipe_is_one_clean_paragraph():
+    res = subprocess.run([sys.executable, "-m", "compress", "recipe=awq_int9"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2
+    assert "unknown recipe 'awq_int9'" in res.stderr and "rtn_int4" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# ---- errors: each names the problem and the fix -------------------------------------------
+
+def test_error_unknown_recipe_lists_available():
+    with pytest.raises(CompressError, match="unknown recipe 'nope'.*fp.*rtn_int4"):
+        rewrite_argv(["recipe=nope"])
+
+
+def test_error_unknown_model_config():
+    with pytest.raises(CompressError, match="unknown model config 'llama-9t'.*smollm2-135m.*model.path"):
+        rewrite_argv(["recipe=fp", "model=llama-9t"])
+
+
+def test_error_missing_model_path(tmp_path):
+    with pytest.raises(CompressError, match="does not exist.*model.path"):
+        run(compose("fp", [f"model.path={tmp_path}/absent"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_error_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(CompressError, match="unsupported architecture 'gpt2'.*llama"):
+        run(compose("fp", [f"model.path={tmp_path}/gpt2"]), tmp_path / "run")
+
+
+def test_error_group_size_names_layer(tiny_dir, tmp_path):
+    with pytest.raises(CompressError, match=r"group size 96 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "quant.group_size=96")
+
+
+def test_error_missing_data_names_env(tiny_dir, tmp_path):
+    with pytest.raises(CompressError, match="COMPRESS_DATA_DIR"):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", f"data.eval.source={tmp_path}/none/wiki.test.raw")
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp*"))
+
+
+def test_error_corrupt_safetensors(tiny_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(CompressError, match="corrupt or truncated"):
+        run(compose("fp", [f"model.path={bad}"]), tmp_path / "run")
+    with pytest.raises(CompressError, match="corrupt or truncated"):
+        load_run(bad)
+
+
+def test_error_nan_weight(tiny_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny_dir, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CompressError, match="model.layers.1.mlp.up_proj.weight.*NaN or inf"):
+        run(compose("fp", [f"model.path={bad}"]), tmp_path / "run")
+
+
+def test_error_run_folder_shape_mismatch(tiny_dir, tmp_path):
+    run_recipe("rtn_int4", tiny_dir, tmp_path / "run")
+    t = load_file(str(tmp_path / "run" / "model.safetensors"))
+    t["model.layers.0.self_attn.k_proj.scales"] = t["model.layers.0.self_attn.k_proj.scales"][:, :8].contiguous()
+    save_file(t, str(tmp_path / "run" / "model.safetensors"))
+    with pytest.raises(CompressError, match=r"k_proj.scales.*expects \(1, 64\)"):
+        load_run(tmp_path / "run")
+
+
+def test_error_existing_run_folder(tiny_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "x").write_text("keep me")
+    with pytest.raises(CompressError, match="already exists"):
+        run_recipe("fp", tiny_dir, tmp_path / "run")
+    assert (tmp_path / "run" / "x").read_text() == "keep me"
