@@ -165,21 +165,30 @@ gemv_compiled = _Compiled(_gemv)
 dequant_compiled = _Compiled(_dequant)
 
 
-def kplanes_mm(x: torch.Tensor, layer) -> torch.Tensor:
-    """``x [M, in] @ W_hat^T`` from the K-packed planes.
-
-    GEMV in fp32 for ``M <= 8``; above, ``W_hat`` in ``x``'s dtype and a dense matmul.
-    """
+def kplanes_gemv(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x [M, in] @ W_hat^T`` for small M from the K-packed planes, in fp32, returned in ``x``'s dtype."""
     packed, widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
-    if x.shape[0] <= GEMV_MAX_M:
-        return gemv_compiled(x.float(), packed, widths, s, z).to(x.dtype)
+    return gemv_compiled(x.float(), packed, widths, s, z).to(x.dtype)
+
+
+def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x @ W_hat^T`` with ``W_hat`` dequantized from the K-packed planes (prefill)."""
+    packed, widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
     return x @ dequant_compiled(packed, widths, s, z).to(x.dtype)
+
+
+def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
+    return x @ layer.dequantize(x.dtype).t()
+
+
+PATHS = {"int4pack": int4pack_mm, "kplanes-gemv": kplanes_gemv,
+         "kplanes-dequant": kplanes_dequant_mm, "reference": reference_mm}
 
 
 def int4pack_fits(x: torch.Tensor, layer) -> bool:
     """ATen's int4pack kernel takes bfloat16, out % 16 == 0 and g in 32..256."""
-    return (x.dtype == torch.bfloat16 and x.shape[0] <= INT4PACK_MAX_M
-            and layer.out_features % 16 == 0 and layer.group_size in (32, 64, 128, 256))
+    return (x.dtype == torch.bfloat16 and layer.out_features % 16 == 0
+            and layer.group_size in (32, 64, 128, 256))
 
 
 def kplanes_fit(layer) -> bool:
@@ -187,10 +196,14 @@ def kplanes_fit(layer) -> bool:
     return layer.in_features % (32 // min(p for p, _, _ in planes(layer))) == 0
 
 
+def cpu_path(x: torch.Tensor, layer) -> str:
+    """Name of the measured-fastest exact CPU path for ``x``'s dtype, the layer and ``M``."""
+    if int4pack_fits(x, layer) and x.shape[0] <= INT4PACK_MAX_M:
+        return "int4pack"
+    if not kplanes_fit(layer):
+        return "reference"
+    return "kplanes-gemv" if x.shape[0] <= GEMV_MAX_M else "kplanes-dequant"
+
+
 def cpu_quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
-    """The measured-fastest exact CPU path for ``x``'s dtype, the layer's width and ``M``."""
-    if int4pack_fits(x, layer):
-        return int4pack_mm(x, layer)
-    if kplanes_fit(layer):
-        return kplanes_mm(x, layer)
-    return x @ layer.dequantize(x.dtype).t()
+    return PATHS[cpu_path(x, layer)](x, layer)

@@ -141,7 +141,9 @@ def test_cpu_fp32_matches_reference(bits, m, k, n, g, monkeypatch):
 def test_cpu_fp32_compiled_matches_reference(bits, m):
     layer = make_layer(bits, 256, 64, 64, seed=bits)
     x = make_input(m, 256, seed=m)
-    assert rel_err(cpu.kplanes_mm(x, layer), dequant_matmul_ref(x, layer)) < 1e-5
+    assert cpu.cpu_path(x, layer) == ("kplanes-gemv" if m <= cpu.GEMV_MAX_M else "kplanes-dequant")
+    assert rel_err(cpu.cpu_quant_matmul(x, layer), dequant_matmul_ref(x, layer)) < 1e-5
+    assert not (cpu.gemv_compiled.failed or cpu.dequant_compiled.failed), "torch.compile fell back to eager"
 
 
 @pytest.mark.parametrize("bits,m,k,n,g", [
@@ -161,7 +163,7 @@ def test_cpu_bf16_prefill_matches_reference(monkeypatch):
     monkeypatch.setenv("COMPRESS_KERNELS", "eager")
     layer = make_layer(4, 128, 64, 32, seed=5)
     x = make_input(cpu.INT4PACK_MAX_M + 1, 128, seed=5, dtype=torch.bfloat16)
-    assert not cpu.int4pack_fits(x, layer)
+    assert cpu.cpu_path(x, layer) == "kplanes-dequant"
     assert rel_err(cpu.cpu_quant_matmul(x, layer), dequant_matmul_ref(x, layer)) < 1e-2
 
 

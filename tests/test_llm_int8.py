@@ -137,6 +137,7 @@ def test_zero_rows_and_zero_tokens():
     assert (layer.weight[[2, 9]] == 0).all()
     x = planted(5, 64, seed=9)
     x[3] = 0.0  # a token of zeros: its scale is 0 too
+    x[4] = 1e-38  # a subnormal token: 127 / c_x would overflow
     y = layer(x)
     assert torch.isfinite(y).all()
     assert torch.equal(y[:, 2], lin.bias[2].expand(5)) and torch.equal(y[:, 9], lin.bias[9].expand(5))
@@ -152,6 +153,13 @@ def test_non_finite_activations_name_the_layer(threshold, bad):
     x[2, 5] = bad
     with pytest.raises(CompressError, match=r"model\.layers\.3\.mlp\.down_proj"):
         layer(x)
+
+
+def test_unknown_weight_format_is_refused():
+    layer = Int8Linear.from_linear(fp_linear(32, 8), name="model.layers.0.self_attn.q_proj")
+    layer.weight_format.fill_(2)  # an old bitsandbytes tile layout
+    with pytest.raises(CompressError, match="weight_format"):
+        layer(torch.randn(2, 32))
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "six", None, True])

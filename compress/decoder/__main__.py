@@ -71,9 +71,8 @@ def main(argv=None) -> None:
 def run(args) -> None:
     import torch
 
-    from compress.decoder.generate import Sampling, generate, peak_memory, peak_memory_reset
+    from compress.decoder.generate import Sampling, decode_step, generate, peak_memory, peak_memory_reset
     from compress.decoder.model import load
-    from compress.decoder.step import decode_step
 
     model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device)
     if tok is None:

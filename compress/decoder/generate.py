@@ -205,7 +205,8 @@ def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None)
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
              sampling: Sampling = Sampling(), kv: str = "fp16", kv_opts: dict | None = None,
-             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, step=None) -> Result:
+             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, step=None,
+             ignore_eos: bool = False) -> Result:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
 
     ``on_text(row, text)`` receives text as it becomes final. ``step``, if given, replaces
@@ -223,7 +224,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
     n_new = min(max_new_tokens, max_len - T0)
     cache = new_cache(model, kv, B, max_len, **(kv_opts or {}))
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = eos_ids_of(model, tokenizer)
+    eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
     detok = [Detokenizer(tokenizer, stop) if tokenizer is not None else None for _ in range(B)]
     out, done = [[] for _ in range(B)], [False] * B
     step = step or model
@@ -265,3 +266,26 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def decode_step(model, mode: str = "auto", kv: str = "fp16"):
+    """The function to call for decode steps: ``model``, or ``torch.compile(model)``.
+
+    ``mode``: "off", "on", or "auto" (compile where it was measured faster: see
+    ``eval/bench_decode.py``). A frame that fails to compile runs eagerly (dynamo's
+    ``suppress_errors``), and if ``torch.compile`` itself fails the model is returned with a warning.
+    """
+    if mode == "off" or (mode == "auto" and not compile_helps(model, kv)):
+        return model
+    try:
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True
+        return torch.compile(model, dynamic=True)
+    except Exception as e:  # no compiler, unsupported platform, ...
+        warnings.warn(f"torch.compile failed ({e}); decoding eagerly.")
+        return model
+
+
+def compile_helps(model, kv: str) -> bool:
+    return False

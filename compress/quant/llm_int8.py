@@ -48,13 +48,17 @@ from compress.adapters import get_adapter, set_module
 from compress.errors import CompressError
 
 
+_TINY = 127.0 / torch.finfo(torch.float32).max  # below it 127 / c_x would overflow to inf
+
+
 def check_threshold(threshold) -> float:
     """``threshold`` as a float >= 0, or a CompressError that names the fix."""
     ok = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
     if not ok or not math.isfinite(threshold) or threshold < 0:
         raise CompressError(
-            f"llm_int8.threshold must be a number >= 0, got {threshold!r}. LLM.int8's default is 6.0; "
-            f"0 turns the outlier decomposition off (pure vector-wise int8). Set e.g. llm_int8.threshold=6.0.")
+            f"the LLM.int8 threshold must be a number >= 0, got {threshold!r}. LLM.int8's default is 6.0; "
+            f"0 turns the outlier decomposition off (pure vector-wise int8). Set it in the recipe "
+            f"(llm_int8.threshold=6.0) or in config.json (quantization_config.llm_int8_threshold).")
     return float(threshold)
 
 
@@ -88,7 +92,7 @@ def quantize_activations(x: torch.Tensor, threshold: float, name: str = "layer")
     c_x = mag.amax(dim=1)
     if threshold == 0:
         _check_finite(c_x, name)
-    scaled = xf * torch.where(c_x > 0, 127.0 / c_x, 0.0)[:, None]
+    scaled = xf * torch.where(c_x > _TINY, 127.0 / c_x, 0.0)[:, None]  # a zero (or subnormal) token: 0
     if outliers is not None:
         scaled.index_fill_(1, outliers, 0.0)  # their share goes through the fp path
     return scaled.round_().to(torch.int8), c_x, outliers
@@ -131,6 +135,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.threshold = check_threshold(threshold)
         self.name = name  # for error messages
+        self.format_checked = False
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("SCB", torch.zeros(out_features, dtype=torch.float32, device=device))
         self.register_buffer("weight_format", torch.tensor(0, dtype=torch.uint8, device=device))
@@ -153,6 +158,12 @@ class Int8Linear(nn.Module):
         return (self.weight.to(dtype) * (self.SCB.to(dtype) / 127.0)[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.format_checked:  # once: the codes are read as row-major
+            if int(self.weight_format) != 0:
+                raise CompressError(
+                    f"'{self.name}' has weight_format {int(self.weight_format)}; compress reads only 0 "
+                    f"(row-major int8), which bitsandbytes >= 0.45 writes. Re-save the checkpoint with it.")
+            self.format_checked = True
         y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.SCB, self.bias,
                         self.threshold, self.name or "an Int8Linear layer")
         return y.reshape(*x.shape[:-1], self.out_features)

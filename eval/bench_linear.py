@@ -1,0 +1,181 @@
+"""Time quantized linear layers against dense fp32 and bf16 ones.
+
+CPU (always, 2 threads unless ``--threads``): for each layer shape ``in -> out`` and ``M`` rows,
+the median time of dense fp32 and bf16 ``x @ W^T`` and of INT8 / INT4 / INT3
+``QuantLinear``s through ``quant_matmul`` (bf16 and fp32 activations), all
+measured alternately in one run; the speed-up over fp32 and over bf16; the
+weight bytes each variant reads and the achieved GB/s, against the copy
+bandwidth of a large tensor measured in the same run. ``--alternatives`` adds
+every CPU path for each width (the measurements behind ``kernels/cpu.py``).
+
+CUDA (when present): the Triton kernels against torch's bf16 matmul.
+
+    python -m compress.eval.bench_linear [--quick] [--alternatives]
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from compress.kernels import cpu, quant_matmul
+from compress.quant.linear import QuantLinear
+from compress.quant.quantizer import quantize
+
+SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down
+LARGE = [(4096, 4096), (4096, 11008), (11008, 4096)]  # 7B: attention, gate/up, down
+BITS = (8, 4, 3)
+
+
+def group_for(k: int) -> int:
+    return 128 if k % 128 == 0 else 64
+
+
+def median_ms(fns: dict, reps: int) -> dict:
+    """Median milliseconds of each callable, the callables taking turns."""
+    for f in fns.values():
+        f()  # warm-up: compiles, prepares the cached forms
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def copy_gbps(mib: int = 256, reps: int = 7) -> float:
+    """Copy bandwidth of a large fp32 tensor (read + write bytes per second)."""
+    src = torch.randn(mib * 2**18)
+    dst = torch.empty_like(src)
+    ms = median_ms({"copy": lambda: dst.copy_(src)}, reps)["copy"]
+    return 2 * src.nbytes / ms / 1e6
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    return 0
+
+
+def fresh(layer: QuantLinear) -> QuantLinear:
+    """The same packed buffers with an empty cache, so the cache holds one path's form."""
+    other = copy.copy(layer)
+    other.cache = {}
+    return other
+
+
+def forced(path: str):
+    return lambda x, layer: cpu.PATHS[path](x, layer)
+
+
+def cpu_variants(k: int, n: int, m: int, alternatives: bool) -> list[tuple[str, str, callable, callable]]:
+    """``(name, path, run, weight_bytes)`` per variant; ``weight_bytes`` is called after ``run``."""
+    gen = torch.Generator().manual_seed(k * n + m)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x32 = torch.randn(m, k, generator=gen)
+    x16 = x32.bfloat16()
+    w16 = w.bfloat16()
+    out = [("fp32", "dense", lambda: x32 @ w.t(), lambda: w.nbytes),
+           ("bf16", "dense", lambda: x16 @ w16.t(), lambda: w16.nbytes)]
+    for bits in BITS:
+        layer = QuantLinear.from_quantized(quantize(w, bits, group_for(k)))
+        for act, x in (("bf16", x16), ("fp32", x32)):
+            paths = [(cpu.cpu_path(x, layer), quant_matmul)]
+            if alternatives:
+                paths += [(p, forced(p)) for p in alt_paths(x, layer) if p != paths[0][0]]
+            for i, (path, fn) in enumerate(paths):
+                q = fresh(layer)
+                name = f"INT{bits} {act}" + ("" if i == 0 else f" ({path})")
+                out.append((name, path, lambda fn=fn, x=x, q=q: fn(x, q),
+                            lambda q=q: tensor_bytes(list(q.cache.values())) or tensor_bytes(list(q.buffers()))))
+    return out
+
+
+def alt_paths(x: torch.Tensor, layer) -> list[str]:
+    """Every CPU path that can take ``x`` (the slow ones only where they stay affordable)."""
+    m = x.shape[0]
+    paths = ["kplanes-gemv"] if m <= 16 else ["kplanes-dequant"]
+    if cpu.int4pack_fits(x, layer) or (x.dtype == torch.float32 and layer.bits <= 4 and m == 1):
+        paths.append("int4pack")  # ATen's float32 int4pack is unvectorized: M = 1 only
+    if m == 1 or x.dtype == torch.float32:
+        paths.append("reference")
+    return paths
+
+
+def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int) -> None:
+    torch.set_num_threads(threads)
+    bw_before = copy_gbps()
+    print(f"CPU, {torch.get_num_threads()} threads, copy bandwidth {bw_before:.1f} GB/s "
+          f"(torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+    print("| in -> out | M | variant | path | ms | x fp32 | x bf16 | weight MB | GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    bws = [bw_before]
+    for k, n in shapes:
+        for m in ms:
+            variants = cpu_variants(k, n, m, alternatives)
+            # big layers at M=512 take ~1 s a call: fewer turns
+            r = reps if k * n * m < 2**31 else max(3, reps // 3)
+            t = median_ms({name: run for name, _, run, _ in variants}, r)
+            bws.append(copy_gbps())
+            bw = statistics.median(bws)
+            for name, path, _, nbytes in variants:
+                b = nbytes()
+                gbps = b / t[name] / 1e6
+                print(f"| {k} -> {n} | {m} | {name} | {path} | {t[name]:.3f} | {t['fp32'] / t[name]:.2f} | "
+                      f"{t['bf16'] / t[name]:.2f} | {b / 2**20:.1f} | {gbps:.1f} | {100 * gbps / bw:.0f} |",
+                      flush=True)
+    print(f"copy bandwidth over the run: median {statistics.median(bws):.1f} GB/s, "
+          f"min {min(bws):.1f}, max {max(bws):.1f}")
+
+
+def bench_cuda(shapes, ms) -> None:
+    import triton.testing
+
+    from compress.kernels.dequant_matmul import triton_quant_matmul
+
+    dev = torch.device("cuda")
+    src = torch.empty(2**28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = 2 * src.nbytes / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+    print(f"\nCUDA {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s")
+    print("| in -> out | M | variant | ms | x bf16 | weight MB | GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, n in shapes:
+        w = torch.randn(n, k) * 0.02
+        w16 = w.to(dev, torch.bfloat16)
+        layers = {b: QuantLinear.from_quantized(quantize(w, b, group_for(k))).to(dev) for b in BITS}
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            runs = {"bf16": (lambda: x @ w16.t(), w16.nbytes)}
+            for b, layer in layers.items():
+                runs[f"INT{b} triton"] = (lambda layer=layer: triton_quant_matmul(x, layer),
+                                          sum(t.nbytes for t in layer.buffers()))
+            t = {name: triton.testing.do_bench(f, return_mode="median") for name, (f, _) in runs.items()}
+            for name, (_, b) in runs.items():
+                gbps = b / t[name] / 1e6
+                print(f"| {k} -> {n} | {m} | {name} | {t[name]:.4f} | {t['bf16'] / t[name]:.2f} | "
+                      f"{b / 2**20:.1f} | {gbps:.0f} | {100 * gbps / bw:.0f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the small model's shapes and 4096x4096, fewer turns")
+    ap.add_argument("--alternatives", action="store_true", help="also time every other CPU path of each width")
+    ap.add_argument("--reps", type=int, default=None, help="turns per variant (default 15, --quick 5)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows of x (default 1 512)")
+    args = ap.parse_args()
+    shapes = SMALL + (LARGE[:1] if args.quick else LARGE)
+    reps = args.reps or (5 if args.quick else 15)
+    bench_cpu(shapes, args.m, reps, args.alternatives, args.threads)
+    if torch.cuda.is_available():
+        bench_cuda(shapes, args.m)
+
+
+if __name__ == "__main__":
+    main()

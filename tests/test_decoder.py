@@ -1,0 +1,344 @@
+"""The built-in decoder against transformers, on a tiny random Llama (fast) and the default model (slow)."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.decoder.__main__ import main as cli
+from compress.decoder.generate import Sampling, generate, logits_to_probs, new_cache
+from compress.decoder.model import load
+from compress.errors import CompressError
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def tiny_tokenizer():
+    """A byte-level BPE of 300 tokens trained here (no download); id 1 is <eos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_hf(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+              rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.2, eos_token_id=None,
+              pad_token_id=0, bos_token_id=None)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+
+
+def save(model, folder: Path, tokenizer=None, quantization_config=None) -> Path:
+    from compress.checkpoint import save_checkpoint
+
+    save_checkpoint(model, tokenizer, folder, quantization_config)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, HF model, tokenizer) of a tiny random Llama with tied embeddings."""
+    hf, tok = tiny_hf(), tiny_tokenizer()
+    return save(hf, tmp_path_factory.mktemp("tiny"), tok), hf, tok
+
+
+@pytest.fixture(scope="module")
+def ours(tiny):
+    return load(tiny[0])
+
+
+def forward(model, ids, kv="full", start=None):
+    cache = new_cache(model, kv, ids.shape[0], ids.shape[1])
+    with torch.no_grad():
+        return model(ids, cache, start)
+
+
+VARIANTS = {
+    "llama": {},
+    "llama3-rope+bias": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_transformers(variant, tmp_path):
+    hf = tiny_hf(**VARIANTS[variant])
+    model, _ = load(save(hf, tmp_path))
+    ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert rel_err(forward(model, ids), ref) < 1e-5
+    assert rel_err(forward(model, ids, kv="fp16"), ref) < 1e-2  # K, V rounded to fp16
+
+
+def test_qwen2_biases_match_transformers(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:  # HF initialises biases to zero; make them matter
+            layer.self_attn.q_proj.bias.normal_()
+            layer.self_attn.k_proj.bias.normal_()
+    model, _ = load(save(hf, tmp_path))
+    ids = torch.randint(0, 300, (1, 50), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(forward(model, ids), hf(ids).logits) < 1e-5
+
+
+def test_prefill_then_decode_matches_one_pass(ours):
+    """Logits of tokens fed one at a time after a prefill equal those of one full forward."""
+    model, _ = ours
+    ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(3))
+    cache = new_cache(model, "full", 1, 30)
+    with torch.no_grad():
+        steps = [model(ids[:, :20], cache)] + [model(ids[:, t:t + 1], cache) for t in range(20, 30)]
+    assert cache.length == 30
+    assert rel_err(torch.cat(steps, 1), forward(model, ids)) < 1e-5
+
+
+def test_greedy_matches_transformers_generate(tiny, ours):
+    _, hf, _ = tiny
+    model, _ = ours
+    prompt = [5, 17, 42, 99, 7]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+    r = generate(model, [prompt], 40, kv="full")
+    assert r.tokens[0] == ref[0, len(prompt):].tolist()
+    assert r.decode_steps == 39 and r.kv_tokens == len(prompt) + 39
+
+
+def test_batch_of_different_lengths_equals_each_alone(ours):
+    model, _ = ours
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16]]
+    alone = [generate(model, [p], 25, kv="full").tokens[0] for p in prompts]
+    assert generate(model, prompts, 25, kv="full").tokens == alone
+    # and the left-padded prefill gives each row its own last-position logits
+    from compress.decoder.generate import left_pad
+
+    ids, start = left_pad(prompts, 0, "cpu")
+    cache = new_cache(model, "full", 3, ids.shape[1])
+    with torch.no_grad():
+        batch = model(ids, cache, start, last=True)[:, -1]
+    for b, p in enumerate(prompts):
+        assert rel_err(batch[b], forward(model, torch.tensor([p]))[0, -1]) < 1e-5
+
+
+def test_sampling_reproducible_with_seed(ours):
+    model, _ = ours
+    s = Sampling(temperature=1.5, top_k=50, top_p=0.95, seed=123)
+    a = generate(model, [[5, 6, 7]], 30, sampling=s).tokens
+    assert generate(model, [[5, 6, 7]], 30, sampling=s).tokens == a
+    s.seed = 124
+    assert generate(model, [[5, 6, 7]], 30, sampling=s).tokens != a
+    greedy = generate(model, [[5, 6, 7]], 30).tokens
+    assert generate(model, [[5, 6, 7]], 30, sampling=Sampling(temperature=1.0, top_k=1, seed=0)).tokens == greedy
+
+
+def test_top_k_top_p_probabilities():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    p = logits_to_probs(logits, Sampling(temperature=1.0, top_p=0.7))
+    torch.testing.assert_close(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    p = logits_to_probs(logits, Sampling(temperature=1.0, top_k=3))
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    p = logits_to_probs(logits, Sampling(temperature=0.5))  # p^(1/T), renormalised
+    torch.testing.assert_close(p, torch.tensor([[0.25, 0.09, 0.0225, 0.0025]]) / 0.365)
+
+
+def test_stops_on_eos_and_stop_string(tiny):
+    folder, _, tok = tiny
+    model, _ = load(folder)
+    prompt = tok("the quick brown").input_ids
+    full = generate(model, [prompt], 30, tok, kv="full")
+    k = len(full.tokens[0]) // 2
+    model.config.eos_token_id = full.tokens[0][k]
+    first = full.tokens[0].index(full.tokens[0][k])
+    assert generate(model, [prompt], 30, kv="full").tokens[0] == full.tokens[0][:first]
+
+    model.config.eos_token_id = None
+    stop = full.texts[0][len(full.texts[0]) // 2:][:3]
+    pieces = []
+    r = generate(model, [prompt], 30, tok, kv="full", stop=(stop,), on_text=lambda b, t: pieces.append(t))
+    cut = full.texts[0].index(stop)
+    assert r.texts[0] == full.texts[0][:cut] == "".join(pieces)
+    assert len(r.tokens[0]) < 30
+
+
+def test_streamed_text_is_the_decoded_continuation(tiny, ours):
+    _, _, tok = tiny
+    model, _ = ours
+    pieces = []
+    r = generate(model, [tok("the lazy").input_ids], 20, tok, on_text=lambda b, t: pieces.append(t))
+    assert "".join(pieces) == r.texts[0] == tok.decode(r.tokens[0], skip_special_tokens=True)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CompressError, match="config.json"):
+        load(tmp_path)
+
+
+def test_tensor_not_matching_config(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = save(tiny_hf(), tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = tensors[name][:16]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CompressError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(32, 64\)"):
+        load(folder)
+
+
+def test_empty_and_too_long_prompts(ours):
+    model, _ = ours
+    with pytest.raises(CompressError, match="empty"):
+        generate(model, [[]], 5)
+    with pytest.raises(CompressError, match="empty"):
+        generate(model, [[1, 2], []], 5)
+    with pytest.raises(CompressError, match="prompt has 130 tokens"):  # max_position_embeddings is 128
+        generate(model, [[5] * 130], 5)
+    with pytest.raises(CompressError, match="prompt has 20 tokens"):
+        generate(model, [[5] * 20], 5, max_len=20)
+    with pytest.warns(UserWarning, match="stops after 4 tokens"):
+        r = generate(model, [[5] * 20], 10, max_len=24)
+    assert len(r.tokens[0]) == 4
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_quantized_run_folder_matches_load_run(bits, tmp_path):
+    from compress.checkpoint import load_run
+    from compress.quant.rtn import pack_model, quantization_config
+
+    folder = save(pack_model(tiny_hf(), bits, 32), tmp_path, quantization_config=quantization_config(bits, 32))
+    model, _ = load(folder)
+    ref, _ = load_run(folder)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel_err(forward(model, ids), ref(ids).logits) < 1e-3
+
+
+def test_cli_json_and_errors(tiny, capsys):
+    folder, _, tok = tiny
+    cli([str(folder), "--prompt", "the quick", "--max-new-tokens", "12", "--kv", "full", "--json",
+         "--compile", "off"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "ttft_s", "decode_tok_s", "prefill_tok_s", "peak_mem_bytes", "kv_bytes_per_token"}
+    model, _ = load(folder)
+    ref = generate(model, [tok("the quick").input_ids], 12, tok, kv="full")
+    assert out["text"] == ref.texts[0]
+    # full cache, fp32: 2 layers x (K + V) x 2 kv heads x 16 dims x 4 bytes per token
+    assert out["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    with pytest.raises(SystemExit) as e:
+        cli([str(folder.parent / "nowhere"), "--prompt", "x"])
+    assert e.value.code == 2 and "config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli([str(folder), "--prompt", ""])
+    assert e.value.code == 2 and "empty" in capsys.readouterr().err
+
+
+def test_compile_failure_falls_back_to_eager(ours, monkeypatch):
+    from compress.decoder import generate as g
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    model, _ = ours
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        step = g.decode_step(model, "on", "fp16")
+    assert step is model and "no compiler here" in str(w[0].message)
+
+
+# --- the default model (minutes) ---------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three laws of thermodynamics are", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """(folder, our model, transformers' model, tokenizer) of the fp32 default model."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.models import convert_default_model
+
+    folder = convert_default_model()
+    model, tok = load(folder)
+    return folder, model, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), tok
+
+
+def text_ids(tok, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of WikiText-2 test (or of the prompts, repeated, without the data)."""
+    import os
+
+    f = Path(os.environ.get("COMPRESS_DATA_DIR", REPO.parent / "shared" / "data")) / "wikitext-2" / "wiki.test.raw"
+    text = f.read_text()[:20000] if f.is_file() else " ".join(PROMPTS) * 50
+    return tok(text, return_tensors="pt").input_ids[:, :n]
+
+
+@pytest.mark.slow
+def test_default_model_logits_match_transformers(default_model):
+    _, model, hf, tok = default_model
+    ids = text_ids(tok, 256)
+    assert ids.shape[1] == 256
+    with torch.no_grad():
+        assert rel_err(forward(model, ids), hf(ids).logits) < 1e-4
+
+
+@pytest.mark.slow
+def test_default_model_greedy_matches_transformers(default_model):
+    from transformers import GenerationConfig
+
+    _, model, hf, tok = default_model
+    cfg = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), generation_config=cfg)[0, len(ids):].tolist()
+        assert len(ref) == 64
+        assert generate(model, [ids], 64, kv="full", ignore_eos=True).tokens[0] == ref, prompt
+
+
+def int4_folders():
+    """The int4 run folders to check: an RTN one built by the test, and outputs/awq_int4 if it exists."""
+    return ["rtn_int4", pytest.param(REPO / "outputs" / "awq_int4", marks=pytest.mark.skipif(
+        not (REPO / "outputs" / "awq_int4" / "config.json").exists(),
+        reason="no outputs/awq_int4; run `python -m compress recipe=awq_int4 hydra.run.dir=outputs/awq_int4`"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", int4_folders())
+def test_default_model_int4_matches_load_run(folder, default_model, tmp_path):
+    from compress.checkpoint import load_run
+    from compress.quant.rtn import pack_model, quantization_config
+
+    src, _, _, tok = default_model
+    if folder == "rtn_int4":
+        hf, _ = load_run(src)
+        folder = save(pack_model(hf, 4, 64), tmp_path, tok, quantization_config(4, 64))
+    model, _ = load(folder)
+    ref, _ = load_run(folder)
+    ids = text_ids(tok, 256)
+    with torch.no_grad():
+        assert rel_err(forward(model, ids), ref(ids).logits) < 1e-3
