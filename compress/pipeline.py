@@ -24,7 +24,7 @@ from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
 from compress.manifest import write_manifest
-from compress.models import atomic_dir, commit_dir, load_model
+from compress.models import atomic_dir, cache_dir, commit_dir, load_model
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         windows = eval_windows(tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows)
         compressed, _ = load_run(tmp)  # evaluate what was saved, not the in-memory model
         reference = load_model(m.path, m.dtype, m.trust_remote_code)[0] if cfg.eval.compare_source else None
-        figures = evaluate(compressed, windows, reference)
+        cache = cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
+        figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
 
