@@ -18,6 +18,7 @@ runs the source once.
 
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ def _source_log_probs(source, window: torch.Tensor, cache: Path | None, source_s
         return load_file(str(path))["log_probs"]
     lp = _log_probs(source, window)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent runs may fill the same entry
     save_file({"log_probs": lp.contiguous()}, str(tmp))
     tmp.replace(path)
     return lp
