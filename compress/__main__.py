@@ -7,6 +7,7 @@ Every recipe is a Hydra primary config that starts from ``recipes/base.yaml``.
 """
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def rewrite_argv(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so the pipeline removes its temporary folder
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         sys.argv = [sys.argv[0]] + rewrite_argv(sys.argv[1:])
     except CompressError as e:

@@ -23,7 +23,9 @@ from compress.data import calib_samples, eval_windows, read_text
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
+from compress.hub import check_config, push_after_run
 from compress.manifest import write_manifest
+from compress.model_card import write_model_card
 from compress.models import atomic_dir, cache_dir, commit_dir, load_model
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
     run_dir = Path(run_dir)
     _check_run_dir(run_dir)
+    check_config(cfg.get("hub"))
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
@@ -119,11 +122,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "trust_remote_code": bool(m.trust_remote_code),
         }
+        recipe = OmegaConf.to_container(cfg, resolve=True)
         write_report(tmp, report)
-        write_manifest(tmp, OmegaConf.to_container(cfg, resolve=True), source, timings, bool(m.trust_remote_code))
+        write_model_card(tmp, report, recipe, {"name": source.name, "path": source.path})
+        write_manifest(tmp, recipe, source, timings, bool(m.trust_remote_code))
         commit_dir(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
         raise
     log.info("run folder: %s", run_dir)
+    push_after_run(run_dir, cfg.get("hub"))
     return report

@@ -186,3 +186,16 @@ def test_error_existing_run_folder(tiny_dir, tmp_path):
     with pytest.raises(CompressError, match="already exists"):
         run_recipe("fp", tiny_dir, tmp_path / "run")
     assert (tmp_path / "run" / "x").read_text() == "keep me"
+
+
+def test_interrupted_run_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    import compress.pipeline as pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "evaluate", interrupted)  # after the checkpoint was written
+    (tmp_path / "run").mkdir()  # Hydra's placeholder
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run")
+    assert list(tmp_path.iterdir()) == []
