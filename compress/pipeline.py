@@ -81,9 +81,18 @@ def _check_run_dir(run_dir: Path) -> None:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Run a recipe into ``run_dir``; returns the report."""
-    start = time.time()
     run_dir = Path(run_dir)
     _check_run_dir(run_dir)
+    try:
+        return _run(cfg, run_dir)
+    except BaseException:
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
+        raise
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict:
+    start = time.time()
     check_config(cfg.get("hub"))
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
@@ -129,8 +138,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         commit_dir(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
         raise
     log.info("run folder: %s", run_dir)
     push_after_run(run_dir, cfg.get("hub"))
