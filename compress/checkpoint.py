@@ -87,12 +87,17 @@ def build_model(config, qcfg: dict | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    swap_quantized(model, config, qcfg)
+    return model
+
+
+def swap_quantized(model: nn.Module, config, qcfg: dict | None) -> None:
+    """Replace ``model``'s decoder linears by empty quantized layers, as ``qcfg`` says (none if None)."""
     if qcfg:
         skip = qcfg.get("modules_to_not_convert") or qcfg.get("llm_int8_skip_modules") or []
         for name, lin in get_adapter(config).all_linears(model).items():
             if not any(s in name for s in skip):
                 set_module(model, name, quantized_layer(qcfg, lin, name))
-    return model
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -137,13 +142,10 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
         model.tie_weights()
 
 
-def load_run(folder) -> tuple[nn.Module, object]:
-    """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``."""
-    from transformers import AutoConfig, AutoTokenizer
+def read_config(folder: Path) -> tuple[object, dict | None]:
+    """``(HF config, quantization_config or None)`` of a run folder or HF folder of the Llama family."""
+    from transformers import AutoConfig
 
-    from compress.models import check_finite
-
-    folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise CompressError(f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
                             f"Pass the folder a recipe wrote (outputs/...).")
@@ -151,9 +153,23 @@ def load_run(folder) -> tuple[nn.Module, object]:
     qcfg = raw.pop("quantization_config", None)
     config = AutoConfig.for_model(**raw)
     get_adapter(config)
+    return config, qcfg
+
+
+def read_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+
+
+def load_run(folder) -> tuple[nn.Module, object]:
+    """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``."""
+    from compress.models import check_finite
+
+    folder = Path(folder)
+    config, qcfg = read_config(folder)
     model = build_model(config, qcfg)
     load_state(model, read_tensors(folder), str(folder))
     model.eval()
     check_finite(model, f"run folder '{folder}'")
-    tok = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
-    return model, tok
+    return model, read_tokenizer(folder)

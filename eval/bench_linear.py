@@ -1,12 +1,15 @@
 """Time quantized linear layers against dense fp32 and bf16 ones.
 
-CPU (always, 2 threads unless ``--threads``): for each layer shape ``in -> out`` and ``M`` rows,
-the median time of dense fp32 and bf16 ``x @ W^T`` and of INT8 / INT4 / INT3
-``QuantLinear``s through ``quant_matmul`` (bf16 and fp32 activations), all
-measured alternately in one run; the speed-up over fp32 and over bf16; the
-weight bytes each variant reads and the achieved GB/s, against the copy
-bandwidth of a large tensor measured in the same run. ``--alternatives`` adds
-every CPU path for each width (the measurements behind ``kernels/cpu.py``).
+CPU (always, 2 threads unless ``--threads``): for each layer shape
+``in -> out`` and ``M`` rows, the median time of dense fp32 and bf16
+``x @ W^T`` and of INT8 / INT4 / INT3 ``QuantLinear``s through
+``quant_matmul`` (bf16 and fp32 activations), all measured in turns in one
+run; the speed-up over fp32 and over bf16; the weight bytes each variant reads
+and the GB/s it achieves, against the copy bandwidth of a large tensor
+measured in the same run. For M <= 16 each variant cycles through copies of
+its weights (64 MiB in all, at most 512 copies) so that, as in a decoder, they
+come from memory, not from the cache. ``--alternatives`` adds the other CPU paths of each width (the
+measurements behind ``kernels/cpu.py``).
 
 CUDA (when present): the Triton kernels against torch's bf16 matmul.
 
@@ -15,6 +18,8 @@ CUDA (when present): the Triton kernels against torch's bf16 matmul.
 
 import argparse
 import copy
+import itertools
+import math
 import statistics
 import time
 
@@ -27,14 +32,15 @@ from compress.quant.quantizer import quantize
 SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down
 LARGE = [(4096, 4096), (4096, 11008), (11008, 4096)]  # 7B: attention, gate/up, down
 BITS = (8, 4, 3)
+MAX_COPIES = 512
 
 
 def group_for(k: int) -> int:
     return 128 if k % 128 == 0 else 64
 
 
-def median_ms(fns: dict, reps: int) -> dict:
-    """Median milliseconds of each callable, the callables taking turns."""
+def times_ms(fns: dict, reps: int) -> dict:
+    """Milliseconds of each run of each callable, the callables taking turns."""
     for f in fns.values():
         f()  # warm-up: compiles, prepares the cached forms
     times = {name: [] for name in fns}
@@ -43,7 +49,11 @@ def median_ms(fns: dict, reps: int) -> dict:
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {name: [1e3 * t for t in ts] for name, ts in times.items()}
+
+
+def median_ms(fns: dict, reps: int) -> dict:
+    return {name: statistics.median(t) for name, t in times_ms(fns, reps).items()}
 
 
 def copy_gbps(mib: int = 256, reps: int = 7) -> float:
@@ -62,38 +72,38 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-def fresh(layer: QuantLinear) -> QuantLinear:
-    """The same packed buffers with an empty cache, so the cache holds one path's form."""
-    other = copy.copy(layer)
-    other.cache = {}
-    return other
+def rotating(make, working_set: int) -> tuple[callable, int]:
+    """A run that cycles through copies of one variant, enough that their weights exceed the cache.
+
+    ``make()`` builds and warms one copy and returns ``(run, weight_bytes)``. A
+    decoder reads each layer once per token, from memory: timing one small
+    layer over and over would time the L2/L3 cache instead.
+    """
+    run, nbytes = make()
+    runs = [run] + [make()[0] for _ in range(min(MAX_COPIES, math.ceil(working_set / nbytes)) - 1)]
+    turn = itertools.cycle(runs)
+    return lambda: next(turn)(), nbytes
+
+
+def dense(w: torch.Tensor, x: torch.Tensor):
+    def make():
+        wc = w.clone()
+        return (lambda: x @ wc.t()), wc.nbytes
+    return make
+
+
+def quantized(layer: QuantLinear, x: torch.Tensor, fn):
+    def make():
+        q = copy.copy(layer)  # the same packed buffers, an empty cache: the cache holds this copy's form
+        q.cache = {}
+        fn(x, q)
+        nbytes = tensor_bytes([v for k, v in q.cache.items() if k != "checked"]) or tensor_bytes(list(q.buffers()))
+        return (lambda: fn(x, q)), nbytes
+    return make
 
 
 def forced(path: str):
     return lambda x, layer: cpu.PATHS[path](x, layer)
-
-
-def cpu_variants(k: int, n: int, m: int, alternatives: bool) -> list[tuple[str, str, callable, callable]]:
-    """``(name, path, run, weight_bytes)`` per variant; ``weight_bytes`` is called after ``run``."""
-    gen = torch.Generator().manual_seed(k * n + m)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    x32 = torch.randn(m, k, generator=gen)
-    x16 = x32.bfloat16()
-    w16 = w.bfloat16()
-    out = [("fp32", "dense", lambda: x32 @ w.t(), lambda: w.nbytes),
-           ("bf16", "dense", lambda: x16 @ w16.t(), lambda: w16.nbytes)]
-    for bits in BITS:
-        layer = QuantLinear.from_quantized(quantize(w, bits, group_for(k)))
-        for act, x in (("bf16", x16), ("fp32", x32)):
-            paths = [(cpu.cpu_path(x, layer), quant_matmul)]
-            if alternatives:
-                paths += [(p, forced(p)) for p in alt_paths(x, layer) if p != paths[0][0]]
-            for i, (path, fn) in enumerate(paths):
-                q = fresh(layer)
-                name = f"INT{bits} {act}" + ("" if i == 0 else f" ({path})")
-                out.append((name, path, lambda fn=fn, x=x, q=q: fn(x, q),
-                            lambda q=q: tensor_bytes(list(q.cache.values())) or tensor_bytes(list(q.buffers()))))
-    return out
 
 
 def alt_paths(x: torch.Tensor, layer) -> list[str]:
@@ -102,31 +112,54 @@ def alt_paths(x: torch.Tensor, layer) -> list[str]:
     paths = ["kplanes-gemv"] if m <= 16 else ["kplanes-dequant"]
     if cpu.int4pack_fits(x, layer) or (x.dtype == torch.float32 and layer.bits <= 4 and m == 1):
         paths.append("int4pack")  # ATen's float32 int4pack is unvectorized: M = 1 only
-    if m == 1 or x.dtype == torch.float32:
-        paths.append("reference")
+    if m == 1 and layer.in_features * layer.out_features < 2**22:
+        paths.append("reference")  # dequantizes the whole layer per call: small layers only
     return paths
 
 
-def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int) -> None:
+def cpu_variants(k: int, n: int, m: int, alternatives: bool, working_set: int) -> list[tuple[str, str, callable, int]]:
+    """``(name, path, run, weight_bytes)`` per variant."""
+    gen = torch.Generator().manual_seed(k * n + m)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x32 = torch.randn(m, k, generator=gen)
+    x16 = x32.bfloat16()
+    out = [("fp32", "dense", *rotating(dense(w, x32), working_set)),
+           ("bf16", "dense", *rotating(dense(w.bfloat16(), x16), working_set))]
+    for bits in BITS:
+        layer = QuantLinear.from_quantized(quantize(w, bits, group_for(k)))
+        for act, x in (("bf16", x16), ("fp32", x32)):
+            chosen = cpu.cpu_path(x, layer)
+            paths = [(chosen, quant_matmul)]
+            if alternatives:
+                paths += [(p, forced(p)) for p in alt_paths(x, layer) if p != chosen]
+            for i, (path, fn) in enumerate(paths):
+                name = f"INT{bits} {act}" + ("" if i == 0 else f" ({path})")
+                out.append((name, path, *rotating(quantized(layer, x, fn), working_set)))
+    return out
+
+
+def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int, working_set: int) -> None:
     torch.set_num_threads(threads)
     bw_before = copy_gbps()
     print(f"CPU, {torch.get_num_threads()} threads, copy bandwidth {bw_before:.1f} GB/s "
           f"(torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
-    print("| in -> out | M | variant | path | ms | x fp32 | x bf16 | weight MB | GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| in -> out | M | variant | path | ms | min ms | x fp32 | x bf16 | weight MB | GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     bws = [bw_before]
     for k, n in shapes:
         for m in ms:
-            variants = cpu_variants(k, n, m, alternatives)
+            # prefill reuses each weight over M rows: cold or hot weights barely matter there
+            variants = cpu_variants(k, n, m, alternatives, working_set if m <= 16 else 0)
             # big layers at M=512 take ~1 s a call: fewer turns
             r = reps if k * n * m < 2**31 else max(3, reps // 3)
-            t = median_ms({name: run for name, _, run, _ in variants}, r)
+            runs = times_ms({name: run for name, _, run, _ in variants}, r)
+            t = {name: statistics.median(ts) for name, ts in runs.items()}
             bws.append(copy_gbps())
             bw = statistics.median(bws)
-            for name, path, _, nbytes in variants:
-                b = nbytes()
+            for name, path, _, b in variants:
                 gbps = b / t[name] / 1e6
-                print(f"| {k} -> {n} | {m} | {name} | {path} | {t[name]:.3f} | {t['fp32'] / t[name]:.2f} | "
+                print(f"| {k} -> {n} | {m} | {name} | {path} | {t[name]:.3f} | {min(runs[name]):.3f} | "
+                      f"{t['fp32'] / t[name]:.2f} | "
                       f"{t['bf16'] / t[name]:.2f} | {b / 2**20:.1f} | {gbps:.1f} | {100 * gbps / bw:.0f} |",
                       flush=True)
     print(f"copy bandwidth over the run: median {statistics.median(bws):.1f} GB/s, "
@@ -168,11 +201,13 @@ def main() -> None:
     ap.add_argument("--alternatives", action="store_true", help="also time every other CPU path of each width")
     ap.add_argument("--reps", type=int, default=None, help="turns per variant (default 15, --quick 5)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    ap.add_argument("--working-set", type=int, default=64, help="MiB of weight copies each variant cycles "
+                    "through, above the L3 cache (default 64; 0 times one cache-hot copy)")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows of x (default 1 512)")
     args = ap.parse_args()
     shapes = SMALL + (LARGE[:1] if args.quick else LARGE)
     reps = args.reps or (5 if args.quick else 15)
-    bench_cpu(shapes, args.m, reps, args.alternatives, args.threads)
+    bench_cpu(shapes, args.m, reps, args.alternatives, args.threads, args.working_set << 20)
     if torch.cuda.is_available():
         bench_cuda(shapes, args.m)
 

@@ -6,14 +6,17 @@ cache in lock step, so each decoded position t has next-token distributions from
 
     KL  = mean_t sum_v p_fp16,t(v) (log p_fp16,t(v) - log p_cache,t(v))
     ppl = exp(mean_t -log p_cache,t(x_{t+1}))            over the decoded part
-    bytes/token = cache.nbytes() / (windows * tokens)     at the end (context = --tokens)
+    bytes/token = cache.nbytes() / (windows * tokens)     at the end, after the last token is fed
+
+(--tokens - --residual) a multiple of 64 puts KIVI's and PackKV's fp16 windows both at exactly
+--residual tokens at the end; otherwise up to 31 (KIVI) or 63 (PackKV) more wait for a block.
 
 The forward is a small Llama written here on the HF model's modules, so it runs any cache
 through ``compress.decoder.kv_cache``'s interface. Prints a table, writes ``kv_quality.json``
 and a plot of KL against bytes/token to ``--out``.
 
     python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
-    python -m compress.eval.kv_quality --windows 1 --tokens 1536 --packkv 0.05:0.1
+    python -m compress.eval.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.025:0.1
 """
 
 import argparse
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from compress.data import read_text, tokenize
@@ -73,16 +77,19 @@ def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     caches = [make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, c.head_dim, T, **opts)
               for _, kind, opts in cfgs]
     kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
-    for t in range(prefill, T):
+    for t in tqdm(range(prefill, T + 1), desc="kv_quality", unit="tok", mininterval=10):
         ids = windows[:, :t] if t == prefill else windows[:, t - 1:t]
-        target, ref = windows[:, t], None
+        ref = None
         for i, cache in enumerate(caches):
             t0 = time.perf_counter()
-            logp = torch.log_softmax(forward(model, ids, cache, last=True)[:, -1].float(), -1)
+            logits = forward(model, ids, cache, last=True)[:, -1].float()
             secs[i] += time.perf_counter() - t0
+            if t == T:
+                continue  # the last token only fills the caches: bytes are read at context T
+            logp = torch.log_softmax(logits, -1)
             ref = logp if ref is None else ref
             kl[i] += (ref.exp() * (ref - logp)).sum().item()
-            nll[i] -= logp.gather(1, target[:, None]).sum().item()
+            nll[i] -= logp.gather(1, windows[:, t, None]).sum().item()
     n = B * (T - prefill)
     fp16_bytes = caches[0].nbytes() / (B * caches[0].length)
     rows = []
@@ -125,6 +132,24 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def bars(rows) -> list[str]:
+    """The two bars: PackKV bytes/token <= 1/3 of fp16's; at KL <= KIVI-4's, <= 1/1.3 of KIVI-4's bytes."""
+    pk = [r for r in rows if r["kind"] == "packkv"]
+    kivi4 = next((r for r in rows if r["label"] == "kivi-4"), None)
+    lines = ["PackKV bytes/token / fp16's (bar <= 0.333): "
+             + ", ".join(f"{r['label']} {r['ratio_vs_fp16']:.3f}" for r in pk)]
+    if kivi4 and pk:
+        ok = [r for r in pk if r["kl"] <= kivi4["kl"]]
+        if ok:
+            best = min(ok, key=lambda r: r["bytes_per_token"])
+            lines.append(f"at KL <= kivi-4's {kivi4['kl']:.2e}: {best['label']} (KL {best['kl']:.2e}) stores "
+                         f"{best['bytes_per_token']:.0f} B/token, kivi-4 {kivi4['bytes_per_token']:.0f}: kivi-4 / "
+                         f"packkv = {kivi4['bytes_per_token'] / best['bytes_per_token']:.2f} (bar >= 1.3)")
+        else:
+            lines.append(f"no PackKV setting reached kivi-4's KL {kivi4['kl']:.2e}")
+    return lines
+
+
 def rel_pair(s: str) -> tuple[float, float]:
     k, _, v = s.partition(":")
     return float(k), float(v or k)
@@ -132,15 +157,15 @@ def rel_pair(s: str) -> tuple[float, float]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--windows", type=int, default=2, help="WikiText-2 test windows, decoded as one batch")
+    ap.add_argument("--windows", type=int, default=1, help="WikiText-2 test windows, decoded as one batch")
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per window (prefill + decoded)")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--residual", type=int, default=128, help="fp16 window of the compressed caches")
     ap.add_argument("--kivi", type=int, nargs="*", default=[2, 4], help="KIVI bit widths")
-    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.025, 0.05)],
+    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.025, 0.1)],
                     help="PackKV k_rel:v_rel pairs")
     ap.add_argument("--order", default="greedy", choices=["greedy", "median", "none"])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
@@ -155,12 +180,13 @@ def main(argv=None):
     rows = run(model, windows, configs(args), args.prefill)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_quality.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                                      "rows": rows}, indent=1))
+    (out / "kv_quality.json").write_text(json.dumps({"args": vars(args), "rows": rows, "bars": bars(rows)},
+                                                     indent=1))
     plot(rows, out / "kv_quality.png")
     print(f"{args.windows} windows x {args.tokens} tokens, prefill {args.prefill}, residual {args.residual}, "
           f"order {args.order}")
     print(table(rows))
+    print("\n".join(bars(rows)))
     print(f"wrote {out / 'kv_quality.json'} and {out / 'kv_quality.png'}")
 
 

@@ -19,18 +19,49 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_report(folder: Path, report: dict) -> None:
-    (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
-    lines = [f"# {report['recipe']} on {report['model']}", "",
-             f"WikiText-2 test, first {report['ppl_windows']} windows of {report['seqlen']} tokens; "
-             f"KL and top-1 against the uncompressed source on the same windows.", "",
-             "| metric | value |", "|---|---|"]
+DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def bit_width(report: dict, config: dict, recipe: dict) -> int | None:
+    """Bits per weight of the quantized linears: the stage's record, else config.json's
+    quantization_config, else the model dtype of an unquantized run (None if unknown)."""
+    qcfg = config.get("quantization_config") or {}
+    if report.get("bits") or qcfg.get("bits"):
+        return report.get("bits") or qcfg["bits"]
+    if qcfg.get("load_in_8bit"):
+        return 8
+    if not qcfg:
+        return DTYPE_BITS.get((recipe.get("model") or {}).get("dtype"))
+    return None
+
+
+def protocol(report: dict) -> str:
+    """The eval protocol behind the figures, in one sentence."""
+    return (f"WikiText-2 test, first {report['ppl_windows']} windows of {report['seqlen']} tokens; "
+            f"KL and top-1 against the uncompressed source on the same windows.")
+
+
+def metrics_table(report: dict) -> list[str]:
+    """The headline figures as markdown table lines."""
+    lines = ["| metric | value |", "|---|---|"]
     for key in ("ppl", "kl_vs_source", "top1_vs_source", "weight_bytes", "linear_weight_bytes",
-                "bits", "group_size", "peak_rss_bytes", "elapsed_s"):
+                "bits", "group_size", "decode_tok_s", "prefill_tok_s", "kv_bytes_per_token",
+                "peak_rss_bytes", "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
+    return lines
+
+
+def write_report(folder: Path, report: dict) -> None:
+    """report.json, the per-layer plots the run recorded, and report.md that shows them."""
+    from compress.eval.layer_views import plot_run_views
+
+    (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    lines = [f"# {report['recipe']} on {report['model']}", "", protocol(report), "", *metrics_table(report)]
     lines += ["", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in report["stages"].items()]
+    for title, file in plot_run_views(folder, report, report["recipe"]):
+        lines += ["", f"## {title}", "", f"![{title}]({file})"]
     extra = {k: v for k, v in report.items() if isinstance(v, (dict, list)) and k != "stages"}
     for key, value in extra.items():
         lines += ["", f"## {key}", "", "```json", json.dumps(value, indent=1)[:20000], "```"]

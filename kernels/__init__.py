@@ -20,6 +20,8 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     if os.environ.get("COMPRESS_KERNELS") == "ref" or (x.requires_grad and torch.is_grad_enabled()):
         return x @ layer.dequantize(x.dtype).t()  # the kernels have no backward
     check_inputs(x, layer)
+    if x.shape[0] == 0:
+        return x.new_empty(0, layer.out_features)
     if x.is_cuda:
         from compress.kernels.dequant_matmul import triton_quant_matmul  # imports triton only when needed
 

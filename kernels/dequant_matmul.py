@@ -159,12 +159,17 @@ def _default_split(x: torch.Tensor, n_blocks: int, k_blocks: int) -> int:
 
 
 def triton_quant_matmul(x: torch.Tensor, layer, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, in] @ W_hat^T`` in ``x``'s dtype: GEMV for ``M <= 8``, GEMM above."""
+    """``x [M, in] @ W_hat^T`` in ``x``'s dtype (into ``out`` if given): GEMV for ``M <= 8``, GEMM above."""
     check_inputs(x, layer)
     block_k(layer.group_size)
     x = x.contiguous()
     if out is None:
         out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
+    if out.shape != (x.shape[0], layer.out_features) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{x.shape[0]}, {layer.out_features}] tensor, "
+                         f"got {tuple(out.shape)} with strides {out.stride()}")
+    if x.shape[0] == 0:
+        return out
     if x.shape[0] <= GEMV_MAX_M:
         split = _default_split(x, triton.cdiv(layer.out_features, 64), x.shape[1] // block_k(layer.group_size, 32))
         return gemv(x, layer, out, split_k=split)

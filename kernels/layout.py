@@ -26,19 +26,20 @@ def planes(layer) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     return [(p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}")) for p in widths]
 
 
-def check_inputs(x: torch.Tensor, layer) -> None:
-    """Raise ``CompressError`` unless ``x [M, in]`` and the packed tensors of ``layer`` fit the kernels."""
+def stamp(layer) -> tuple:
+    """Identity of a layer's tensors: forms prepared from them are rebuilt when it changes."""
+    return tuple((t.data_ptr(), t._version) for t in layer._buffers.values() if t is not None)
+
+
+def _where(layer) -> str:
+    return (f"quantized layer [{layer.in_features} -> {layer.out_features}], {layer.bits}-bit, "
+            f"group size {layer.group_size}")
+
+
+def check_layer(layer) -> None:
+    """Raise ``CompressError`` unless the packed tensors of ``layer`` fit the kernels."""
     k, n, g = layer.in_features, layer.out_features, layer.group_size
-    where = f"quantized layer [{k} -> {n}], {layer.bits}-bit, group size {g}"
-    if x.dim() != 2 or x.shape[1] != k:
-        raise CompressError(f"{where}: input of shape {tuple(x.shape)} is not [M, {k}]; "
-                            f"flatten the leading dimensions to [M, in_features] first.")
-    if x.dtype not in FLOAT_DTYPES:
-        raise CompressError(f"{where}: input dtype {x.dtype} is not supported; "
-                            f"cast it to float16, bfloat16 or float32.")
-    if layer.scales.device != x.device:
-        raise CompressError(f"{where}: input is on {x.device} but the packed weight is on "
-                            f"{layer.scales.device}; move the model and its inputs to the same device.")
+    where = _where(layer)
     if g <= 0 or k % g:
         raise CompressError(f"{where}: in_features {k} is not a multiple of the group size {g}; "
                             f"re-quantize with a group size that divides {k} (e.g. 128, 64 or 32).")
@@ -51,6 +52,24 @@ def check_inputs(x: torch.Tensor, layer) -> None:
                             f"{layer.scales.dtype}, expected a float tensor [{k // g}, {n}]; the checkpoint is corrupt.")
     for p, qw, qz in planes(layer):
         for name, t, rows in (("qweight", qw, k), ("qzeros", qz, k // g)):
-            if t.dtype != torch.int32 or t.shape != (rows, n * p // 32):
-                raise CompressError(f"{where}: {p}-bit plane of {name} has shape {tuple(t.shape)} and dtype "
-                                    f"{t.dtype}, expected int32 [{rows}, {n * p // 32}]; the checkpoint is corrupt.")
+            if t.dtype != torch.int32 or t.shape != (rows, n * p // 32) or t.device != layer.scales.device:
+                raise CompressError(f"{where}: {p}-bit plane of {name} has shape {tuple(t.shape)}, dtype "
+                                    f"{t.dtype} and device {t.device}, expected int32 [{rows}, {n * p // 32}] "
+                                    f"on {layer.scales.device}; the checkpoint is corrupt.")
+
+
+def check_inputs(x: torch.Tensor, layer) -> None:
+    """Raise ``CompressError`` unless ``x [M, in]`` and ``layer`` fit the kernels (the layer once per change)."""
+    if x.dim() != 2 or x.shape[1] != layer.in_features:
+        raise CompressError(f"{_where(layer)}: input of shape {tuple(x.shape)} is not [M, {layer.in_features}]; "
+                            f"flatten the leading dimensions to [M, in_features] first.")
+    if x.dtype not in FLOAT_DTYPES:
+        raise CompressError(f"{_where(layer)}: input dtype {x.dtype} is not supported; "
+                            f"cast it to float16, bfloat16 or float32.")
+    if layer.scales.device != x.device:
+        raise CompressError(f"{_where(layer)}: input is on {x.device} but the packed weight is on "
+                            f"{layer.scales.device}; move the model and its inputs to the same device.")
+    current = stamp(layer)
+    if layer.cache.get("checked") != current:
+        check_layer(layer)
+        layer.cache["checked"] = current

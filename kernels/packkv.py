@@ -4,10 +4,10 @@ Same format and signatures as ``packkv_ref.qk`` / ``packkv_ref.pv`` (the format 
 there). One tile is ``BLOCK_T = 64`` stored slots x D channels of one row ``bh``; a thread block
 decodes it straight from the bit stream::
 
-    w[s, c]     = nibble c of pwidth[row(s)]           row(s) = s // 16, i(s) = s % 16
+    pmin, w     = the f-bit field c of pmeta[row(s)]    row(s) = s // 16, i(s) = s % 16
     word[s, c]  = poff[row(s)] + sum_{c'<c} w[s, c'] + (i(s) * w[s, c]) // 16
     rest[s, c]  = (data[word] | data[word + 1] << 16) >> ((i(s) * w) % 16)  &  (2^w - 1)
-    x_hat[s, c] = tmin[s] + tstep[s] * (pmin[row(s), c] + rest[s, c])
+    x_hat[s, c] = tmin[s] + tstep[s] * (pmin + rest[s, c])
 
 and multiplies it with the tile of queries or probabilities:
 
@@ -29,31 +29,37 @@ BLOCK_T = 64
 
 
 @triton.jit
-def _decode_tile(tmin, tstep, pmin, pwidth, poff, data, n_words, bh, s0, n, cap,
+def _bits(words, idx, n_words, bitpos, width, mask):
+    """The ``width``-bit field at ``bitpos`` of the little-endian 16-bit ``words[idx], words[idx + 1]``."""
+    lo = tl.load(words + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    hi = tl.load(words + idx + 1, mask=mask & (idx + 1 < n_words), other=0).to(tl.int32) & 0xFFFF
+    return ((lo | (hi << 16)) >> (bitpos & 15)) & ((1 << width) - 1)
+
+
+@triton.jit
+def _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
                  D: tl.constexpr, BLOCK_T: tl.constexpr):
     """``x_hat [BLOCK_T, D]`` fp32 of slots ``s0 ..`` of row ``bh``; zeros past ``n``."""
     slot = s0 + tl.arange(0, BLOCK_T)
-    ok = slot < n
+    ok = (slot < n)[:, None]
     row = bh * (cap // 16) + slot // 16
-    ch = tl.arange(0, D)
-    wb = tl.load(pwidth + row[:, None] * (D // 2) + ch[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
-    w = (wb >> ((ch[None, :] % 2) * 4)) & 15
+    mpos = tl.arange(0, D)[None, :] * fbits
+    meta = _bits(pmeta + row[:, None] * meta_words, mpos >> 4, meta_words, mpos, fbits, ok)
+    pmin, w = meta & ((1 << mbits) - 1), meta >> mbits
     bitpos = (slot % 16)[:, None] * w
-    word = tl.load(poff + row, mask=ok, other=0)[:, None] + tl.cumsum(w, axis=1) - w + (bitpos >> 4)
-    lo = tl.load(data + word, mask=ok[:, None], other=0).to(tl.int32) & 0xFFFF
-    hi = tl.load(data + word + 1, mask=ok[:, None] & (word + 1 < n_words), other=0).to(tl.int32) & 0xFFFF
-    rest = ((lo | (hi << 16)) >> (bitpos & 15)) & ((1 << w) - 1)
-    code = rest + tl.load(pmin + row[:, None] * D + ch[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    mn = tl.load(tmin + bh * cap + slot, mask=ok, other=0.0).to(tl.float32)
-    st = tl.load(tstep + bh * cap + slot, mask=ok, other=0.0).to(tl.float32)
+    first = tl.load(poff + row, mask=slot < n, other=0)[:, None] + tl.cumsum(w, axis=1) - w
+    code = pmin + _bits(data, first + (bitpos >> 4), n_words, bitpos, w, ok)
+    mn = tl.load(tmin + bh * cap + slot, mask=slot < n, other=0.0).to(tl.float32)
+    st = tl.load(tstep + bh * cap + slot, mask=slot < n, other=0.0).to(tl.float32)
     return mn[:, None] + st[:, None] * code.to(tl.float32)
 
 
 @triton.jit
-def _qk_kernel(q, out, tmin, tstep, pmin, pwidth, poff, data, n_words, n, cap, M,
+def _qk_kernel(q, out, tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, s0 = tl.program_id(0), tl.program_id(1) * BLOCK_T
-    x = _decode_tile(tmin, tstep, pmin, pwidth, poff, data, n_words, bh, s0, n, cap, D, BLOCK_T)
+    x = _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
+                     D, BLOCK_T)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     qt = tl.load(q + (bh * M + m[:, None]) * D + ch[None, :], mask=m[:, None] < M, other=0.0)
     s = tl.dot(qt, tl.trans(x), input_precision="ieee")
@@ -62,14 +68,15 @@ def _qk_kernel(q, out, tmin, tstep, pmin, pwidth, poff, data, n_words, n, cap, M
 
 
 @triton.jit
-def _pv_kernel(p, part, tmin, tstep, pmin, pwidth, poff, data, n_words, n, cap, M, BH, tiles,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+def _pv_kernel(p, part, tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M, BH,
+               tiles, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, split = tl.program_id(0), tl.program_id(1)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for t in range(split * tiles, (split + 1) * tiles):
         s0 = t * BLOCK_T
-        x = _decode_tile(tmin, tstep, pmin, pwidth, poff, data, n_words, bh, s0, n, cap, D, BLOCK_T)
+        x = _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
+                         D, BLOCK_T)
         slot = s0 + tl.arange(0, BLOCK_T)
         pt = tl.load(p + (bh * M + m[:, None]) * n + slot[None, :], mask=(m[:, None] < M) & (slot[None, :] < n),
                      other=0.0)
@@ -83,7 +90,8 @@ def supports(head_dim: int) -> bool:
 
 
 def _args(x: Packed):
-    return (x.tmin, x.tstep, x.pmin, x.pwidth, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1])
+    return (x.tmin, x.tstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1], x.pmeta.shape[-1],
+            x.mbits, x.fbits)
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +108,7 @@ def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Ten
 def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` in registers."""
     BH, M, n = p.shape
-    D = v.pmin.shape[-1]
+    D = v.dim
     n_tiles = triton.cdiv(n, BLOCK_T)
     splits = max(1, min(n_tiles, splits or triton.cdiv(n_tiles, 8)))
     tiles = triton.cdiv(n_tiles, splits)

@@ -3,7 +3,7 @@
 Quantization, per token ``s`` of one head (``x [T, D]``, K after RoPE, or V)::
 
     step[s] = rel * (max_c x[s, c] - min_c x[s, c])
-    code[s, c] = round((x[s, c] - min_c x[s, c]) / step[s])        in 0 .. ceil(1/rel)
+    code[s, c] = round((x[s, c] - min_c x[s, c]) / step[s])        in 0 .. cmax = round(1/rel) + 1
     x_hat[s, c] = tmin[s] + tstep[s] * code[s, c],    |x - x_hat| <= tstep[s] / 2
 
 Bit packing, per pack ``r`` = 16 consecutive stored tokens x 1 channel ``c``::
@@ -12,18 +12,19 @@ Bit packing, per pack ``r`` = 16 consecutive stored tokens x 1 channel ``c``::
     width[r, c] = bit length of max_i code - min_i code (0 when the pack is constant)
 
 Memory layout of one ``Packed`` tensor (K or V of one layer), ``BH = batch * kv_heads``,
-``cap`` the token capacity, slots ``0 .. n-1`` in use::
+``cap`` the token capacity, slots ``0 .. n-1`` in use, ``m`` = bit length of cmax and
+``f = m + bit length of m`` (7 bits for rel = 0.1)::
 
-    tmin, tstep : fp16  [BH, cap]          per-token minimum and step
-    pmin        : uint8 [BH, cap/16, D]    per-pack minimum code
-    pwidth      : uint8 [BH, cap/16, D/2]  per-pack width, channel 2j in the low nibble of byte j
-    poff        : int32 [BH, cap/16]       first word of pack row r (16 tokens x D channels)
-    data        : int16 [words]            the bit stream, grown one block at a time
+    tmin, tstep : fp16  [BH, cap]                   per-token minimum and step
+    pmeta       : int16 [BH, cap/16, ceil(D f/16)]  per pack the f-bit field pmin | width << m,
+                                                    channel c at bits [c f, (c+1) f) of its row
+    poff        : int32 [BH, cap/16]                first word of pack row r (16 tokens x D channels)
+    data        : int16 [words]                     the bit stream, grown one block at a time
 
 Pack (r, c) holds ``width[r, c]`` words starting at ``poff[r] + sum_{c'<c} width[r, c']``:
-rest[i] sits at bits ``[i*w, (i+1)*w)`` of that 16w-bit little-endian string, so a
-code straddles at most two 16-bit words. ``data`` ends with a zero guard word, so that
-a constant pack (width 0) at the very end still points inside it.
+rest[i] sits at bits ``[i*w, (i+1)*w)`` of that 16w-bit little-endian string. Every field
+and code straddles at most two 16-bit words. Once anything is stored ``data`` ends with a
+zero guard word, so that a constant pack (width 0) at the very end still points inside it.
 
 ``qk`` and ``pv`` here unpack into a scratch tensor and call matmul; the Triton kernels in
 ``packkv.py`` compute the same products decoding in registers.
@@ -34,13 +35,18 @@ from dataclasses import dataclass
 import torch
 
 PACK = 16  # tokens per pack
-MAX_CODE = 255  # codes are stored in uint8 minima, so 1/rel <= 254
+MAX_CODE = 255  # codes and pack minima fit 8 bits, so 1/rel <= 253
 
 
 def bit_width(m: torch.Tensor) -> torch.Tensor:
     """Bit length of non-negative ints ``m`` <= 255: 0 -> 0, 1 -> 1, 2..3 -> 2, ..., 128..255 -> 8."""
     pow2 = 2 ** torch.arange(8, device=m.device)
     return (m.unsqueeze(-1) >= pow2).sum(-1)
+
+
+def max_code(rel: float) -> int:
+    """Largest code of ``rel``: 1/rel steps span a token's range, plus one for fp16 rounding."""
+    return min(round(1 / rel) + 1, MAX_CODE)
 
 
 def quantize_tokens(x: torch.Tensor, rel: float):
@@ -54,30 +60,41 @@ def quantize_tokens(x: torch.Tensor, rel: float):
     tmin = lo.half()
     tstep = ((hi - lo) * rel).clamp(min=2.0 ** -14).half()
     codes = torch.round((x - tmin.float()[..., None]) / tstep.float()[..., None])
-    return codes.clamp(0, MAX_CODE).long(), tmin, tstep
+    return codes.clamp(0, max_code(rel)).long(), tmin, tstep
+
+
+def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Tensor:
+    """Little-endian 16-bit words ``[..., n_words]`` (int64) holding ``vals`` (< 2**12) at ``bitpos``
+    (both ``[..., K]``, bits along the last axis)."""
+    shifted = vals << (bitpos % 16)
+    words = torch.zeros(*vals.shape[:-1], n_words + 1, dtype=torch.int64, device=vals.device)
+    words.scatter_add_(-1, bitpos // 16, shifted & 0xFFFF)  # bit ranges do not overlap: add is or
+    words.scatter_add_(-1, bitpos // 16 + 1, shifted >> 16)
+    return words[..., :n_words]
+
+
+def word_pairs(words: torch.Tensor) -> torch.Tensor:
+    """int32 ``word[j] | word[j+1] << 16`` along the last axis of int16 ``words`` (0 past the end)."""
+    w = words.int() & 0xFFFF
+    return w | torch.cat([w[..., 1:], torch.zeros_like(w[..., :1])], -1) << 16
+
+
+def field(pairs: torch.Tensor, bitpos: torch.Tensor, width) -> torch.Tensor:
+    """The ``width``-bit field at ``bitpos`` of the word pairs starting at its word."""
+    return (pairs >> (bitpos & 15)) & ((1 << width) - 1)
 
 
 def pack_rows(codes: torch.Tensor):
-    """Bit-pack ``codes [N, 16, D]`` (ints in 0..255): ``(pmin [N, D], width [N, D], words int64 [W])``.
+    """Bit-pack ``codes [N, 16, D]``: ``(pmin [N, D], width [N, D], words int64 [W])``.
 
     ``words`` holds the N pack rows back to back, each channel's ``width`` words in turn.
     """
     N, P, D = codes.shape
     pmin = codes.amin(1)
-    width = bit_width(codes.amax(1) - pmin)                                  # [N, D]
-    rest = (codes - pmin[:, None]).transpose(1, 2)                            # [N, D, 16]
-    bitpos = torch.arange(P, device=codes.device) * width[..., None]          # [N, D, 16]
-    shifted = rest << (bitpos % 16)
-    words = torch.zeros(N, D, 9, dtype=torch.int64, device=codes.device)     # 16 * 8 bits + carry
-    words.scatter_add_(2, bitpos // 16, shifted & 0xFFFF)
-    words.scatter_add_(2, bitpos // 16 + 1, shifted >> 16)
-    used = torch.arange(9, device=codes.device) < width[..., None]
-    return pmin, width, words[used]
-
-
-def nibbles(width: torch.Tensor) -> torch.Tensor:
-    """Widths ``[..., D]`` (0..8) to bytes ``[..., D/2]``: channel 2j low nibble, 2j+1 high."""
-    return (width[..., 0::2] | (width[..., 1::2] << 4)).to(torch.uint8)
+    width = bit_width(codes.amax(1) - pmin)                                      # [N, D]
+    bitpos = torch.arange(P, device=codes.device) * width[..., None]             # [N, D, 16]
+    words = put_bits((codes - pmin[:, None]).transpose(1, 2), bitpos, 8)        # [N, D, 8]
+    return pmin, width, words[torch.arange(8, device=codes.device) < width[..., None]]
 
 
 def to_int16(words: torch.Tensor) -> torch.Tensor:
@@ -91,56 +108,68 @@ class Packed:
 
     tmin: torch.Tensor
     tstep: torch.Tensor
-    pmin: torch.Tensor
-    pwidth: torch.Tensor
+    pmeta: torch.Tensor
     poff: torch.Tensor
     data: torch.Tensor
+    dim: int    # D, channels per token
+    mbits: int  # bits of a pack minimum; a pack's field is mbits + bit length of mbits
     n: int = 0
 
+    @property
+    def fbits(self) -> int:
+        return self.mbits + self.mbits.bit_length()
+
     @classmethod
-    def empty(cls, bh: int, cap: int, d: int, device="cpu") -> "Packed":
-        rows = cap // PACK
+    def empty(cls, bh: int, cap: int, d: int, cmax: int = MAX_CODE, device="cpu") -> "Packed":
+        """Room for ``cap`` tokens (a multiple of 16) of codes up to ``cmax``."""
+        rows, mbits = cap // PACK, cmax.bit_length()
+        meta_words = -(-d * (mbits + mbits.bit_length()) // 16)
         return cls(tmin=torch.zeros(bh, cap, dtype=torch.float16, device=device),
                    tstep=torch.zeros(bh, cap, dtype=torch.float16, device=device),
-                   pmin=torch.zeros(bh, rows, d, dtype=torch.uint8, device=device),
-                   pwidth=torch.zeros(bh, rows, d // 2, dtype=torch.uint8, device=device),
+                   pmeta=torch.zeros(bh, rows, meta_words, dtype=torch.int16, device=device),
                    poff=torch.zeros(bh, rows, dtype=torch.int32, device=device),
-                   data=torch.zeros(1, dtype=torch.int16, device=device))
+                   data=torch.zeros(0, dtype=torch.int16, device=device), dim=d, mbits=mbits)
 
     def append(self, codes: torch.Tensor, tmin: torch.Tensor, tstep: torch.Tensor) -> None:
-        """Store ``codes [BH, T, D]`` (T a multiple of 16) with their per-token ``tmin``, ``tstep`` [BH, T]."""
+        """Store ``codes [BH, T, D]`` (T a multiple of 16, codes < 2**mbits) with their per-token
+        ``tmin``, ``tstep`` [BH, T]."""
         bh, T, D = codes.shape
-        s, r = self.n, self.n // PACK
-        pmin, width, words = pack_rows(codes.reshape(bh * T // PACK, PACK, D))
+        s, r, nr = self.n, self.n // PACK, T // PACK
+        pmin, width, words = pack_rows(codes.reshape(bh * nr, PACK, D))
+        meta_pos = (torch.arange(D, device=codes.device) * self.fbits).expand_as(pmin)
+        meta = put_bits(pmin | width << self.mbits, meta_pos, self.pmeta.shape[-1])
         sizes = width.sum(-1)
-        offs = self.data.numel() - 1 + sizes.cumsum(0) - sizes
+        offs = max(self.data.numel() - 1, 0) + sizes.cumsum(0) - sizes
         self.tmin[:, s:s + T], self.tstep[:, s:s + T] = tmin, tstep
-        self.pmin[:, r:r + T // PACK] = pmin.view(bh, -1, D).to(torch.uint8)
-        self.pwidth[:, r:r + T // PACK] = nibbles(width).view(bh, -1, D // 2)
-        self.poff[:, r:r + T // PACK] = offs.view(bh, -1).to(torch.int32)
-        self.data = torch.cat([self.data[:-1], to_int16(words), self.data[-1:]])
+        self.pmeta[:, r:r + nr] = to_int16(meta).view(bh, nr, -1)
+        self.poff[:, r:r + nr] = offs.view(bh, nr).to(torch.int32)
+        guard = torch.zeros(1, dtype=torch.int16, device=words.device)
+        self.data = torch.cat([self.data[:-1], to_int16(words), guard])
         self.n += T
 
     def nbytes(self) -> int:
         """Bytes held for the ``n`` stored tokens: per-token and per-pack metadata plus the bit stream."""
-        bh, rows = self.tmin.shape[0], self.n // PACK
-        per_token = self.tmin[:, :self.n].nbytes + self.tstep[:, :self.n].nbytes
-        per_pack = self.pmin[:, :rows].nbytes + self.pwidth[:, :rows].nbytes + self.poff[:, :rows].nbytes
-        return per_token + per_pack + self.data.nbytes
+        n, rows = self.n, self.n // PACK
+        per_token = self.tmin[:, :n].nbytes + self.tstep[:, :n].nbytes
+        return per_token + self.pmeta[:, :rows].nbytes + self.poff[:, :rows].nbytes + self.data.nbytes
+
+
+def unpack_meta(p: Packed):
+    """``(pmin, width)``, int32 ``[BH, rows, D]`` of the stored pack rows."""
+    bitpos = torch.arange(p.dim, device=p.data.device, dtype=torch.int32) * p.fbits
+    fields = field(word_pairs(p.pmeta[:, :p.n // PACK])[..., bitpos >> 4], bitpos, p.fbits)
+    return fields & ((1 << p.mbits) - 1), fields >> p.mbits
 
 
 def unpack_codes(p: Packed) -> torch.Tensor:
     """Codes ``[BH, n, D]`` (int32) of the ``n`` stored tokens: the inverse of :func:`pack_rows`."""
-    bh, rows, D = p.tmin.shape[0], p.n // PACK, p.pmin.shape[-1]
-    wb = p.pwidth[:, :rows].int()
-    width = torch.stack([wb & 15, wb >> 4], -1).flatten(-2)                          # [BH, rows, D]
-    first = p.poff[:, :rows, None] + width.cumsum(-1, dtype=torch.int32) - width     # first word of each pack
-    d = p.data.int() & 0xFFFF
-    pairs = d | torch.cat([d[1:], d[:1] * 0]) << 16                                   # word j and j+1
-    bitpos = torch.arange(PACK, dtype=torch.int32, device=wb.device)[:, None] * width[:, :, None]
-    idx = (bitpos >> 4).add_(first[:, :, None]).long()                               # [BH, rows, 16, D]
-    rest = pairs[idx].bitwise_right_shift_(bitpos.bitwise_and_(15)).bitwise_and_(((1 << width) - 1)[:, :, None])
-    return rest.add_(p.pmin[:, :rows, None]).view(bh, rows * PACK, D)
+    bh, rows = p.tmin.shape[0], p.n // PACK
+    pmin, width = unpack_meta(p)
+    first = p.poff[:, :rows, None] + width.cumsum(-1, dtype=torch.int32) - width      # first word of each pack
+    bitpos = torch.arange(PACK, dtype=torch.int32, device=width.device)[:, None] * width[:, :, None]
+    idx = (bitpos >> 4).add_(first[:, :, None]).long()                                # [BH, rows, 16, D]
+    rest = field(word_pairs(p.data)[idx], bitpos, width[:, :, None])
+    return rest.add_(pmin[:, :, None]).view(bh, rows * PACK, p.dim)
 
 
 def dequantize(p: Packed) -> torch.Tensor:

@@ -19,7 +19,9 @@ from compress.checkpoint import load_run, save_checkpoint
 from compress.errors import CompressError
 from compress.kernels.int8_cpu import int8_matmul_dequant_cpu
 from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref
-from compress.quant.llm_int8 import Int8Linear, int8_linear, llm_int8
+from compress.pipeline import run
+from compress.quant.llm_int8 import Int8Linear, llm_int8
+from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -125,6 +127,15 @@ def test_inputs_of_any_leading_shape_and_dtype():
     assert y16.dtype == torch.bfloat16 and rel(y16.float(), y) < 2e-2
 
 
+def test_gradients_flow_through_the_dequantized_weight():
+    layer = Int8Linear.from_linear(fp_linear(64, 24, seed=12))
+    x = planted(6, 64, seed=13).requires_grad_()
+    layer(x).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x_ref, layer.dequantize(), layer.bias).square().sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -219,13 +230,7 @@ def test_cuda_layer_matches_cpu_layer():
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = make_tiny_model(seed, vocab_size=96, hidden_size=64, intermediate_size=128, max_position_embeddings=64)
     with torch.no_grad():  # an LLM.int8-style outlier dim in the attention input of layer 0
         model.model.layers[0].input_layernorm.weight[5] = 20.0
     return model
@@ -257,7 +262,7 @@ def test_outlier_statistics():
     row = table["model.layers.0.self_attn.q_proj"]
     assert row["dims"] == int(over.any(0).sum()) and row["dims"] >= 1
     assert row["top_dims"][0] == [5, int(over[:, 5].sum())]
-    assert math.isclose(row["token_frac"], over.any(1).float().mean().item())
+    assert math.isclose(row["token_frac"] * x.shape[0], over.any(1).sum().item())
     for i in range(2):  # the projections that share an input share its row
         prefix = f"model.layers.{i}."
         assert table[prefix + "self_attn.k_proj"] == table[prefix + "self_attn.q_proj"]
@@ -288,8 +293,8 @@ def test_round_trip_through_run_folder(tmp_path):
             ours = loaded(ids).logits
             assert torch.equal(ours, model(ids).logits)
         errs[threshold] = rel(ours, exact)
-    assert errs[6.0] < 1e-2
-    assert errs[6.0] < errs[0.0]  # the planted outlier dim needs the decomposition
+    assert errs[6.0] < 3e-2
+    assert errs[6.0] < 0.75 * errs[0.0]  # the planted outlier dim needs the decomposition
 
 
 def test_transformers_loads_our_run_folder(tmp_path):
@@ -299,11 +304,24 @@ def test_transformers_loads_our_run_folder(tmp_path):
     model = llm_int8(tiny_llama(), ctx)
     save_checkpoint(model, None, tmp_path, ctx.quantization_config)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu")
-    proj = hf.model.layers[0].self_attn.q_proj
-    assert isinstance(proj, bnb.nn.Linear8bitLt) and proj.state.threshold == 6.0
+    for name, ours in get_adapter(model.config).all_linears(model).items():
+        theirs = hf.get_submodule(name)
+        assert isinstance(theirs, bnb.nn.Linear8bitLt) and theirs.state.threshold == 6.0
+        assert torch.equal(theirs.weight.data, ours.weight), name
+        assert torch.equal(theirs.weight.SCB if theirs.weight.SCB is not None else theirs.state.SCB, ours.SCB)
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert rel(hf(ids).logits, model(ids).logits) <= 1e-2
+    with torch.no_grad():  # two int8 forwards of the same weights (activations rounded differently)
+        assert rel(hf(ids).logits, model(ids).logits) <= 3e-2
+
+
+def test_recipe_through_the_pipeline(tiny_dir, tmp_path):
+    assert compose("llm_int8").llm_int8.threshold == 6.0
+    assert compose("llm_int8", ["llm_int8.threshold=0"]).llm_int8.threshold == 0
+    report = run(compose("llm_int8", [f"model.path={tiny_dir}", *TINY_OVERRIDES]), tmp_path / "run")
+    assert report["threshold"] == 6.0 and len(report["outliers"]) == 2 * 7
+    assert math.isfinite(report["ppl"]) and 0 <= report["kl_vs_source"] < 0.05
+    qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "bitsandbytes" and qcfg["llm_int8_threshold"] == 6.0
 
 
 @pytest.mark.slow

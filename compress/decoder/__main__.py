@@ -32,9 +32,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cache option, e.g. --kv-opt bits=2 (repeatable)")
     p.add_argument("--max-len", type=int, help="KV cache length (default: prompt + max new tokens)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in (bfloat16: "
+                   "ATen's int4pack kernel on the CPU, faster, inputs rounded); default: --dtype")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile the decode step (auto: when the cache supports it)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p.parse_args(argv)
 
@@ -69,12 +72,16 @@ def main(argv=None) -> None:
 
 
 def run(args) -> None:
+    import time
+
     import torch
 
     from compress.decoder.generate import Sampling, decode_step, generate, peak_memory, peak_memory_reset
-    from compress.decoder.model import load
+    from compress.decoder.model import load, release_freed_memory
 
-    model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device)
+    t0 = time.perf_counter()
+    model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device,
+                      qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
     if tok is None:
         raise CompressError(f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt.")
     text = args.prompt
@@ -84,11 +91,16 @@ def run(args) -> None:
     ids = tok(text, add_special_tokens=not args.chat).input_ids
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     kv_opts = kv_options(args.kv_opt)
-    step = decode_step(model, args.compile, args.kv)
+    step = decode_step(model, args.compile)
+    t1 = time.perf_counter()
+    if not args.no_warmup:  # kernels prepare their weight forms, and compile, at first use
+        generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len, step=step, ignore_eos=True)
+    t2 = time.perf_counter()
 
     def stream(_row, piece):
         print(piece, end="", flush=True)
 
+    release_freed_memory()
     peak_memory_reset()
     r = generate(model, [ids], args.max_new_tokens, tok, sampling, args.kv, kv_opts, args.max_len,
                  tuple(args.stop), on_text=None if args.json else stream, step=step)
@@ -99,7 +111,8 @@ def run(args) -> None:
         print(json.dumps(stats))
         return
     print(flush=True)
-    print(f"[{len(ids)} prompt tokens, {len(r.tokens[0])} generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
+    print(f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
+          f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
           f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
           f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
           file=sys.stderr)

@@ -15,9 +15,11 @@ holds. Module names are the HF checkpoint's, so a run folder's tensors load by
 name and validation errors name the tensor as it is stored. Linears are
 ``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks
 for (``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
+After loading, q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj``
+(one matmul each: fewer calls per token). Mistral's sliding window is not
+implemented: ``generate`` refuses sequences longer than the window.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -25,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.adapters import get_adapter, set_module
-from compress.checkpoint import load_state, quantized_layer, read_tensors
+from compress.checkpoint import (load_state, quantized_layer, read_config, read_tensors, read_tokenizer,
+                                 swap_quantized)
 from compress.errors import CompressError
 
 
@@ -73,9 +75,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -88,15 +88,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
+        self.qkv_proj = None  # q_proj, k_proj, v_proj fused by fuse_projections()
 
     def forward(self, x, cos, sin, cache, start):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, Hkv = self.n_heads, self.n_kv_heads
+        heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+        qk = apply_rope(heads[:, :H + Hkv], cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
         cache.append(self.layer, k, v)
-        y = cache.attend(self.layer, q, start)  # [B, H, T, D]
+        y = cache.attend(self.layer, q, start).to(x.dtype)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -107,9 +108,11 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_up_proj = None  # gate_proj and up_proj fused by fuse_projections()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -170,6 +173,78 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
+class Parallel(nn.Module):
+    """Layers that share an input, their outputs side by side: for projections that do not fuse."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return torch.cat([layer(x) for layer in self.parts], dim=-1)
+
+
+def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str = "") -> nn.Module:
+    """One layer whose output is the ``layers``' outputs side by side (they share the input).
+
+    Each tensor of the fused layer (an ``nn.Linear``, or the quantized layer ``qcfg`` names) is
+    the parts' tensors concatenated along the dimension whose sizes add up: the output
+    dimension (rows of a weight, columns of packed codes and scales). Layers of different
+    kinds, or tensors without such a dimension, give a :class:`Parallel` instead.
+    """
+    first = layers[0]
+    if any(type(m) is not type(first) for m in layers):
+        return Parallel(layers)
+    with torch.device("meta"):
+        fused = nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None)
+        if type(first) is not nn.Linear:
+            fused = quantized_layer(qcfg, fused, name)
+    fused.to_empty(device=device)
+    state, parts = {}, [m.state_dict() for m in layers]
+    for name, t in fused.state_dict().items():
+        ts = [p[name] for p in parts]
+        dims = [d for d in range(t.dim()) if sum(x.shape[d] for x in ts) == t.shape[d]
+                and all(x.shape[:d] + x.shape[d + 1:] == t.shape[:d] + t.shape[d + 1:] for x in ts)]
+        if dims:
+            state[name] = torch.cat(ts, dim=dims[0])
+        elif all(x.shape == t.shape and torch.equal(x, ts[0]) for x in ts):
+            state[name] = ts[0]  # a shared constant (e.g. a format tag)
+        else:
+            return Parallel(layers)
+    fused.load_state_dict(state)
+    return fused
+
+
+def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
+    """Replace q/k/v by ``qkv_proj`` and gate/up by ``gate_up_proj`` in every layer (fewer, larger matmuls)."""
+    for i, block in enumerate(model.model.layers):
+        a, f = block.self_attn, block.mlp
+        a.qkv_proj = fuse_linears([a.q_proj, a.k_proj, a.v_proj], qcfg, device, f"model.layers.{i}.self_attn.qkv")
+        f.gate_up_proj = fuse_linears([f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up")
+        del a.q_proj, a.k_proj, a.v_proj, f.gate_proj, f.up_proj
+
+
+class Cast(nn.Module):
+    """``layer`` computing in ``dtype``: ``y = layer(x.to(dtype)).to(x.dtype)``."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.dtype = layer, dtype
+
+    def forward(self, x):
+        return self.layer(x.to(self.dtype)).to(x.dtype)
+
+
+def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
+    """Wrap every group-quantized projection (``QuantLinear``) in :class:`Cast` to ``dtype``."""
+    from compress.quant.linear import QuantLinear
+
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, QuantLinear):
+                setattr(module, name, Cast(child, dtype))
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -182,46 +257,44 @@ def attention_biases(config) -> tuple[bool, bool]:
     return bias, bias
 
 
-def read_config(folder: Path):
-    """``(HF config, quantization_config or None)`` of a run folder or HF folder."""
-    from transformers import AutoConfig
+def release_freed_memory() -> None:
+    """Hand the heap that loading freed back to the OS (glibc ``malloc_trim``), so RSS shows what is live."""
+    import ctypes
+    import gc
 
-    if not (folder / "config.json").is_file():
-        raise CompressError(f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
-                            f"Pass the folder a recipe wrote (outputs/...) or an HF model folder.")
-    raw = json.loads((folder / "config.json").read_text())
-    qcfg = raw.pop("quantization_config", None)
-    config = AutoConfig.for_model(**raw)
-    get_adapter(config)  # unsupported architectures fail here, with the fix
-    return config, qcfg
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
-def load(folder, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, object]:
+def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
+         qdtype: torch.dtype | None = None) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point
     parameters (embedding, norms, unquantized linears) take ``dtype``; quantized layers keep
-    their packed buffers and fp16 scales.
+    their packed buffers and fp16 scales. ``qdtype`` (e.g. bfloat16, which ATen's int4pack CPU
+    kernel needs) makes the group-quantized layers compute in that dtype (:class:`Cast`);
+    that rounds their inputs, so the logits are no longer those of the pipeline's loader.
     """
-    from transformers import AutoTokenizer
-
     from compress.models import check_finite
 
     folder = Path(folder)
     config, qcfg = read_config(folder)
     with torch.device("meta"):
         model = Transformer(config)
-        if qcfg:
-            skip = qcfg.get("modules_to_not_convert") or []
-            for name, lin in get_adapter(config).all_linears(model).items():
-                if not any(s in name for s in skip):
-                    set_module(model, name, quantized_layer(qcfg, lin))
+        swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(rope_inv_freq(head_dim_of(config), config.rope_parameters))
     load_state(model, read_tensors(folder), str(folder))
     check_finite(model, f"run folder '{folder}'")
+    fuse_projections(model, qcfg, device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if qdtype is not None and qdtype != dtype:
+        cast_quantized(model, qdtype)
     model.eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
-    return model, tok
+    release_freed_memory()
+    return model, read_tokenizer(folder)

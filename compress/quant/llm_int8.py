@@ -13,6 +13,9 @@ For one linear layer ``y = x W^T + b``, ``x [M, K]`` (M tokens), ``W [N, K]``::
 through int8 (pure vector-wise int8, the paper's "Int8 vector-wise" baseline).
 The outlier dims are found and gathered once per forward with tensor ops.
 
+When gradients are needed (``x.requires_grad``), the layer computes ``x W_hat^T + b``
+in x's dtype instead, since the int8 product has no backward.
+
 On disk, the layer is bitsandbytes' ``Linear8bitLt`` state_dict (what
 transformers writes and reads for ``load_in_8bit``)::
 
@@ -164,6 +167,9 @@ class Int8Linear(nn.Module):
                     f"'{self.name}' has weight_format {int(self.weight_format)}; compress reads only 0 "
                     f"(row-major int8), which bitsandbytes >= 0.45 writes. Re-save the checkpoint with it.")
             self.format_checked = True
+        if x.requires_grad and torch.is_grad_enabled():  # int8 has no backward: go through W_hat, as
+            bias = None if self.bias is None else self.bias.to(x.dtype)  # bitsandbytes does on the CPU
+            return nn.functional.linear(x, self.dequantize(x.dtype), bias)
         y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.SCB, self.bias,
                         self.threshold, self.name or "an Int8Linear layer")
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,118 @@
+"""The model card: ``README.md`` of a run folder, the page the Hub shows.
+
+YAML front matter: base_model, base_model_relation (quantized runs), library_name,
+license (carried over from the source where known), pipeline_tag, tags (compress,
+the method, the bit width). Body: what was done with the resolved recipe, the eval
+table with its protocol, and how to load the model: with transformers or vLLM where
+the format allows it (AutoAWQ INT4, bitsandbytes int8, plain checkpoints), always
+with ``compress.decoder``. The pipeline writes it before the manifest, so it is hashed.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from compress.eval.run_report import bit_width, metrics_table, protocol
+
+PLACEHOLDER_REPO = "ORG/NAME"
+
+
+def source_info(source: dict) -> dict:
+    """``base_model`` and ``license`` of the source model, where they can be known."""
+    folder, name = Path(source.get("path") or ""), source.get("name") or ""
+    if (folder / "source.json").is_file():  # the default model's cache folder
+        meta = json.loads((folder / "source.json").read_text())
+    elif (folder / "README.md").is_file():  # a downloaded or saved HF folder with its card
+        from huggingface_hub.repocard import metadata_load
+
+        meta = {"license": (metadata_load(folder / "README.md") or {}).get("license")}
+    else:
+        meta = {}
+    hub_id = re.search(r"models--([^/]+)--([^/]+)/snapshots/", str(folder))  # the HF cache layout
+    if not meta.get("base_model"):
+        if hub_id:
+            meta["base_model"] = f"{hub_id.group(1)}/{hub_id.group(2)}"
+        elif not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # loaded by hub id
+            meta["base_model"] = name
+    return {k: meta[k] for k in ("base_model", "license") if meta.get(k)}
+
+
+def loaders(config: dict, stages: list) -> list[str]:
+    """Which libraries besides compress.decoder can load this checkpoint."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method == "awq":
+        return ["transformers", "vllm"]
+    if method == "bitsandbytes":
+        return ["transformers"]
+    if method is None and not stages:  # an unmodified HF checkpoint
+        return ["transformers", "vllm"]
+    return []  # our own formats (quant_method compress, MLA/CLA configs)
+
+
+def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
+    qcfg = config.get("quantization_config") or {}
+    bits = bit_width(report, config, recipe)
+    tags = ["compress", *recipe.get("stages", []), qcfg.get("quant_method"), f"{bits}-bit" if bits else None]
+    meta = source_info(source)
+    if qcfg and "base_model" in meta:
+        meta["base_model_relation"] = "quantized"
+    meta["library_name"] = "transformers" if loaders(config, recipe.get("stages", [])) else "compress"
+    meta["pipeline_tag"] = "text-generation"
+    meta["tags"] = list(dict.fromkeys(t for t in tags if t))
+    return meta
+
+
+def _how_to_load(repo_id: str, libs: list[str], method: str | None) -> list[str]:
+    lines = ["## How to load", ""]
+    if "transformers" in libs:
+        needs = {"awq": "an AWQ kernel package, as transformers asks",
+                 "bitsandbytes": "`pip install bitsandbytes`"}.get(method)
+        lines += ["With transformers" + (f" (needs {needs}):" if needs else ":"), "", "```python",
+                  "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                  f'tok = AutoTokenizer.from_pretrained("{repo_id}")',
+                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto")',
+                  "```", ""]
+    if "vllm" in libs:
+        lines += ["With vLLM:", "", "```bash",
+                  f"vllm serve {repo_id}" + (" --quantization awq" if method == "awq" else ""), "```", ""]
+    folder = repo_id.split("/")[-1]
+    lines += ["With compress's own decoder (every format compress writes):", "", "```bash",
+              f"hf download {repo_id} --local-dir {folder}",
+              f'python -m compress.decoder {folder} --prompt "The capital of France is"', "```"]
+    return lines
+
+
+def render(report: dict, config: dict, recipe: dict, source: dict, repo_id: str | None = None) -> str:
+    """The model card's text."""
+    repo_id = repo_id or PLACEHOLDER_REPO
+    meta = metadata(report, config, recipe, source)
+    qcfg = config.get("quantization_config") or {}
+    stages = recipe.get("stages") or []
+    base = meta.get("base_model") or Path(report["model"]).name  # not a local path
+    done = (f"`{base}` compressed by compress with the recipe `{report['recipe']}` "
+            f"(stages: {', '.join(stages) or 'none, the uncompressed baseline'}).")
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
+             f"# {report['recipe']}: {base}", "", done, ""]
+    if qcfg:
+        lines += [f"On-disk format: `quantization_config` = `{json.dumps(qcfg)}`.", ""]
+    if repo_id == PLACEHOLDER_REPO:
+        lines += [f"Replace `{PLACEHOLDER_REPO}` below with this repository's id.", ""]
+    lines += ["## Evaluation", "", protocol(report) + " Perplexity is exp(mean token NLL); KL is "
+              "KL(source ‖ this model) in nats per token.", "", *metrics_table(report), "",
+              "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
+              "the source model's sha256 and the compress version.", "",
+              *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method")), "",
+              "## Resolved recipe", "", "```yaml", yaml.safe_dump(recipe, sort_keys=False).rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_model_card(folder: Path, report: dict, recipe: dict, source: dict) -> Path:
+    """Write ``folder/README.md`` from the run's report, its config.json and the resolved recipe."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    repo_id = (recipe.get("hub") or {}).get("repo_id")
+    path = folder / "README.md"
+    path.write_text(render(report, config, recipe, source, repo_id))
+    return path

@@ -1,0 +1,370 @@
+"""Batch-1 decode and prefill speed, and peak memory, side by side in one run (DESIGN.md "Speed").
+
+    python -m compress.eval.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
+        [--new 128] [--prompt-len 32] [--prefill-len 512] [--compile] [--json OUT]
+
+Systems (``--systems`` picks some):
+
+    ours-int4       compress.decoder on the int4 run folder (fp32 activations, fp16 KV cache)
+    ours-int4-q16   the same, the int4 layers computing in bfloat16 (``--qdtype bfloat16``: ATen's
+                    int4pack kernel; inputs rounded to bfloat16, so not bit-faithful to the run folder)
+    ours-int4-bf16  the same with everything in bfloat16 (embedding and head included)
+    ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
+    ours-bf16       the same, weights and activations in bfloat16
+    hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
+    llama.cpp       llama-cpp-python on the default model's own GGUF Q4_1, n_threads = --threads (2)
+
+Each system runs in two worker processes, one timing decode and then one timing prefill,
+so that each has its own peak RSS (prefill's larger activations and kernels do not count
+as decoding memory) and a llama.cpp crash (SIGILL from AMX on some VMs) cannot take the
+script down. In each phase the rounds alternate between the systems; round 0 is a warm-up
+(and compiles), then each of ``--rounds`` rounds times one greedy generation of ``--new``
+tokens after the same ``--prompt-len``-token WikiText-2 prompt (EOS ignored), or one
+prefill of ``--prefill-len`` tokens:
+
+    decode tok/s  = (new - 1) / (time from the first generated token to the last)
+    prefill tok/s = prefill_len / (time of the prefill forward)
+
+Every system times itself the same way, in Python around its own calls (llama.cpp: around
+``Llama.eval`` and ``Llama.sample``; transformers: a streamer's timestamps). The table gives
+medians. Peak memory is the decode worker's peak RSS over the timed rounds (reset after
+the warm-up, so loading does not count). "In memory" is the tensors the model holds,
+kernel-prepared forms included; "on disk" the weight files, which the memory bar uses.
+Wall-clock figures on a shared machine are noisy: compare rows of one run, not runs.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SYSTEMS = ("ours-int4", "ours-int4-q16", "ours-int4-bf16", "ours-fp32", "ours-bf16", "hf-fp32", "llama.cpp")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tensor_bytes(objs) -> int:
+    """Bytes of the distinct storages among tensors found in ``objs`` (nested lists/tuples/dicts)."""
+    seen, total, stack = set(), 0, list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            key = (o.untyped_storage().data_ptr(), o.device)
+            if key not in seen:
+                seen.add(key)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def model_bytes(model) -> int:
+    """Parameters, buffers, and what the kernels prepared in ``layer.cache``."""
+    caches = [m.cache for m in model.modules() if isinstance(getattr(m, "cache", None), dict)]
+    return tensor_bytes([*model.parameters(), *model.buffers(), *caches])
+
+
+def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
+    """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without the data)."""
+    data = Path(os.environ.get("COMPRESS_DATA_DIR", REPO.parent / "shared" / "data"))
+    f = data / "wikitext-2" / "wiki.test.raw"
+    text = f.read_text()[:40000] if f.is_file() else "The quick brown fox jumps over the lazy dog. " * 400
+    return tokenizer(text).input_ids[offset:offset + n]
+
+
+# ---- workers: one system each, driven over stdin/stdout ----------------------------------------
+
+class Ours:
+    def __init__(self, folder, dtype, compile, qdtype=None):
+        from compress.decoder.generate import decode_step
+        from compress.decoder.model import load
+
+        self.model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype))
+        self.step = decode_step(self.model, compile)
+
+    def decode(self, ids, new):
+        from compress.decoder.generate import generate
+
+        r = generate(self.model, [ids], new, step=self.step, ignore_eos=True)
+        return r.decode_tok_s, r.tokens[0]
+
+    def prefill(self, ids):
+        from compress.decoder.generate import generate
+
+        return generate(self.model, [ids], 1, ignore_eos=True).prefill_tok_s
+
+    def weight_bytes(self):
+        return model_bytes(self.model)
+
+
+class HF:
+    def __init__(self, folder):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def decode(self, ids, new):
+        times = []
+
+        class Clock:  # transformers' streamer protocol: put(prompt), put(token) per step, end()
+            def put(self, value):
+                times.append(time.perf_counter())
+
+            def end(self):
+                times.append(time.perf_counter())
+
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=[],
+                                      pad_token_id=0, streamer=Clock())
+        return (new - 1) / (times[-1] - times[1]), out[0, len(ids):].tolist()
+
+    def prefill(self, ids):
+        with torch.no_grad():
+            t = time.perf_counter()
+            self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+            return len(ids) / (time.perf_counter() - t)
+
+    def weight_bytes(self):
+        return model_bytes(self.model)
+
+
+class LlamaCpp:
+    def __init__(self, gguf, threads):
+        import llama_cpp
+        from llama_cpp import llama as module
+
+        default_params = module.llama_cpp.llama_model_default_params
+
+        def params():  # AMX "extra buffer types" crash with SIGILL on some VMs
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+
+        module.llama_cpp.llama_model_default_params = params
+        self.llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                                   n_batch=512, verbose=False)
+        self.gguf = gguf
+
+    def decode(self, ids, new):
+        self.llm.reset()
+        self.llm.eval(ids)
+        out = [self.llm.sample(temp=0.0)]
+        t = time.perf_counter()
+        for _ in range(new - 1):
+            self.llm.eval([out[-1]])
+            out.append(self.llm.sample(temp=0.0))
+        return (new - 1) / (time.perf_counter() - t), out
+
+    def prefill(self, ids):
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        return len(ids) / (time.perf_counter() - t)
+
+    def weight_bytes(self):
+        return Path(self.gguf).stat().st_size  # mmapped file: weights as stored
+
+
+def make_system(name, args):
+    if name.startswith("ours-"):
+        return Ours(args.int4 if name.startswith("ours-int4") else args.fp,
+                    "bfloat16" if name.endswith("bf16") else "float32", args.compile,
+                    "bfloat16" if name.endswith("q16") else None)
+    if name == "hf-fp32":
+        return HF(args.fp)
+    from compress.models import default_gguf
+
+    return LlamaCpp(default_gguf(), args.threads)
+
+
+def worker(spec: str, args) -> None:
+    """Load system ``spec = NAME:TASK`` (TASK decode | prefill), then answer each stdin line with one round."""
+    from transformers import AutoTokenizer
+
+    from compress.decoder.generate import peak_memory, peak_memory_reset
+    from compress.decoder.model import release_freed_memory
+
+    name, task = spec.split(":")
+    torch.set_num_threads(args.threads)
+    out, sys.stdout = sys.stdout, sys.stderr  # libraries' chatter goes to stderr
+    tok = AutoTokenizer.from_pretrained(args.fp)
+    ids = prompt_ids(tok, args.prompt_len) if task == "decode" else prompt_ids(tok, args.prefill_len, args.prompt_len)
+    system = make_system(name, args)
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for i, _ in enumerate(sys.stdin):
+        if task == "decode":
+            tok_s, tokens = system.decode(ids, args.new)
+        else:
+            tok_s, tokens = system.prefill(ids), []
+        if i == 0:  # after the warm-up: loading, first-use kernel preparation and compiling do not count
+            release_freed_memory()
+            peak_memory_reset()
+        print(json.dumps({"tok_s": tok_s, "peak_mem_bytes": peak_memory(), "memory_bytes": system.weight_bytes(),
+                          "text": tok.decode(tokens)}), file=out, flush=True)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, spec, argv):
+        self.spec = spec
+        self.proc = subprocess.Popen([sys.executable, "-m", "compress.eval.bench_decode", "--worker", spec, *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.read()  # loaded
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(f"worker {self.spec} exited with status {code}"
+                               + (f" (signal {-code})" if code < 0 else ""))
+        return json.loads(line)
+
+    def round(self):
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def disk_bytes(name: str, args) -> int:
+    """The weights as stored: the run folder's safetensors files, or the GGUF file."""
+    if name == "llama.cpp":
+        from compress.models import default_gguf
+
+        return default_gguf().stat().st_size
+    folder = Path(args.int4 if name.startswith("ours-int4") else args.fp)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def table(results: dict) -> list[str]:
+    hf = results.get("hf-fp32", {}).get("decode_tok_s")
+    cpp = results.get("llama.cpp", {}).get("decode_tok_s")
+    lines = ["| system | decode tok/s | prefill tok/s | peak MiB (decode) | in memory MiB | on disk MiB "
+             "| decode vs hf-fp32 | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "decode_tok_s" not in r:
+            lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | |")
+            continue
+        d = r["decode_tok_s"]
+        lines.append(f"| {name} | {d:.1f} | {r.get('prefill_tok_s', float('nan')):.0f} | "
+                     f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['memory_bytes'] / 2**20:.0f} | "
+                     f"{r['disk_bytes'] / 2**20:.0f} | {d / hf if hf else float('nan'):.2f}x | "
+                     f"{d / cpp if cpp else float('nan'):.2f}x |")
+    return lines
+
+
+def targets(results: dict) -> list[str]:
+    """The issue's bars, for each int4 row: speed against hf-fp32 and llama.cpp, memory against ours-fp32."""
+    f, hf, cpp = (results.get(k, {}) for k in ("ours-fp32", "hf-fp32", "llama.cpp"))
+    out = []
+    for name in ("ours-int4", "ours-int4-q16", "ours-int4-bf16"):
+        q = results.get(name, {})
+        if "decode_tok_s" not in q:
+            continue
+        if "decode_tok_s" in hf:
+            r = q["decode_tok_s"] / hf["decode_tok_s"]
+            out.append(f"{name} / hf-fp32 decode: {r:.2f}x (target >= 3): {'PASS' if r >= 3 else 'FAIL'}")
+        if "decode_tok_s" in cpp:
+            r = q["decode_tok_s"] / cpp["decode_tok_s"]
+            out.append(f"{name} / llama.cpp decode: {r:.2f}x (target >= 0.7): {'PASS' if r >= 0.7 else 'FAIL'}")
+        if "peak_mem_bytes" in f:
+            saved, wdiff = f["peak_mem_bytes"] - q["peak_mem_bytes"], f["disk_bytes"] - q["disk_bytes"]
+            out.append(f"{name}: decode peak memory below ours-fp32's by {saved / 2**20:.0f} MiB; the weights "
+                       f"on disk differ by {wdiff / 2**20:.0f} MiB: {'PASS' if saved >= wdiff else 'FAIL'}")
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
+    p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2, help="torch threads, and llama.cpp's n_threads")
+    p.add_argument("--compile", action="store_true", help="torch.compile our decode step")
+    p.add_argument("--json", help="write the results here too")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.fp is None:
+        from compress.models import convert_default_model
+
+        args.fp = str(convert_default_model())
+    if args.worker:
+        return worker(args.worker, args)
+    if any(s.startswith("ours-int4") for s in args.systems) and not args.int4:
+        sys.exit("error: --int4 RUN_FOLDER is needed for ours-int4 (or leave it out of --systems)")
+    passthrough = _strip(argv, {"--systems", "--json"}) + ["--fp", args.fp]
+    load_before = os.getloadavg()[0]
+    results = {name: {"disk_bytes": disk_bytes(name, args)} for name in args.systems}
+    rounds = {}
+    for task in ("decode", "prefill"):  # separate processes: each has its own peak RSS; one phase at a time
+        workers = {}
+        for name in args.systems:
+            try:
+                workers[name, task] = Worker(f"{name}:{task}", passthrough)
+                rounds[name, task] = []
+            except RuntimeError as e:
+                results[name]["error"] = str(e)
+        for i in range(args.rounds + 1):
+            for key, w in list(workers.items()):
+                try:
+                    r = w.round()
+                except RuntimeError as e:
+                    results[key[0]]["error"] = str(e)
+                    del workers[key]
+                    continue
+                if i:
+                    rounds[key].append(r)
+            print(f"{task} round {i}/{args.rounds} done", file=sys.stderr)
+        for w in workers.values():
+            w.close()
+    for (name, task), rs in rounds.items():
+        if len(rs) == args.rounds:
+            results[name][f"{task}_tok_s"] = statistics.median(r["tok_s"] for r in rs)
+            if task == "decode":
+                results[name]["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in rs)
+                results[name]["memory_bytes"], results[name]["text"] = rs[-1]["memory_bytes"], rs[-1]["text"]
+                results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
+    print(f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
+          f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
+          f"torch threads {args.threads}, compile {args.compile}; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
+    print("\n".join(table(results) + [""] + targets(results)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _strip(argv, flags) -> list[str]:
+    """``argv`` without the given options and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip and not a.startswith("--"):
+            continue
+        skip = a in flags
+        if not skip:
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

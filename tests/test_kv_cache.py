@@ -1,0 +1,346 @@
+"""KV caches (fp16, KIVI, PackKV) against exact float64 attention and independent byte counts.
+
+Tolerances come from the quantization error bounds. With per-element error bounds dk, dv on
+K and V, each score moves by at most eps_j = |q| . dk_j / sqrt(D), so every softmax weight moves
+by a factor within [e^-2eps, e^2eps] (eps = max over visible keys), and for each query
+
+    |out - ref| <= (e^2eps - 1) sum_j p_j |v_j| + e^2eps sum_j p_j |dv_j|.
+
+dk, dv: fp16 storage costs |x| 2^-11; KIVI adds scale/2 (scale = group range / (2^bits - 1));
+PackKV adds step/2 (step = rel * token range). The bounds are computed here from the inputs.
+"""
+
+import math
+
+import pytest
+import torch
+
+from compress.decoder.kv_cache import make_cache
+from compress.errors import CompressError
+from compress.kernels import packkv_ref
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is faster, and steady on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+B, HKV, G, D = 2, 2, 2, 64  # GQA: 4 query heads over 2 KV heads
+FP16_EPS = 2.0 ** -11
+
+
+def data(L, seed=0, B=B):
+    """q [B, HKV*G, L, D]; k, v [B, HKV, L, D] with per-channel offsets and scales, like real K."""
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.randn(HKV, 1, D, generator=g) * 2
+    scale = torch.rand(HKV, 1, D, generator=g) * 2 + 0.2
+    k = torch.randn(B, HKV, L, D, generator=g) * scale + offset
+    v = torch.randn(B, HKV, L, D, generator=g)
+    q = torch.randn(B, HKV * G, L, D, generator=g)
+    return q, k, v
+
+
+def reference(q, k, v, start=None, dk=None, dv=None):
+    """Exact float64 attention of ``q [B, H, Tq, D]`` (the last Tq positions) and, given per-element
+    error bounds ``dk``, ``dv`` of K and V, the bound on ``|out - ref|`` per query ``[B, H, Tq]``."""
+    q, k, v = q.double(), k.double(), v.double()
+    g, (Bq, H, Tq, Dq), L = q.shape[1] // k.shape[1], q.shape, k.shape[2]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    pos, qpos = torch.arange(L), torch.arange(L - Tq, L)
+    visible = (pos[None, :] <= qpos[:, None])[None, None]
+    if start is not None:
+        visible = visible & (pos >= start[:, None])[:, None, None, :]
+    s = (q @ k.transpose(-1, -2) / math.sqrt(Dq)).masked_fill(~visible, -math.inf)
+    p = s.softmax(-1)
+    out = p @ v
+    if dk is None:
+        return out
+    dk, dv = dk.double().repeat_interleave(g, 1), dv.double().repeat_interleave(g, 1)
+    eps = ((q.abs() @ dk.transpose(-1, -2)) / math.sqrt(Dq)).masked_fill(~visible, 0).amax(-1)
+    grow = torch.expm1(2 * eps)
+    bound = grow * (p @ v.norm(dim=-1, keepdim=True))[..., 0] + (grow + 1) * (p @ dv.norm(dim=-1, keepdim=True))[..., 0]
+    return out, bound
+
+
+def fp16_error(x):
+    return x.abs() * FP16_EPS
+
+
+def packkv_error(x, rel):
+    """|x - x_hat| bound: fp16 rounding, then half a step of rel * (token range)."""
+    rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
+    return fp16_error(x) + 0.5 * rel * rng * (1 + 2.0 ** -9) + 1e-6
+
+
+def group_range(x, dim, size=32):
+    """max - min over consecutive groups of ``size`` along ``dim``, broadcast back to ``x``'s shape."""
+    return torch.cat([(c.amax(dim, keepdim=True) - c.amin(dim, keepdim=True)).expand_as(c)
+                      for c in x.split(size, dim)], dim)
+
+
+def kivi_error(k, v, bits):
+    """K per (32-token group, channel), V per (token, 32-channel group)."""
+    n = 2 ** bits - 1
+    return (fp16_error(k) + 0.5 * group_range(k, 2) / n * (1 + 2.0 ** -9) + 1e-6,
+            fp16_error(v) + 0.5 * group_range(v, 3) / n * (1 + 2.0 ** -9) + 1e-6)
+
+
+def decode(cache, q, k, v, prefill, checks, start=None):
+    """Prefill, then one token at a time; ``{t: attend output}`` right after appending position t
+    (t = prefill - 1 is the prefill itself, all prefill queries)."""
+    outs = {}
+    cache.append(0, k[:, :, :prefill], v[:, :, :prefill])
+    out = cache.attend(0, q[:, :, :prefill], start)
+    outs[prefill - 1] = out
+    for t in range(prefill, k.shape[2]):
+        cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        out = cache.attend(0, q[:, :, t:t + 1], start)
+        if t in checks:
+            outs[t] = out
+    return outs
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def check_bounded(cache, bounds, L=260, prefill=70, start=None, seed=0):
+    """Attend after prefill and at decode steps stays within the error bound ``bounds(k, v) -> (dk, dv)``
+    (queries in a row's left padding have nothing to attend to and are skipped); returns the last
+    relative error."""
+    q, k, v = data(L, seed)
+    dk, dv = bounds(k, v)
+    checks = {prefill + 40, L - 1}
+    for t, out in decode(cache, q, k, v, prefill, checks, start).items():
+        tq = prefill if t == prefill - 1 else 1
+        args = (q[:, :, t + 1 - tq:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], start)
+        ref, bound = reference(*args, dk[:, :, :t + 1], dv[:, :, :t + 1])
+        err = (out.double() - ref).norm(dim=-1)
+        padding = torch.arange(t + 1 - tq, t + 1) < (0 if start is None else start[:, None, None])
+        assert torch.isfinite(out).all()
+        assert ((err <= bound + 1e-5 * ref.norm(dim=-1)) | padding).all(), f"t={t}: error {err.max():.3g} > bound"
+    return rel_err(out, ref)
+
+
+def test_fp16_cache_matches_exact_attention():
+    cache = make_cache("fp16", 1, B, HKV, D, 300)
+    err = check_bounded(cache, lambda k, v: (fp16_error(k), fp16_error(v)))
+    assert err < 1e-3
+    assert cache.length == 260
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_within_bound(bits):
+    cache = make_cache("kivi", 1, B, HKV, D, 300, bits=bits, residual=32)
+    check_bounded(cache, lambda k, v: kivi_error(k, v, bits))
+    assert cache.ncomp[0] == (259 - 32) // 32 * 32  # blocks wholly outside the newest 32 tokens
+
+
+@pytest.mark.parametrize("order", ["greedy", "median", "none"])
+def test_packkv_within_bound(order):
+    cache = make_cache("packkv", 1, B, HKV, D, 300, k_rel=0.1, v_rel=0.2, residual=32, order=order)
+    check_bounded(cache, lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)))
+    assert cache.ncomp[0] == 192
+
+
+def final_error(kind, L=200, prefill=60, **opts):
+    """Relative error of the last decode step (history mostly compressed, residual 16)."""
+    q, k, v = data(L, seed=1)
+    cache = make_cache(kind, 1, B, HKV, D, L, residual=16, **opts)
+    out = decode(cache, q, k, v, prefill, {L - 1})[L - 1]
+    return rel_err(out, reference(q[:, :, -1:], k, v))
+
+
+def test_error_decreases_with_bits_and_rel():
+    kivi = [final_error("kivi", bits=b) for b in (2, 4)]
+    packkv = [final_error("packkv", k_rel=r, v_rel=r) for r in (0.2, 0.05, 0.0125)]
+    assert kivi[0] > 2 * kivi[1]
+    assert packkv[0] > 2 * packkv[1] > 4 * packkv[2]
+    assert packkv[2] > 1e-3  # well above fp16 rounding: the history really is compressed
+
+
+@pytest.mark.parametrize("rel", [0.3, 0.05, 1 / 253])
+def test_packkv_quantize_tokens_error_bound(rel):
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0)) * 3
+    codes, tmin, tstep = packkv_ref.quantize_tokens(x, rel)
+    x_hat = tmin.double()[..., None] + tstep.double()[..., None] * codes.double()
+    assert ((x.double() - x_hat).abs() <= tstep.double()[..., None] / 2 + 1e-6 * x.abs()).all()
+    step = rel * (x.amax(-1) - x.amin(-1)).double()
+    assert ((tstep.double() - step).abs() <= step * 2.0 ** -10).all()  # fp16 of rel * range
+    assert codes.min() == 0 and codes.max() <= round(1 / rel)
+
+
+@pytest.mark.parametrize("hi", [1, 3, 17, 255])
+def test_packkv_pack_unpack_round_trip(hi):
+    g = torch.Generator().manual_seed(hi)
+    BH, Dp = 3, 10
+    chunks = [torch.randint(0, hi + 1, (BH, T, Dp), generator=g) for T in (16, 48, 64)]
+    chunks[0][:, :, 0] = hi  # constant packs (width 0), also the first channel of a row
+    chunks[2][:, :, -1] = 0  # ... and the last channel of the last row
+    chunks[1][:, 0, 1], chunks[1][:, 1, 1] = 0, hi  # a full-range pack
+    p = packkv_ref.Packed.empty(BH, 192, Dp, cmax=hi)
+    for c in chunks:
+        p.append(c, torch.zeros(BH, c.shape[1]), torch.ones(BH, c.shape[1]))
+    codes = torch.cat(chunks, 1)
+    assert torch.equal(packkv_ref.unpack_codes(p).long(), codes)
+    assert torch.equal(packkv_ref.dequantize(p), codes.float())
+    packs = codes.unflatten(1, (-1, 16))
+    width = [int(r).bit_length() for r in (packs.amax(2) - packs.amin(2)).flatten()]
+    assert p.data.numel() == sum(width) + 1  # fewest bits per pack, plus the guard word
+
+
+def test_joint_permutation_invariance():
+    q, k, v = data(260)
+    perm = torch.randperm(260, generator=torch.Generator().manual_seed(3))
+    ref = reference(q[:, :, -1:], k, v)
+    assert torch.allclose(reference(q[:, :, -1:], k[:, :, perm], v[:, :, perm]), ref, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(reference(q[:, :, -1:], k[:, :, perm], v), ref, rtol=1e-2, atol=1e-2)
+    # repacked caches hold the same tokens in another order: same attention
+    caches = {order: make_cache("packkv", 1, B, HKV, D, 260, residual=32, order=order, keep_perm=True)
+              for order in ("none", "median", "greedy")}
+    outs = {order: decode(c, q, k, v, 70, {259})[259] for order, c in caches.items()}
+    for order in ("median", "greedy"):
+        assert rel_err(outs[order], outs["none"].double()) < 1e-6
+        slots = caches[order].perm[0, :, :192].long()
+        assert not torch.equal(slots, torch.arange(192).remainder(64).expand_as(slots))  # tokens did move
+        pos = torch.arange(192) // 64 * 64 + slots
+        stored = packkv_ref.dequantize(caches[order].k[0])
+        in_order = packkv_ref.dequantize(caches["none"].k[0])
+        assert torch.equal(stored, in_order.gather(1, pos[..., None].expand_as(stored)))
+
+
+def clustered(L, seed=0):
+    """Tokens of two kinds, interleaved at random: packs in arrival order mix both kinds."""
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 2, (B, HKV, L), generator=g)
+    k = (torch.randn(2, D, generator=g) * 3)[kind] + 0.05 * torch.randn(B, HKV, L, D, generator=g)
+    v = (torch.randn(2, D, generator=g) * 3)[kind] + 0.05 * torch.randn(B, HKV, L, D, generator=g)
+    return torch.randn(B, HKV * G, L, D, generator=g), k, v
+
+
+def test_repacking_shrinks_packs():
+    q, k, v = clustered(256)
+    words = {}
+    for order in ("none", "median", "greedy"):
+        cache = make_cache("packkv", 1, B, HKV, D, 256, k_rel=0.02, v_rel=0.02, residual=0, order=order)
+        cache.append(0, k, v)
+        cache.append(0, k[:, :, :0], v[:, :, :0])  # the next append compresses the prefill
+        assert cache.ncomp[0] == 256
+        words[order] = cache.k[0].data.numel() + cache.v[0].data.numel()
+    assert words["median"] < 0.7 * words["none"]
+    assert words["greedy"] < 0.7 * words["none"]
+
+
+def expected_window_bytes(L, C, layers):
+    return layers * 2 * B * HKV * (L - C) * D * 2
+
+
+def fill(cache, k, v, prefill=60):
+    for layer in range(cache.n_layers):
+        cache.append(layer, k[:, :, :prefill], v[:, :, :prefill])
+    for t in range(prefill, k.shape[2]):
+        for layer in range(cache.n_layers):
+            cache.append(layer, k[:, :, t:t + 1], v[:, :, t:t + 1])
+
+
+def test_nbytes_matches_independent_count():
+    q, k, v = data(200)
+    L, R, layers, BH = 200, 32, 2, B * HKV
+    fp16 = make_cache("fp16", layers, B, HKV, D, 256)
+    fill(fp16, k, v)
+    assert fp16.nbytes() == layers * 2 * BH * L * D * 2 and fp16.length == L
+
+    for bits in (2, 4):
+        kivi = make_cache("kivi", layers, B, HKV, D, 256, bits=bits, residual=R)
+        fill(kivi, k, v)
+        C = (L - R) // 32 * 32
+        codes = 2 * C * D * bits // 8                          # K and V codes
+        meta = (C // 32) * D * 2 * 2 + C * (D // 32) * 2 * 2   # fp16 zero + scale: K per group x channel, V per token x group
+        assert kivi.nbytes() == layers * BH * (codes + meta) + expected_window_bytes(L, C, layers)
+
+    for keep_perm in (False, True):
+        pk = make_cache("packkv", layers, B, HKV, D, 256, k_rel=0.1, v_rel=0.2, residual=R, keep_perm=keep_perm)
+        fill(pk, k, v)
+        C = (L - R) // 64 * 64
+        total = expected_window_bytes(L, C, layers)
+        for layer in range(layers):
+            for packed in (pk.k[layer], pk.v[layer]):
+                packs = packkv_ref.unpack_codes(packed).unflatten(1, (-1, 16))  # [BH, C/16, 16, D]
+                bits = sum(int(r).bit_length() for r in (packs.amax(2) - packs.amin(2)).flatten()) * 16
+                total += bits // 8 + 2                 # bit stream (16 bits per pack per bit) + guard word
+                total += BH * C * (2 + 2)              # fp16 min and step per token
+                mbits = packkv_ref.max_code(0.1 if packed is pk.k[layer] else 0.2).bit_length()
+                fbits = mbits + mbits.bit_length()     # pack minimum and width, per channel
+                total += BH * (C // 16) * (-(-D * fbits // 16) * 2 + 4)  # 16-bit words per pack row; int32 offset
+            total += BH * C * keep_perm                # uint8 permutation
+        assert pk.nbytes() == total
+
+
+@pytest.mark.parametrize("kind, opts", [("fp16", {}), ("kivi", {"bits": 4, "residual": 32}),
+                                        ("packkv", {"k_rel": 0.05, "v_rel": 0.05, "residual": 32})])
+def test_left_padding_start(kind, opts):
+    start = torch.tensor([0, 37])  # row 1: 37 padding tokens, inside the first compressed block
+    bounds = {"fp16": lambda k, v: (fp16_error(k), fp16_error(v)),
+              "kivi": lambda k, v: kivi_error(k, v, 4),
+              "packkv": lambda k, v: (packkv_error(k, 0.05), packkv_error(v, 0.05))}[kind]
+    check_bounded(make_cache(kind, 1, B, HKV, D, 260, **opts), bounds, start=start)
+    q, k, v = data(260)
+    unmasked, masked = reference(q[:, :, -1:], k, v), reference(q[:, :, -1:], k, v, start)
+    assert rel_err(unmasked[1], masked[1]) > 0.1  # the padding mask changes row 1's output
+
+
+def test_packkv_without_permutation_refuses_padding_inside_a_block():
+    q, k, v = data(260)
+    cache = make_cache("packkv", 1, B, HKV, D, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False)
+    with pytest.raises(CompressError, match="keep_perm=True"):
+        decode(cache, q, k, v, 70, set(), torch.tensor([0, 37]))
+    cache.reset()
+    assert cache.length == 0 and cache.nbytes() == 0
+    # on a block edge, positions are known without the permutation
+    check_bounded(cache, lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)), start=torch.tensor([0, 64]))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "kivi", "packkv"])
+def test_gqa_equals_attention_over_repeated_kv_heads(kind):
+    """Query head j reads KV head j // G: the same as MHA over each KV head repeated G times."""
+    q, k, v = data(200)
+    gqa = make_cache(kind, 1, B, HKV, D, 200, **({} if kind == "fp16" else {"residual": 32}))
+    mha = make_cache(kind, 1, B, HKV * G, D, 200, **({} if kind == "fp16" else {"residual": 32}))
+    out_gqa = decode(gqa, q, k, v, 60, {199})[199]
+    out_mha = decode(mha, q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), 60, {199})[199]
+    assert torch.allclose(out_gqa, out_mha, rtol=1e-5, atol=1e-6)
+    guards = 2 * 2 if kind == "packkv" else 0  # one 2-byte guard word ends each of K's and V's bit streams
+    assert gqa.nbytes() * G == mha.nbytes() + (G - 1) * guards
+
+
+def test_user_errors_name_the_fix():
+    with pytest.raises(CompressError, match="fp16"):
+        make_cache("int3", 1, 1, 1, 64, 8)
+    with pytest.raises(CompressError, match="bits"):
+        make_cache("kivi", 1, 1, 1, 64, 8, bits=3)
+    with pytest.raises(CompressError, match="k_rel"):
+        make_cache("packkv", 1, 1, 1, 64, 8, k_rel=0.001)
+    with pytest.raises(CompressError, match="options"):
+        make_cache("packkv", 1, 1, 1, 64, 8, rel=0.1)
+    cache = make_cache("fp16", 1, 1, 1, 64, 8)
+    with pytest.raises(CompressError, match="max_len"):
+        cache.append(0, torch.zeros(1, 1, 9, 64), torch.zeros(1, 1, 9, 64))
+
+
+@pytest.mark.slow
+def test_kv_quality_forward_matches_hf_model():
+    """eval/kv_quality.py's small Llama forward, through the fp16 cache, reproduces HF's logits."""
+    from compress.eval.kv_quality import forward
+    from compress.models import load_model
+
+    model, _, _ = load_model()
+    c = model.config
+    ids = torch.randint(0, c.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+    cache = make_cache("fp16", c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim, 40)
+    out = torch.cat([forward(model, ids[:, :30], cache)] + [forward(model, ids[:, t:t + 1], cache) for t in range(30, 40)], 1)
+    assert rel_err(out, ref) < 2e-3 and cache.length == 40
