@@ -16,7 +16,7 @@ through ``compress.decoder.kv_cache``'s interface. Prints a table, writes ``kv_q
 and a plot of KL against bytes/token to ``--out``.
 
     python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
-    python -m compress.eval.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.025:0.1
+    python -m compress.eval.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
 """
 
 import argparse
@@ -162,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--residual", type=int, default=128, help="fp16 window of the compressed caches")
     ap.add_argument("--kivi", type=int, nargs="*", default=[2, 4], help="KIVI bit widths")
-    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.025, 0.1)],
+    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.03, 0.1)],
                     help="PackKV k_rel:v_rel pairs")
     ap.add_argument("--order", default="greedy", choices=["greedy", "median", "none"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
