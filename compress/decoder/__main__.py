@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in (bfloat16: "
                    "ATen's int4pack kernel on the CPU, faster, inputs rounded); default: --dtype")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 is often fastest "
+                   "for batch-1 decoding on a busy 2-core machine)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
@@ -79,6 +81,8 @@ def run(args) -> None:
     from compress.decoder.generate import Sampling, decode_step, generate, peak_memory, peak_memory_reset
     from compress.decoder.model import load, release_freed_memory
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device,
                       qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
