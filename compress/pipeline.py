@@ -35,6 +35,8 @@ STAGES = {
     "rtn": "compress.quant.rtn:rtn",
     "awq": "compress.quant.awq:awq",
     "llm_int8": "compress.quant.llm_int8:llm_int8",
+    "prune": "compress.prune.stage:prune",
+    "distill": "compress.train.distill:distill",
 }
 
 
@@ -46,6 +48,8 @@ class Context:
     tokenizer: object
     quantization_config: dict | None = None
     record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
+    run_dir: Path | None = None  # the final run folder (resumable stages keep checkpoints beside it)
+    files: dict = field(default_factory=dict)  # extra files for the run folder: {relative name: path to copy}
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
@@ -98,7 +102,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
     model, tok, source = load_model(m.path, m.dtype, m.trust_remote_code)
-    ctx = Context(cfg=cfg, tokenizer=tok)
+    ctx = Context(cfg=cfg, tokenizer=tok, run_dir=run_dir)
     timings = {}
     for name, fn in stage_fns:
         t = time.time()
@@ -111,6 +115,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         t = time.time()
         weight_bytes, linear_bytes = _weight_bytes(model)
         save_checkpoint(model, tok, tmp, ctx.quantization_config)
+        for name, src in ctx.files.items():  # e.g. importance/scores.safetensors
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / name)
         del model
         timings["export"] = round(time.time() - t, 2)
 

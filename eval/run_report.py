@@ -45,8 +45,8 @@ def metrics_table(report: dict) -> list[str]:
     """The headline figures as markdown table lines."""
     lines = ["| metric | value |", "|---|---|"]
     for key in ("ppl", "kl_vs_source", "top1_vs_source", "weight_bytes", "linear_weight_bytes",
-                "bits", "group_size", "decode_tok_s", "prefill_tok_s", "kv_bytes_per_token",
-                "peak_rss_bytes", "elapsed_s"):
+                "params", "distill_tokens", "bits", "group_size", "decode_tok_s", "prefill_tok_s",
+                "kv_bytes_per_token", "peak_rss_bytes", "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
     return lines

@@ -65,3 +65,22 @@ def compose(recipe: str, overrides=()):
 
 
 TINY_OVERRIDES = ["eval.windows=2", "eval.seqlen=64", "calib.samples=4", "calib.seqlen=64"]
+
+
+@pytest.fixture(scope="session")
+def distill_dirs(tmp_path_factory, tokenizer):
+    """(teacher folder, student folder, text file) for the standalone distillation CLI."""
+    from compress.prune.importance import activation_importance
+    from compress.prune.prune import prune_model
+
+    root = tmp_path_factory.mktemp("distill")
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    teacher = make_tiny_model(**small)
+    x = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    student = prune_model(teacher, activation_importance(teacher, x, progress=False), {"intermediate_size": 64})
+    for name, model in (("teacher", teacher), ("student", student)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    text = (DATA / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:20000]
+    (root / "text.txt").write_text(text, encoding="utf-8")
+    return root / "teacher", root / "student", root / "text.txt"

@@ -199,3 +199,18 @@ def test_interrupted_run_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rtn_per_row_group(tiny_dir, tmp_path):
+    """quant.group_size=-1 saves one scale per row; the loaded layers decode to per-row RTN."""
+    from transformers import AutoModelForCausalLM
+
+    run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "quant.group_size=-1")
+    qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
+    assert qcfg["group_size"] == -1 and qcfg["bits"] == 8
+    packed, _ = load_run(tmp_path / "run")
+    src = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    w = src.model.layers[0].mlp.down_proj.weight.data
+    layer = packed.model.layers[0].mlp.down_proj
+    assert layer.scales.shape == (1, w.shape[0])
+    assert torch.equal(layer.dequantize(), quantize(w, 8, w.shape[1]).dequantize())

@@ -72,3 +72,16 @@ def test_auto_group_size():
 def test_group_size_error_names_layer():
     with pytest.raises(CompressError, match="model.layers.0.mlp.down_proj.*in_features=1536"):
         check_group_size("model.layers.0.mlp.down_proj", 1536, 100)
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_per_row_group_matches_float64_reference(bits):
+    """group_size=-1: one scale and zero per output row, over all in_features."""
+    torch.manual_seed(bits)
+    w = torch.randn(5, 96) * torch.rand(5, 1) * 2
+    qw = quantize(w, bits, -1)
+    assert qw.group_size == 96 and qw.scales.shape == (5, 1)
+    ref = reference_fake_quant(w, bits, 96, False)
+    got = qw.dequantize(torch.float64)
+    assert ((got - ref).abs() > 1e-6).float().mean().item() < 1e-3
+    check_group_size("any", 96, -1)  # -1 is valid for every layer

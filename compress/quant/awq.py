@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compress.adapters import Adapter, get_adapter, set_module
+from compress.errors import CompressError
 from compress.quant.linear import QuantLinear
 from compress.quant.quantizer import fake_quantize, quantize
 from compress.quant.rtn import quantization_config, resolve_group_size
@@ -182,6 +183,9 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     cfg = ctx.cfg.awq
     adapter = get_adapter(model.config)
     g = resolve_group_size(model, cfg.group_size)
+    if g == -1:
+        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale and "
+                            "clip search work on groups. Use auto, 128, 64 or 32.")
     bits, batch = int(cfg.bits), int(cfg.batch)
     tokens = ctx.calibration()
     x, kwargs = capture_inputs(model, adapter, tokens, batch)

@@ -33,6 +33,7 @@ class QuantLinear(nn.Module):
                  bias: bool = False, dtype=torch.float32, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        group_size = in_features if group_size == -1 else group_size  # -1: one group per row
         self.bits, self.group_size = bits, group_size
         self.format = layout_for(bits)
         ng = in_features // group_size

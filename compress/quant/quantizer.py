@@ -40,11 +40,13 @@ class QuantizedWeight:
 
 
 def check_group_size(name: str, in_features: int, group_size: int) -> None:
+    if group_size == -1:  # one group per row (per-channel), GPTQ/AutoAWQ's convention
+        return
     if group_size <= 0 or in_features % group_size:
         raise CompressError(
             f"group size {group_size} does not divide layer '{name}' "
             f"(in_features={in_features}). Pick a group size that divides every quantized "
-            f"layer's in_features, or use group_size=auto (128, else 64, else 32)."
+            f"layer's in_features, group_size=auto (128, else 64, else 32), or -1 (one scale per row)."
         )
 
 
@@ -68,10 +70,14 @@ def quantize(
     w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False,
     clip_max: torch.Tensor | None = None,
 ) -> QuantizedWeight:
-    """Quantize ``w [out, in]``. ``clip_max [out, in/g]``, if given, bounds |w| first (AWQ clip)."""
+    """Quantize ``w [out, in]``. ``clip_max [out, in/g]``, if given, bounds |w| first (AWQ clip).
+
+    ``group_size=-1`` is one group per row (per-channel scales).
+    """
     if not 2 <= bits <= 8:
         raise CompressError(f"bits must be between 2 and 8, got {bits}")
     out, k = w.shape
+    group_size = k if group_size == -1 else group_size
     wg = _group_view(w.float(), group_size)
     if clip_max is not None:
         c = clip_max.float().unsqueeze(-1)

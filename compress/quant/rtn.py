@@ -8,7 +8,8 @@ from compress.quant.quantizer import check_group_size, quantize, auto_group_size
 
 
 def resolve_group_size(model: nn.Module, group_size) -> int:
-    """``auto`` -> 128, 64 or 32 (the largest dividing every quantized in_features); else validated."""
+    """``auto`` -> 128, 64 or 32 (the largest dividing every quantized in_features); -1 -> one group
+    per row (per-channel scales, as GPTQ and AutoAWQ spell it); else validated."""
     linears = get_adapter(model.config).all_linears(model)
     if group_size in (None, "auto"):
         return auto_group_size([m.in_features for m in linears.values()])

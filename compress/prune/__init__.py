@@ -1,0 +1,1 @@
+"""Structured pruning (Minitron): activation importance, width and depth slicing, the pipeline stage."""

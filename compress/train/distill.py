@@ -1,0 +1,225 @@
+"""Knowledge distillation of a student (the pruned model) from a teacher (the source).
+
+Losses on the next-token logits of each position t (z_s student, z_t teacher, T temperature)::
+
+    kl  = T^2 * mean_t sum_v p_t(v) (log p_t(v) - log q_t(v))     p = softmax(z_t / T), q = softmax(z_s / T)
+    ce  = mean_t -log softmax(z_s)_t(x_{t+1})                      (no teacher)
+    mix = alpha * kl + (1 - alpha) * ce
+
+Minitron distils with forward KL on the logits alone (``kl``, T = 1). The loop is
+``compress.train.trainer.train`` (accelerate; resumable checkpoints).
+
+As a pipeline stage (``distill``), the keys are ``distill.*``: tokens (0 skips),
+data (null: ``data.calib.source``), loss, temperature, alpha, and the TrainConfig
+fields (seqlen, batch_size, grad_accum, lr, ...). Checkpoints live beside the run
+folder (``.<run>.distill/``) unless ``distill.checkpoint_dir`` says otherwise; the
+same command resumes an interrupted run.
+
+Standalone, on one process or several::
+
+    python -m compress.train.distill --student DIR --teacher DIR --data FILE --out DIR --tokens N
+    accelerate launch --multi_gpu --num_processes 2 -m compress.train.distill --student DIR ...
+
+(accelerate 1.15's ``launch --cpu --num_processes 2`` starts one process unless given an MPI
+hostfile; ``--multi_gpu`` goes through torchrun, and without CUDA the processes form a
+MULTI_CPU group over gloo.)
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from compress.errors import CompressError
+from compress.train.trainer import TrainConfig, make_accelerator, token_blocks, train
+
+log = logging.getLogger(__name__)
+
+LOSSES = ("kl", "ce", "mix")
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(teacher || student) per token, averaged over tokens, times T^2."""
+    T = float(temperature)
+    log_q = F.log_softmax(student_logits.float().flatten(0, -2) / T, dim=-1)
+    log_p = F.log_softmax(teacher_logits.float().flatten(0, -2) / T, dim=-1)
+    return T * T * F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+
+
+def ce_loss(student_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(student_logits.float().flatten(0, -2), targets.flatten())
+
+
+def distill_loss(teacher, kind: str = "kl", temperature: float = 1.0, alpha: float = 0.5):
+    """``loss_fn(student, batch)`` for the trainer: ``kind`` in kl | ce | mix."""
+    if kind not in LOSSES:
+        raise CompressError(f"distill.loss={kind!r}: use one of {', '.join(LOSSES)}.")
+    if not 0.0 <= alpha <= 1.0:
+        raise CompressError(f"distill.alpha={alpha} must lie in [0, 1] (the weight of the KL term).")
+
+    def loss_fn(student, batch):
+        logits = student(batch, use_cache=False).logits[:, :-1]
+        if kind == "ce":
+            return ce_loss(logits, batch[:, 1:])
+        with torch.no_grad():
+            teacher_logits = teacher(batch, use_cache=False).logits[:, :-1]
+        kl = kl_loss(logits, teacher_logits, temperature)
+        return kl if kind == "kl" else alpha * kl + (1 - alpha) * ce_loss(logits, batch[:, 1:])
+
+    return loss_fn
+
+
+def check_vocab(student, teacher) -> None:
+    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+    if vs != vt:
+        raise CompressError(
+            f"teacher and student have different vocabularies ({vt} and {vs} tokens): logit distillation "
+            f"compares distributions over the same tokens. Distil from the model the student was pruned "
+            f"from, or use distill.loss=ce (no teacher).")
+
+
+def run_distill(student, teacher, blocks: torch.Tensor, tc: TrainConfig, kind: str, temperature: float,
+                alpha: float, fingerprint: dict) -> dict:
+    """Distil ``student`` in place; returns the trainer's stats."""
+    if teacher is not None:
+        check_vocab(student, teacher)
+    acc = make_accelerator(tc)
+    if teacher is not None:
+        teacher.to(acc.device).eval().requires_grad_(False)
+    fp = {**fingerprint, "loss": kind, "temperature": float(temperature),
+          "alpha": float(alpha) if kind == "mix" else None}
+    return train(student, distill_loss(teacher, kind, temperature, alpha), blocks, tc, fp, acc)
+
+
+def train_config(d, seed: int = 0, **over) -> TrainConfig:
+    """A TrainConfig from a mapping (``distill.*``); unknown keys are ignored."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    kw = {k: v for k, v in dict(d).items() if k in names and v is not None}
+    kw.setdefault("seed", seed)
+    kw.update(over)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    return TrainConfig(**kw)
+
+
+def curve(losses: list, points: int = 20) -> list:
+    """``points`` (step, mean loss) pairs summarising a loss curve."""
+    if not losses:
+        return []
+    n = len(losses)
+    edges = [round(i * n / points) for i in range(points + 1)]
+    return [[edges[i + 1], round(sum(losses[edges[i]:edges[i + 1]]) / (edges[i + 1] - edges[i]), 4)]
+            for i in range(points) if edges[i + 1] > edges[i]]
+
+
+def distill(model, ctx):
+    """Pipeline stage: distil the model (student) from ``model.path`` (teacher) on ``distill.data``."""
+    from compress.data import read_text
+    from compress.models import load_model, weights_sha256
+    from compress.prune.prune import param_total
+
+    cfg, d = ctx.cfg, ctx.cfg.distill
+    kind = d.get("loss", "kl")
+    tc = train_config(d, seed=int(cfg.seed))
+    ctx.record["params"] = param_total(model)
+    if tc.tokens <= 0:
+        ctx.record["distill_tokens"] = 0
+        return model
+    if tc.checkpoint_dir is None and ctx.run_dir is not None:
+        run_dir = Path(ctx.run_dir)
+        tc.checkpoint_dir = str(run_dir.parent / f".{run_dir.name}.distill")
+    teacher = None
+    if kind != "ce":
+        m = cfg.model
+        teacher = load_model(m.path, m.dtype, m.trust_remote_code)[0]
+        check_vocab(model, teacher)
+    source = d.get("data") or cfg.data.calib.source
+    text = read_text(source, role="calib" if not d.get("data") else "distill")
+    blocks = token_blocks(ctx.tokenizer, text, tc.seqlen)
+    fingerprint = {"recipe": cfg.name, "model": str(cfg.model.path), "student": weights_sha256(model),
+                   "teacher": weights_sha256(teacher) if teacher is not None else None,
+                   "data": hashlib.sha256(text.encode()).hexdigest()}
+    stats = run_distill(model, teacher, blocks, tc, kind, d.get("temperature", 1.0), d.get("alpha", 0.5),
+                        fingerprint)
+    del teacher
+    losses = stats["losses"]
+    ctx.record.update(distill_tokens=stats["tokens"], distill={
+        "loss": kind, "steps": stats["steps"], "tokens_per_step": stats["tokens_per_step"],
+        "tok_s": stats.get("tok_s"), "elapsed_s": stats.get("elapsed_s"), "resumed_from": stats.get("resumed_from"),
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "curve": curve(losses), "data": str(source), "blocks": int(blocks.shape[0]),
+    })
+    return model
+
+
+# ---- standalone ---------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m compress.train.distill", description=__doc__.split("\n")[0])
+    p.add_argument("--student", required=True, help="HF folder of the student (e.g. a pruned run folder)")
+    p.add_argument("--teacher", help="HF folder or hub id of the teacher (not needed for --loss ce)")
+    p.add_argument("--data", required=True, help="a text file or a datasets id repo[:config[:split]]")
+    p.add_argument("--out", required=True, help="folder for the trained student (written atomically)")
+    p.add_argument("--loss", default="kl", choices=LOSSES)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--recipe", default="cli", help="a name for the run, part of the checkpoint fingerprint")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("extra", "betas", "progress"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            p.add_argument(flag, action="store_true")
+        else:
+            kind = f.type if f.type in (int, float) else str
+            required = f.default is dataclasses.MISSING
+            p.add_argument(flag, type=kind, required=required, default=None if required else f.default)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from compress.checkpoint import save_checkpoint
+    from compress.data import read_text
+    from compress.models import atomic_dir, commit_dir, load_model, weights_sha256
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    try:
+        tc = train_config(vars(args), progress=not args.no_progress)
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()):
+            raise CompressError(f"output folder '{out}' already exists and is not empty; pick another --out.")
+        if args.loss != "ce" and args.teacher is None:
+            raise CompressError("--teacher is required unless --loss ce.")
+        student, tok, _ = load_model(args.student)
+        teacher = load_model(args.teacher)[0] if args.loss != "ce" else None
+        text = read_text(args.data, role="distill")
+        blocks = token_blocks(tok, text, tc.seqlen)
+        fingerprint = {"recipe": args.recipe, "student": weights_sha256(student),
+                       "teacher": weights_sha256(teacher) if teacher is not None else None,
+                       "data": hashlib.sha256(text.encode()).hexdigest()}
+        stats = run_distill(student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint)
+    except CompressError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        tmp = atomic_dir(out)
+        save_checkpoint(student, tok, tmp, None)
+        (tmp / "distill.json").write_text(json.dumps(stats, indent=1))
+        commit_dir(tmp, out)
+        print(f"trained {stats['tokens']:,} tokens in {stats['steps']} steps; final loss "
+              f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; saved {out}")
+    PartialState().wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

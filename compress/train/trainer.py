@@ -1,0 +1,276 @@
+"""A small training loop on accelerate, resumable to the bit.
+
+The same code runs on one CPU, several GPUs (DDP) or under ``accelerate launch``
+(``--num_processes 2 --cpu`` runs DDP over gloo). ``train`` takes a
+``loss_fn(model, batch) -> scalar`` (distillation, next-token CE, ...).
+
+Data: ``blocks [n, seqlen]`` of token ids. Global sample g of the run is block
+``perm_e[g mod n]`` with e = g div n and ``perm_e`` a permutation seeded by
+(seed, e), so the order depends on the step alone. Micro-step m of optimizer
+step s on process r reads the ``batch_size`` samples starting at::
+
+    g0 = ((s * grad_accum + m) * world + r) * batch_size
+
+so one process with batch 2B sees the same global batch as two with batch B.
+
+Schedule: AdamW, linear warm-up for ``warmup`` x steps, then cosine decay to
+``min_lr_ratio`` x lr::
+
+    lr(s) = lr * (s + 1) / W                                       s < W
+    lr(s) = lr * (m + (1 - m) * (1 + cos(pi * (s - W) / (S - W))) / 2)   otherwise
+
+Checkpoints (every ``checkpoint_every`` steps, in ``checkpoint_dir``):
+``step-NNNNNNNN/`` with ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``,
+``rng-<rank>.pt`` and ``state.json`` (step, losses, fingerprint), written into a
+temporary folder and renamed. A run started with the same ``checkpoint_dir``
+resumes from the newest one; the data position is the step. Checkpoints of other
+settings (``fingerprint``) are refused. Optimizer state is saved by the main
+process (DDP keeps it identical on every rank); FSDP's sharded optimizer state is
+not handled.
+"""
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from compress.errors import CompressError
+from compress.models import commit_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    tokens: int                   # budget: training stops after ceil(tokens / tokens per step) steps
+    seqlen: int = 512
+    batch_size: int = 1           # sequences per process and micro-step
+    grad_accum: int = 4           # micro-steps per optimizer step
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.05          # fraction of the steps
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0        # 0: off
+    mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else no) | no | bf16 | fp16
+    seed: int = 0
+    checkpoint_every: int = 0     # optimizer steps; 0: no checkpoints
+    checkpoint_dir: str | None = None
+    keep_checkpoints: bool = False  # keep checkpoint_dir once training completes
+    progress: bool = True
+    extra: dict = field(default_factory=dict)  # caller's settings, part of the fingerprint
+
+    def schedule_keys(self) -> dict:
+        """Settings a resumed run must share with the checkpoint."""
+        d = asdict(self)
+        for k in ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "progress", "mixed_precision"):
+            d.pop(k)
+        d["betas"] = list(d["betas"])
+        return d
+
+
+def make_accelerator(tc: TrainConfig):
+    from accelerate import Accelerator
+
+    mp = tc.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # cpu=True on a machine without CUDA: under `accelerate launch --multi_gpu` (torchrun) the
+    # processes then form a MULTI_CPU group over gloo instead of running alone
+    return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
+
+
+def token_blocks(tokenizer, text: str, seqlen: int) -> torch.Tensor:
+    """``[n, seqlen]`` consecutive non-overlapping blocks of the tokenized text."""
+    from compress.data import tokenize
+
+    ids = tokenize(tokenizer, text)
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise CompressError(f"training text has {ids.numel()} tokens, fewer than one block of {seqlen}; "
+                            f"lower the sequence length or use a longer text.")
+    return ids[: n * seqlen].reshape(n, seqlen)
+
+
+class Sampler:
+    """Global sample g -> block index, a seeded permutation per pass over the blocks."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.perms = n, seed, {}
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(g)
+        for i, gi in enumerate(g.tolist()):
+            e = gi // self.n
+            if e not in self.perms:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + e)
+                self.perms[e] = torch.randperm(self.n, generator=gen)
+            out[i] = self.perms[e][gi % self.n]
+        return out
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+def latest_checkpoint(folder: Path | None) -> Path | None:
+    if folder is None or not Path(folder).is_dir():
+        return None
+    done = sorted(p for p in Path(folder).glob("step-*") if (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def _check_fingerprint(found: Path, saved: dict, now: dict) -> None:
+    diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+            for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diff:
+        raise CompressError(
+            f"checkpoint '{found}' belongs to another run ({'; '.join(diff[:4])}). Resuming would mix "
+            f"two trainings. Remove the folder '{found.parent}' to start over, or set another "
+            f"checkpoint folder (distill.checkpoint_dir / --checkpoint-dir).")
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _save(acc, folder: Path, step: int, model, opt, sched, meta: dict, keep: int = 1) -> Path:
+    from safetensors.torch import save_model
+
+    final, tmp = folder / f"step-{step:08d}", folder / f".step-{step:08d}.tmp"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    torch.save(_rng_state(), tmp / f"rng-{acc.process_index}.pt")
+    if acc.is_main_process:
+        save_model(acc.unwrap_model(model), str(tmp / "model.safetensors"))  # tied tensors once
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(sched.state_dict(), tmp / "scheduler.pt")
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        commit_dir(tmp, final)
+        for old in sorted(folder.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+    acc.wait_for_everyone()
+    return final
+
+
+def _load_weights(found: Path, model) -> None:
+    from safetensors.torch import load_model
+
+    from compress.checkpoint import guard_safetensors
+
+    with guard_safetensors(found):
+        load_model(model, str(found / "model.safetensors"))
+
+
+def _load_rest(found: Path, acc, opt, sched) -> None:
+    opt.load_state_dict(torch.load(found / "optimizer.pt", map_location=acc.device, weights_only=True))
+    sched.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
+    rng = found / f"rng-{acc.process_index}.pt"
+    if rng.is_file():
+        state = torch.load(rng, weights_only=True)
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: dict, acc=None) -> dict:
+    """Train ``model`` in place on ``blocks`` for ``tc.tokens`` tokens; returns stats.
+
+    ``loss_fn(model, batch [B, seqlen]) -> scalar`` runs under the accelerator's
+    autocast. ``fingerprint`` identifies the run (model, teacher, data, recipe):
+    a checkpoint with another fingerprint is refused.
+    """
+    acc = acc or make_accelerator(tc)
+    world, rank = acc.num_processes, acc.process_index
+    per_step = tc.seqlen * tc.batch_size * tc.grad_accum * world
+    steps = math.ceil(tc.tokens / per_step) if tc.tokens > 0 else 0
+    stats = {"steps": steps, "tokens": steps * per_step, "tokens_per_step": per_step, "world_size": world,
+             "losses": []}
+    if steps == 0:
+        return stats
+    if blocks.shape[1] != tc.seqlen:
+        raise CompressError(f"training blocks have {blocks.shape[1]} tokens, the config says seqlen={tc.seqlen}.")
+    fp = {**fingerprint, **tc.schedule_keys(), "global_batch": tc.batch_size * world, "blocks": int(blocks.shape[0])}
+    folder = Path(tc.checkpoint_dir) if tc.checkpoint_dir else None
+
+    found, start, losses, elapsed = latest_checkpoint(folder), 0, [], 0.0
+    if found is not None:
+        meta = json.loads((found / "state.json").read_text())
+        _check_fingerprint(found, meta["fingerprint"], json.loads(json.dumps(fp)))
+        _load_weights(found, model)
+        start, losses, elapsed = meta["step"], meta["losses"], meta.get("elapsed_s", 0.0)
+        log.info("resuming from %s (step %d of %d)", found, start, steps)
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    warm = max(1, round(tc.warmup * steps)) if tc.warmup > 0 else 0
+    sched = LambdaLR(opt, lambda s: lr_factor(s, steps, warm, tc.min_lr_ratio))
+    model, opt = acc.prepare(model, opt)
+    if found is not None:
+        _load_rest(found, acc, opt, sched)
+
+    sample = Sampler(blocks.shape[0], tc.seed)
+    bar = tqdm(total=steps, initial=start, desc="train", unit="step",
+               disable=not (tc.progress and acc.is_local_main_process))
+    t_run = time.time()
+    for step in range(start, steps):
+        t0 = time.time()
+        total = torch.zeros((), device=acc.device)
+        for m in range(tc.grad_accum):
+            g0 = ((step * tc.grad_accum + m) * world + rank) * tc.batch_size
+            batch = blocks[sample(torch.arange(g0, g0 + tc.batch_size))].to(acc.device)
+            sync = contextlib.nullcontext() if m == tc.grad_accum - 1 else acc.no_sync(model)
+            with sync:
+                with acc.autocast():
+                    loss = loss_fn(model, batch)
+                acc.backward(loss / tc.grad_accum)
+            total += loss.detach().float()
+        if tc.grad_clip:
+            acc.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = acc.reduce(total / tc.grad_accum, "mean").item()
+        losses.append(round(loss_value, 6))
+        tok_s = per_step / max(time.time() - t0, 1e-9)
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+        bar.update(1)
+        done = step + 1
+        if folder and tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < steps:
+            meta = {"step": done, "steps": steps, "losses": losses, "fingerprint": fp,
+                    "elapsed_s": round(elapsed + time.time() - t_run, 2)}
+            _save(acc, folder, done, model, opt, sched, meta)
+    bar.close()
+    run_s = time.time() - t_run
+    acc.wait_for_everyone()
+    if folder and acc.is_main_process and not tc.keep_checkpoints:
+        shutil.rmtree(folder, ignore_errors=True)
+    model = acc.unwrap_model(model)
+    model.eval()
+    trained = (steps - start) * per_step
+    stats.update(losses=losses, resumed_from=start, elapsed_s=round(elapsed + run_s, 2),
+                 tok_s=round(trained / run_s, 1) if run_s > 0 else None)
+    return stats
