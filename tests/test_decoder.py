@@ -292,6 +292,23 @@ def test_cli_json_and_errors(tiny, capsys):
     assert e.value.code == 2 and "empty" in capsys.readouterr().err
 
 
+def test_decode_step_without_truth_value(ours):
+    """A compiled module (torch.compile's OptimizedModule) raises on bool(); generate must not ask."""
+    model, _ = ours
+
+    class Compiled:
+        def __len__(self):
+            raise TypeError("does not support len()")
+
+        def __call__(self, *args, **kwargs):
+            self.calls = getattr(self, "calls", 0) + 1
+            return model(*args, **kwargs)
+
+    step = Compiled()
+    r = generate(model, [[5, 6, 7]], 12, step=step)
+    assert r.tokens == generate(model, [[5, 6, 7]], 12).tokens and step.calls == 11
+
+
 def test_compile_failure_falls_back_to_eager(ours, monkeypatch):
     from compress.decoder import generate as g
 
