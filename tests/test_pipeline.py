@@ -214,3 +214,9 @@ def test_rtn_per_row_group(tiny_dir, tmp_path):
     layer = packed.model.layers[0].mlp.down_proj
     assert layer.scales.shape == (1, w.shape[0])
     assert torch.equal(layer.dequantize(), quantize(w, 8, w.shape[1]).dequantize())
+
+
+def test_awq_refuses_per_row_group(tiny_dir, tmp_path):
+    with pytest.raises(CompressError, match="group_size=-1"):
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", "awq.group_size=-1")
+    assert not (tmp_path / "run").exists()

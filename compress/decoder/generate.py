@@ -278,8 +278,9 @@ def decode_step(model, compile: bool = False):
     Off by default: on the 2-core CPU, compiling the whole step is slower than eager. In
     ``eval/bench_decode.py`` (awq_int4, 32-token prompt, 128 new tokens) it gave 17.9 against
     37.7 tok/s with fp32 activations and 38.6 against 85.1 with bfloat16, after minutes of
-    compiling; compiling the layers' dense parts alone was slower too (per-call guards). A frame that fails to compile runs eagerly (dynamo's
-    ``suppress_errors``); if ``torch.compile`` itself fails, the model is returned with a warning.
+    compiling; compiling the layers' dense parts alone was slower too (per-call guards).
+    A frame that fails to compile runs eagerly (dynamo's ``suppress_errors``); if
+    ``torch.compile`` itself fails, the model is returned with a warning.
     """
     if not compile:
         return model
