@@ -62,11 +62,16 @@ def _num(v, fmt: str) -> str:
 
 
 def _bits_or_sparsity(run: dict) -> str:
+    """``4-bit``; ``40% sparse``; for a structurally pruned model also the share of parameters removed
+    (``1 - params / source_params``): ``32-bit, 24% pruned``."""
     rep = run["report"]
     if rep.get("sparsity") is not None:
         return f"{rep['sparsity']:.0%} sparse"
     bits = bit_width(rep, run["config"], run["recipe"])
-    return MISSING if bits is None else f"{bits}-bit"
+    cell = MISSING if bits is None else f"{bits}-bit"
+    if rep.get("params") and rep.get("source_params") and rep["params"] < rep["source_params"]:
+        cell += f", {1 - rep['params'] / rep['source_params']:.0%} pruned"
+    return cell
 
 
 COLUMNS = [  # header, cell

@@ -218,3 +218,15 @@ def test_cli(runs, tmp_path, capsys):
     assert e.value.code == 2 and "no run folders" in capsys.readouterr().err
     with pytest.raises(CompressError, match="no run folders"):
         write_comparison(root / "fp" / "no-such-folder")
+
+
+def test_pruned_run_shows_share_of_parameters_removed(tmp_path):
+    root = tmp_path / "outputs"
+    make_run(root, "minitron_width", base_report("minitron_width", ppl=37.3, weight_bytes=410_000_000,
+                                                   params=102_459_672, source_params=134_515_008),
+             stages=["prune", "distill"])
+    make_run(root, "fp", base_report("fp", ppl=20.6, weight_bytes=538_000_000, params=134_515_008,
+                                     source_params=134_515_008))
+    rows = {r["recipe"]: r for r in parse_table(write_comparison(root).read_text())}
+    assert rows["minitron_width"]["bits / sparsity"] == "32-bit, 24% pruned"  # 1 - 102.46M / 134.52M = 23.8%
+    assert rows["fp"]["bits / sparsity"] == "32-bit"
