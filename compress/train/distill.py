@@ -138,7 +138,6 @@ def distill(model, ctx):
     if kind != "ce":
         m = cfg.model
         teacher = load_model(m.path, m.dtype, m.trust_remote_code)[0]
-        check_vocab(model, teacher)
     source = d.get("data") or cfg.data.calib.source
     text = read_text(source, role="calib" if not d.get("data") else "distill")
     blocks = token_blocks(ctx.tokenizer, text, tc.seqlen)
