@@ -1,7 +1,7 @@
 """Batch-1 decode and prefill speed, and peak memory, side by side in one run (DESIGN.md "Speed").
 
     python -m compress.eval.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
-        [--new 128] [--prompt-len 32] [--prefill-len 512] [--compile] [--json OUT]
+        [--new 128] [--prompt-len 32] [--prefill-len 512] [--json OUT]
 
 Systems (``--systems`` picks some):
 
@@ -9,6 +9,9 @@ Systems (``--systems`` picks some):
     ours-int4-q16   the same, the int4 layers computing in bfloat16 (``--qdtype bfloat16``: ATen's
                     int4pack kernel; inputs rounded to bfloat16, so not bit-faithful to the run folder)
     ours-int4-bf16  the same with everything in bfloat16 (embedding and head included)
+    ...-lean        the same, loaded ``lean``: only the int4pack form of each layer is kept
+    ...+compile     the same system decoding with the static-shape compiled step
+                    (``compress.decoder.static``; compiled in the warm-up round)
     ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
     ours-bf16       the same, weights and activations in bfloat16
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
@@ -44,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("ours-int4", "ours-int4-q16", "ours-int4-bf16", "ours-fp32", "ours-bf16", "hf-fp32", "llama.cpp")
+OURS = ("ours-int4", "ours-int4-q16", "ours-int4-bf16", "ours-int4-bf16-lean", "ours-fp32", "ours-bf16")
+SYSTEMS = (*OURS, *(f"{s}+compile" for s in OURS), "hf-fp32", "llama.cpp")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,17 +86,16 @@ def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
 # ---- workers: one system each, driven over stdin/stdout ----------------------------------------
 
 class Ours:
-    def __init__(self, folder, dtype, compile, qdtype=None):
-        from compress.decoder.generate import decode_step
+    def __init__(self, folder, dtype, compile, qdtype=None, lean=False):
         from compress.decoder.model import load
 
-        self.model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype))
-        self.step = decode_step(self.model, compile)
+        self.model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean)
+        self.compile = compile
 
     def decode(self, ids, new):
         from compress.decoder.generate import generate
 
-        r = generate(self.model, [ids], new, step=self.step, ignore_eos=True)
+        r = generate(self.model, [ids], new, compile=self.compile, ignore_eos=True)
         return r.decode_tok_s, r.tokens[0]
 
     def prefill(self, ids):
@@ -174,9 +177,11 @@ class LlamaCpp:
 
 def make_system(name, args):
     if name.startswith("ours-"):
+        base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
+        base, lean = base.removesuffix("-lean"), base.endswith("-lean")
         return Ours(args.int4 if name.startswith("ours-int4") else args.fp,
-                    "bfloat16" if name.endswith("bf16") else "float32", args.compile,
-                    "bfloat16" if name.endswith("q16") else None)
+                    "bfloat16" if base.endswith("bf16") else "float32", compiled,
+                    "bfloat16" if base.endswith("q16") else None, lean)
     if name == "hf-fp32":
         return HF(args.fp)
     from compress.models import default_gguf
@@ -266,13 +271,16 @@ def table(results: dict) -> list[str]:
 
 
 def targets(results: dict) -> list[str]:
-    """The issue's bars, for each int4 row: speed against hf-fp32 and llama.cpp, memory against ours-fp32."""
-    f, hf, cpp = (results.get(k, {}) for k in ("ours-fp32", "hf-fp32", "llama.cpp"))
+    """The issue's bars, for each int4 row: speed against hf-fp32 and llama.cpp, memory against
+    ours-fp32 (ours-fp32+compile for a compiled row, if measured: compiling holds memory of its own)."""
+    hf, cpp = (results.get(k, {}) for k in ("hf-fp32", "llama.cpp"))
     out = []
-    for name in ("ours-int4", "ours-int4-q16", "ours-int4-bf16"):
+    for name in (s for s in SYSTEMS if s.startswith("ours-int4")):
         q = results.get(name, {})
         if "decode_tok_s" not in q:
             continue
+        fp = "ours-fp32+compile" if name.endswith("+compile") and "ours-fp32+compile" in results else "ours-fp32"
+        f = results.get(fp, {})
         if "decode_tok_s" in hf:
             r = q["decode_tok_s"] / hf["decode_tok_s"]
             out.append(f"{name} / hf-fp32 decode: {r:.2f}x (target >= 3): {'PASS' if r >= 3 else 'FAIL'}")
@@ -281,7 +289,7 @@ def targets(results: dict) -> list[str]:
             out.append(f"{name} / llama.cpp decode: {r:.2f}x (target >= 0.7): {'PASS' if r >= 0.7 else 'FAIL'}")
         if "peak_mem_bytes" in f:
             saved, wdiff = f["peak_mem_bytes"] - q["peak_mem_bytes"], f["disk_bytes"] - q["disk_bytes"]
-            out.append(f"{name}: decode peak memory below ours-fp32's by {saved / 2**20:.0f} MiB; the weights "
+            out.append(f"{name}: decode peak memory below {fp}'s by {saved / 2**20:.0f} MiB; the weights "
                        f"on disk differ by {wdiff / 2**20:.0f} MiB: {'PASS' if saved >= wdiff else 'FAIL'}")
     return out
 
@@ -290,13 +298,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
     p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=[s for s in SYSTEMS if "q16" not in s])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="torch threads, and llama.cpp's n_threads")
-    p.add_argument("--compile", action="store_true", help="torch.compile our decode step")
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -320,6 +327,8 @@ def main(argv=None) -> None:
     for task in ("decode", "prefill"):  # separate processes: each has its own peak RSS; one phase at a time
         workers = {}
         for name in args.systems:
+            if task == "prefill" and name.endswith("+compile"):
+                continue  # prefill runs eagerly either way: the row without +compile has it
             try:
                 workers[name, task] = Worker(f"{name}:{task}", passthrough)
                 rounds[name, task] = []
@@ -347,7 +356,7 @@ def main(argv=None) -> None:
                 results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
     print(f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
           f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
-          f"torch threads {args.threads}, compile {args.compile}; load average {load_before:.1f} before, "
+          f"torch threads {args.threads}; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print("\n".join(table(results) + [""] + targets(results)))
     if args.json:

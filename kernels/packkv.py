@@ -7,7 +7,7 @@ decodes it straight from the bit stream::
     pmin, w     = the f-bit field c of pmeta[row(s)]    row(s) = s // 16, i(s) = s % 16
     word[s, c]  = poff[row(s)] + sum_{c'<c} w[s, c'] + (i(s) * w[s, c]) // 16
     rest[s, c]  = (data[word] | data[word + 1] << 16) >> ((i(s) * w) % 16)  &  (2^w - 1)
-    x_hat[s, c] = tmin[s] + tstep[s] * (pmin + rest[s, c])
+    x_hat[s, c] = tmin[s] + 2^(lstep[s] / 8) * (pmin + rest[s, c])
 
 and multiplies it with the tile of queries or probabilities:
 
@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.kernels.packkv_ref import PACK, Packed
+from compress.kernels.packkv_ref import PACK, STEPS_PER_OCTAVE, Packed
 
 BLOCK_T = 64
+STEPS: tl.constexpr = STEPS_PER_OCTAVE
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _bits(words, idx, n_words, bitpos, width, mask):
 
 
 @triton.jit
-def _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
+def _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
                  D: tl.constexpr, BLOCK_T: tl.constexpr):
     """``x_hat [BLOCK_T, D]`` fp32 of slots ``s0 ..`` of row ``bh``; zeros past ``n``."""
     slot = s0 + tl.arange(0, BLOCK_T)
@@ -50,15 +51,15 @@ def _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mb
     first = tl.load(poff + row, mask=slot < n, other=0)[:, None] + tl.cumsum(w, axis=1) - w
     code = pmin + _bits(data, first + (bitpos >> 4), n_words, bitpos, w, ok)
     mn = tl.load(tmin + bh * cap + slot, mask=slot < n, other=0.0).to(tl.float32)
-    st = tl.load(tstep + bh * cap + slot, mask=slot < n, other=0.0).to(tl.float32)
+    st = tl.exp2(tl.load(lstep + bh * cap + slot, mask=slot < n, other=0).to(tl.float32) / STEPS)
     return mn[:, None] + st[:, None] * code.to(tl.float32)
 
 
 @triton.jit
-def _qk_kernel(q, out, tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M,
+def _qk_kernel(q, out, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, s0 = tl.program_id(0), tl.program_id(1) * BLOCK_T
-    x = _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
+    x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
                      D, BLOCK_T)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     qt = tl.load(q + (bh * M + m[:, None]) * D + ch[None, :], mask=m[:, None] < M, other=0.0)
@@ -68,14 +69,14 @@ def _qk_kernel(q, out, tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_wor
 
 
 @triton.jit
-def _pv_kernel(p, part, tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M, BH,
+def _pv_kernel(p, part, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M, BH,
                tiles, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, split = tl.program_id(0), tl.program_id(1)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for t in range(split * tiles, (split + 1) * tiles):
         s0 = t * BLOCK_T
-        x = _decode_tile(tmin, tstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
+        x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
                          D, BLOCK_T)
         slot = s0 + tl.arange(0, BLOCK_T)
         pt = tl.load(p + (bh * M + m[:, None]) * n + slot[None, :], mask=(m[:, None] < M) & (slot[None, :] < n),
@@ -90,7 +91,7 @@ def supports(head_dim: int) -> bool:
 
 
 def _args(x: Packed):
-    return (x.tmin, x.tstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1], x.pmeta.shape[-1],
+    return (x.tmin, x.lstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1], x.pmeta.shape[-1],
             x.mbits, x.fbits)
 
 

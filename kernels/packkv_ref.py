@@ -3,8 +3,13 @@
 Quantization, per token ``s`` of one head (``x [T, D]``, K after RoPE, or V)::
 
     step[s] = rel * (max_c x[s, c] - min_c x[s, c])
-    code[s, c] = round((x[s, c] - min_c x[s, c]) / step[s])        in 0 .. cmax = round(1/rel) + 1
-    x_hat[s, c] = tmin[s] + tstep[s] * code[s, c],    |x - x_hat| <= tstep[s] / 2
+    lstep[s] = floor(8 log2 step[s])                    int8: the step, rounded down to 2^(1/8)
+    tstep[s] = 2 ** (lstep[s] / 8)                      in (step / 1.091, step]
+    code[s, c] = round((x[s, c] - tmin[s]) / tstep[s])  in 0 .. cmax = ceil(1.091 / rel) + 1
+    x_hat[s, c] = tmin[s] + tstep[s] * code[s, c],    |x - x_hat| <= tstep[s] / 2 <= step[s] / 2
+
+with ``tmin`` the fp16 minimum. The step costs one byte instead of fp16's two; rounding it
+down keeps the error bound, for at most 2^(1/8) more codes.
 
 Bit packing, per pack ``r`` = 16 consecutive stored tokens x 1 channel ``c``::
 
@@ -15,7 +20,8 @@ Memory layout of one ``Packed`` tensor (K or V of one layer), ``BH = batch * kv_
 ``cap`` the token capacity, slots ``0 .. n-1`` in use, ``m`` = bit length of cmax and
 ``f = m + bit length of m`` (7 bits for rel = 0.1)::
 
-    tmin, tstep : fp16  [BH, cap]                   per-token minimum and step
+    tmin        : fp16  [BH, cap]                   per-token minimum
+    lstep       : int8  [BH, cap]                   per-token step, tstep = 2^(lstep/8)
     pmeta       : int16 [BH, cap/16, ceil(D f/16)]  per pack the f-bit field pmin | width << m,
                                                     channel c at bits [c f, (c+1) f) of its row
     poff        : int32 [BH, cap/16]                first word of pack row r (16 tokens x D channels)
@@ -30,12 +36,13 @@ zero guard word, so that a constant pack (width 0) at the very end still points 
 ``packkv.py`` compute the same products decoding in registers.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 PACK = 16  # tokens per pack
-MAX_CODE = 255  # codes and pack minima fit 8 bits, so 1/rel <= 253
+MAX_CODE = 255  # codes and pack minima fit 8 bits
 
 
 def bit_width(m: torch.Tensor) -> torch.Tensor:
@@ -44,23 +51,35 @@ def bit_width(m: torch.Tensor) -> torch.Tensor:
     return (m.unsqueeze(-1) >= pow2).sum(-1)
 
 
+STEPS_PER_OCTAVE = 8  # lstep's resolution: the stored step is within 2^(1/8) below rel * range
+MIN_LSTEP = -14 * STEPS_PER_OCTAVE  # steps below 2^-14 (fp16's normal range) are raised to it
+MIN_REL = 2 ** (1 / STEPS_PER_OCTAVE) / (MAX_CODE - 1)  # the finest rel whose codes fit 8 bits
+
+
 def max_code(rel: float) -> int:
-    """Largest code of ``rel``: 1/rel steps span a token's range, plus one for fp16 rounding."""
-    return min(round(1 / rel) + 1, MAX_CODE)
+    """Largest code of ``rel``: the range over the stored step (up to 2^(1/8)/rel), plus one for fp16 rounding."""
+    return min(math.ceil(2 ** (1 / STEPS_PER_OCTAVE) / rel) + 1, MAX_CODE)
+
+
+def step_of(lstep: torch.Tensor) -> torch.Tensor:
+    """``tstep = 2^(lstep / 8)``, fp32."""
+    return torch.exp2(lstep.float() / STEPS_PER_OCTAVE)
 
 
 def quantize_tokens(x: torch.Tensor, rel: float):
-    """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16, tstep fp16)``.
+    """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16, lstep int8)``.
 
-    The fp16 minimum and step are used to compute the codes, so the bound
-    ``|x - x_hat| <= tstep / 2`` holds for the stored values.
+    The stored minimum and step are used to compute the codes, so the bound
+    ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values.
     """
     x = x.float()
     lo, hi = x.amin(-1), x.amax(-1)
     tmin = lo.half()
-    tstep = ((hi - lo) * rel).clamp(min=2.0 ** -14).half()
-    codes = torch.round((x - tmin.float()[..., None]) / tstep.float()[..., None])
-    return codes.clamp(0, max_code(rel)).long(), tmin, tstep
+    step = ((hi - lo) * rel).clamp(min=2.0 ** -14)
+    lstep = torch.floor(torch.log2(step) * STEPS_PER_OCTAVE).clamp(MIN_LSTEP, 127)
+    lstep = lstep - (step_of(lstep) > step).float()  # log2's rounding must not put tstep above step
+    codes = torch.round((x - tmin.float()[..., None]) / step_of(lstep)[..., None])
+    return codes.clamp(0, max_code(rel)).long(), tmin, lstep.to(torch.int8)
 
 
 def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Tensor:
@@ -107,7 +126,7 @@ class Packed:
     """One PackKV-compressed tensor ``[BH, n, D]`` (layout in the module docstring)."""
 
     tmin: torch.Tensor
-    tstep: torch.Tensor
+    lstep: torch.Tensor
     pmeta: torch.Tensor
     poff: torch.Tensor
     data: torch.Tensor
@@ -125,14 +144,14 @@ class Packed:
         rows, mbits = cap // PACK, cmax.bit_length()
         meta_words = -(-d * (mbits + mbits.bit_length()) // 16)
         return cls(tmin=torch.zeros(bh, cap, dtype=torch.float16, device=device),
-                   tstep=torch.zeros(bh, cap, dtype=torch.float16, device=device),
+                   lstep=torch.zeros(bh, cap, dtype=torch.int8, device=device),
                    pmeta=torch.zeros(bh, rows, meta_words, dtype=torch.int16, device=device),
                    poff=torch.zeros(bh, rows, dtype=torch.int32, device=device),
                    data=torch.zeros(0, dtype=torch.int16, device=device), dim=d, mbits=mbits)
 
-    def append(self, codes: torch.Tensor, tmin: torch.Tensor, tstep: torch.Tensor) -> None:
+    def append(self, codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> None:
         """Store ``codes [BH, T, D]`` (T a multiple of 16, codes < 2**mbits) with their per-token
-        ``tmin``, ``tstep`` [BH, T]."""
+        ``tmin``, ``lstep`` [BH, T]."""
         bh, T, D = codes.shape
         s, r, nr = self.n, self.n // PACK, T // PACK
         pmin, width, words = pack_rows(codes.reshape(bh * nr, PACK, D))
@@ -140,7 +159,7 @@ class Packed:
         meta = put_bits(pmin | width << self.mbits, meta_pos, self.pmeta.shape[-1])
         sizes = width.sum(-1)
         offs = max(self.data.numel() - 1, 0) + sizes.cumsum(0) - sizes
-        self.tmin[:, s:s + T], self.tstep[:, s:s + T] = tmin, tstep
+        self.tmin[:, s:s + T], self.lstep[:, s:s + T] = tmin, lstep
         self.pmeta[:, r:r + nr] = to_int16(meta).view(bh, nr, -1)
         self.poff[:, r:r + nr] = offs.view(bh, nr).to(torch.int32)
         guard = torch.zeros(1, dtype=torch.int16, device=words.device)
@@ -150,7 +169,7 @@ class Packed:
     def nbytes(self) -> int:
         """Bytes held for the ``n`` stored tokens: per-token and per-pack metadata plus the bit stream."""
         n, rows = self.n, self.n // PACK
-        per_token = self.tmin[:, :n].nbytes + self.tstep[:, :n].nbytes
+        per_token = self.tmin[:, :n].nbytes + self.lstep[:, :n].nbytes
         return per_token + self.pmeta[:, :rows].nbytes + self.poff[:, :rows].nbytes + self.data.nbytes
 
 
@@ -175,7 +194,7 @@ def unpack_codes(p: Packed) -> torch.Tensor:
 def dequantize(p: Packed) -> torch.Tensor:
     """``x_hat [BH, n, D]`` fp32 = tmin + tstep * code."""
     n = p.n
-    return p.tmin[:, :n, None].float() + p.tstep[:, :n, None].float() * unpack_codes(p).float()
+    return p.tmin[:, :n, None].float() + step_of(p.lstep[:, :n, None]) * unpack_codes(p).float()
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -292,35 +292,95 @@ def test_cli_json_and_errors(tiny, capsys):
     assert e.value.code == 2 and "empty" in capsys.readouterr().err
 
 
-def test_decode_step_without_truth_value(ours):
-    """A compiled module (torch.compile's OptimizedModule) raises on bool(); generate must not ask."""
+def test_compiled_step_matches_eager(ours):
+    """The static-shape compiled step (one graph for every token) against the eager model, fp32:
+    a batch of two prompts of different lengths, logits of each step and greedy tokens."""
+    from compress.decoder.static import StaticDecoder
+
     model, _ = ours
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    eager = generate(model, prompts, 16, kv="full")
+    compiled = generate(model, prompts, 16, kv="full", compile=True)
+    assert compiled.tokens == eager.tokens and compiled.kv_bytes_per_token == eager.kv_bytes_per_token
+    step = model.static_steps[2]
+    ids = torch.tensor([[p[-1]] for p in prompts])
+    start = torch.tensor([0, 4])
+    a, b = step.new_cache(64, torch.float32), new_cache(model, "full", 2, 64)
+    padded = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
+    with torch.no_grad():
+        model(padded, a, start), model(padded, b, start)
+        for t in range(5):
+            x = torch.randint(0, 300, (2, 1), generator=torch.Generator().manual_seed(t))
+            assert rel_err(step(x, a, start), model(x, b, start)) < 1e-5
+    assert a.length == b.length == 12
 
-    class Compiled:
-        def __len__(self):
-            raise TypeError("does not support len()")
 
-        def __call__(self, *args, **kwargs):
-            self.calls = getattr(self, "calls", 0) + 1
-            return model(*args, **kwargs)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_step_quantized(dtype, tmp_path):
+    """int4 layers in the compiled step: the K-packed GEMV (fp32) and ATen's int4pack (bf16) forms."""
+    from compress.decoder.static import Int4Pack, KPlanes
+    from compress.quant.rtn import pack_model, quantization_config
 
-    step = Compiled()
-    r = generate(model, [[5, 6, 7]], 12, step=step)
-    assert r.tokens == generate(model, [[5, 6, 7]], 12).tokens and step.calls == 11
+    folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
+    model, _ = load(folder, dtype=getattr(torch, dtype))
+    prompt = [[5, 6, 7, 8, 9]]
+    compiled = generate(model, prompt, 12, compile=True)
+    step = model.static_steps[1]
+    assert isinstance(step.down[0], KPlanes if dtype == "float32" else Int4Pack)
+    a, b = step.new_cache(64, torch.float16), new_cache(model, "fp16", 1, 64)
+    with torch.no_grad():
+        model(torch.tensor(prompt), a), model(torch.tensor(prompt), b)
+        for t in range(4):
+            x = torch.randint(0, 300, (1, 1), generator=torch.Generator().manual_seed(t))
+            assert rel_err(step(x, a), model(x, b)) < (1e-4 if dtype == "float32" else 3e-2)
+    if dtype == "float32":
+        assert compiled.tokens == generate(model, prompt, 12).tokens
 
 
-def test_compile_failure_falls_back_to_eager(ours, monkeypatch):
-    from compress.decoder import generate as g
+def test_lean_load_keeps_one_form(tmp_path):
+    """``lean``: the packed codes are freed, the int4pack form computes what it computed before."""
+    from compress.quant.linear import QuantLinear
+    from compress.quant.rtn import pack_model, quantization_config
+
+    folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
+    full, _ = load(folder, dtype=torch.bfloat16)
+    lean, _ = load(folder, dtype=torch.bfloat16, lean=True)
+    layers = [m for m in lean.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.qweight.numel() == 0 and m.cache["lean"] for m in layers)
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(forward(lean, ids, "fp16"), forward(full, ids, "fp16"))  # M <= 32: int4pack in both
+        long = torch.randint(0, 300, (1, 100), generator=torch.Generator().manual_seed(6))
+        exact = forward(load(folder)[0], long, "full").double()  # fp32: the bfloat16 runs' reference
+        err = [(forward(m, long, "fp16").double() - exact).norm() / exact.norm() for m in (lean, full)]
+        assert err[0] < 1.5 * err[1] + 1e-3  # int4pack at M = 100 is as exact as dequantize + matmul
+        with pytest.raises(CompressError, match="bfloat16 inputs"):
+            layers[0](torch.randn(2, layers[0].in_features))
+    with pytest.raises(CompressError, match="bfloat16"):
+        load(folder, lean=True)
+
+
+def test_compiled_step_errors_and_fallback(ours, monkeypatch):
+    from compress.decoder.static import StaticDecoder
+
+    model, _ = ours
+    with pytest.raises(CompressError, match="--kv fp16 or full"):
+        generate(model, [[5, 6]], 4, kv="packkv", compile=True)
 
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(torch, "compile", broken)
-    model, _ = ours
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        step = g.decode_step(model, compile=True)
-    assert step is model and "no compiler here" in str(w[0].message)
+    with pytest.warns(UserWarning, match="no compiler here"):
+        step = StaticDecoder(model, 1)
+    cache = step.new_cache(32, torch.float32)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), cache)
+        with pytest.raises(CompressError, match="one token per row"):
+            step(torch.tensor([[5, 6]]), cache)
+        ref = new_cache(model, "full", 1, 32)
+        model(torch.tensor([[5, 6, 7]]), ref)
+        assert rel_err(step(torch.tensor([[8]]), cache), model(torch.tensor([[8]]), ref)) < 1e-5
 
 
 # --- the default model (minutes) ---------------------------------------------------------------
@@ -370,6 +430,7 @@ def test_default_model_greedy_matches_transformers(default_model):
                               pad_token_id=0)[0, len(ids):].tolist()
         assert len(ref) == 64
         assert generate(model, [ids], 64, kv="full", ignore_eos=True).tokens[0] == ref, prompt
+        assert generate(model, [ids], 64, kv="full", ignore_eos=True, compile=True).tokens[0] == ref, prompt
 
 
 def int4_folders():

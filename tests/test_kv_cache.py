@@ -162,15 +162,19 @@ def test_error_decreases_with_bits_and_rel():
     assert packkv[2] > 1e-3  # well above fp16 rounding: the history really is compressed
 
 
-@pytest.mark.parametrize("rel", [0.3, 0.05, 1 / 253])
+@pytest.mark.parametrize("rel", [0.3, 0.05, packkv_ref.MIN_REL])
 def test_packkv_quantize_tokens_error_bound(rel):
     x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0)) * 3
-    codes, tmin, tstep = packkv_ref.quantize_tokens(x, rel)
-    x_hat = tmin.double()[..., None] + tstep.double()[..., None] * codes.double()
-    assert ((x.double() - x_hat).abs() <= tstep.double()[..., None] / 2 + 1e-6 * x.abs()).all()
+    x[0, 0] = 1e-7 * torch.arange(64)  # a token of near-zero range: step raised to 2^-14
+    codes, tmin, lstep = packkv_ref.quantize_tokens(x, rel)
+    assert lstep.dtype == torch.int8
+    tstep = 2.0 ** (lstep.double() / 8)
+    x_hat = tmin.double()[..., None] + tstep[..., None] * codes.double()
+    assert ((x.double() - x_hat).abs() <= tstep[..., None] / 2 + 1e-6 * x.abs()).all()
     step = rel * (x.amax(-1) - x.amin(-1)).double()
-    assert ((tstep.double() - step).abs() <= step * 2.0 ** -10).all()  # fp16 of rel * range
-    assert codes.min() == 0 and codes.max() <= round(1 / rel)
+    wide = step > 2.0 ** -14
+    assert (tstep[wide] <= step[wide]).all() and (tstep[wide] > step[wide] / 2 ** (1 / 8)).all()
+    assert codes.min() == 0 and codes.max() <= packkv_ref.max_code(rel) <= packkv_ref.MAX_CODE
 
 
 @pytest.mark.parametrize("hi", [1, 3, 17, 255])
@@ -183,7 +187,7 @@ def test_packkv_pack_unpack_round_trip(hi):
     chunks[1][:, 0, 1], chunks[1][:, 1, 1] = 0, hi  # a full-range pack
     p = packkv_ref.Packed.empty(BH, 192, Dp, cmax=hi)
     for c in chunks:
-        p.append(c, torch.zeros(BH, c.shape[1]), torch.ones(BH, c.shape[1]))
+        p.append(c, torch.zeros(BH, c.shape[1]), torch.zeros(BH, c.shape[1], dtype=torch.int8))  # step 2^0
     codes = torch.cat(chunks, 1)
     assert torch.equal(packkv_ref.unpack_codes(p).long(), codes)
     assert torch.equal(packkv_ref.dequantize(p), codes.float())
@@ -271,7 +275,7 @@ def test_nbytes_matches_independent_count():
                 packs = packkv_ref.unpack_codes(packed).unflatten(1, (-1, 16))  # [BH, C/16, 16, D]
                 bits = sum(int(r).bit_length() for r in (packs.amax(2) - packs.amin(2)).flatten()) * 16
                 total += bits // 8 + 2                 # bit stream (16 bits per pack per bit) + guard word
-                total += BH * C * (2 + 2)              # fp16 min and step per token
+                total += BH * C * (2 + 1)              # fp16 minimum and int8 log-step per token
                 mbits = packkv_ref.max_code(0.1 if packed is pk.k[layer] else 0.2).bit_length()
                 fbits = mbits + mbits.bit_length()     # pack minimum and width, per channel
                 total += BH * (C // 16) * (-(-D * fbits // 16) * 2 + 4)  # 16-bit words per pack row; int32 offset

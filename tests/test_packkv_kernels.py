@@ -25,9 +25,9 @@ def packed(n_chunks, seed, bh=3, hi=20):
         codes[:, :16, :3] = 7                              # constant packs: width 0
         codes[:, :2, 5] = torch.tensor([0, packkv_ref.MAX_CODE])  # a full-width pack: width 8
         tmin = (torch.randn(bh, T, generator=g) * 2).half()
-        tstep = (torch.rand(bh, T, generator=g) * 0.1 + 1e-3).half()
-        p.append(codes, tmin, tstep)
-        rows.append(tmin.double()[..., None] + tstep.double()[..., None] * codes.double())
+        lstep = torch.randint(-80, 0, (bh, T), generator=g, dtype=torch.int8)  # steps 2^-10 .. 1
+        p.append(codes, tmin, lstep)
+        rows.append(tmin.double()[..., None] + 2.0 ** (lstep.double()[..., None] / 8) * codes.double())
     return p, torch.cat(rows, 1)
 
 

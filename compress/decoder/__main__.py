@@ -37,7 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 is often fastest "
                    "for batch-1 decoding on a busy 2-core machine)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start)")
+    p.add_argument("--lean", action="store_true", help="keep only the bfloat16 int4pack form of quantized "
+                   "layers (needs --dtype or --qdtype bfloat16): less memory, slower long prefills")
+    p.add_argument("--compile", action="store_true", help="decode with the static-shape compiled step "
+                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -78,14 +81,14 @@ def run(args) -> None:
 
     import torch
 
-    from compress.decoder.generate import Sampling, decode_step, generate, peak_memory, peak_memory_reset
+    from compress.decoder.generate import Sampling, generate, peak_memory, peak_memory_reset
     from compress.decoder.model import load, release_freed_memory
 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device,
-                      qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
+                      qdtype=getattr(torch, args.qdtype) if args.qdtype else None, lean=args.lean)
     if tok is None:
         raise CompressError(f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt.")
     text = args.prompt
@@ -95,10 +98,10 @@ def run(args) -> None:
     ids = tok(text, add_special_tokens=not args.chat).input_ids
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     kv_opts = kv_options(args.kv_opt)
-    step = decode_step(model, args.compile)
     t1 = time.perf_counter()
-    if not args.no_warmup:  # kernels prepare their weight forms, and compile, at first use
-        generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len, step=step, ignore_eos=True)
+    if not args.no_warmup:  # kernels prepare their weight forms, and compile (for this cache size), at first use
+        generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
+                 compile=args.compile, ignore_eos=True)
     t2 = time.perf_counter()
 
     def stream(_row, piece):
@@ -107,7 +110,7 @@ def run(args) -> None:
     release_freed_memory()
     peak_memory_reset()
     r = generate(model, [ids], args.max_new_tokens, tok, sampling, args.kv, kv_opts, args.max_len,
-                 tuple(args.stop), on_text=None if args.json else stream, step=step)
+                 tuple(args.stop), on_text=None if args.json else stream, compile=args.compile)
     peak = peak_memory()
     stats = {"text": r.texts[0], "ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
              "prefill_tok_s": r.prefill_tok_s, "peak_mem_bytes": peak, "kv_bytes_per_token": r.kv_bytes_per_token}

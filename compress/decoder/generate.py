@@ -208,12 +208,13 @@ def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None)
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
              sampling: Sampling | None = None, kv: str = "fp16", kv_opts: dict | None = None,
-             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, step=None,
+             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, compile: bool = False,
              ignore_eos: bool = False) -> Result:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
 
-    ``on_text(row, text)`` receives text as it becomes final. ``step``, if given, replaces
-    ``model`` for decode steps (e.g. a compiled :func:`decode_step`).
+    ``on_text(row, text)`` receives text as it becomes final. ``compile`` decodes with the
+    static-shape compiled step (``compress.decoder.static``; fp16 or full cache only), whose
+    cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so that calls share a graph.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CompressError("a prompt is empty; give at least one token of text to continue.")
@@ -226,12 +227,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
     B, T0 = ids.shape
     max_len = cache_size(model, T0, max_new_tokens, max_len)
     n_new = min(max_new_tokens, max_len - T0)
-    cache = new_cache(model, kv, B, max_len, **(kv_opts or {}))
+    if compile:
+        step, cache = static_step(model, kv, kv_opts, B, max_len)
+    else:
+        step, cache = model, new_cache(model, kv, B, max_len, **(kv_opts or {}))
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
     detok = [Detokenizer(tokenizer, stop) if tokenizer is not None else None for _ in range(B)]
     out, done = [[] for _ in range(B)], [False] * B
-    step = model if step is None else step  # a compiled module has no truth value
 
     def take(next_ids: torch.Tensor):
         for b, t in enumerate(next_ids.tolist()):
@@ -272,23 +275,19 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def decode_step(model, compile: bool = False):
-    """The function to call for decode steps: ``model``, or ``torch.compile(model)`` if ``compile``.
+STATIC_BUCKET = 256  # the compiled step's cache length is a multiple of this
 
-    Off by default: on the 2-core CPU, compiling the whole step is slower than eager. In
-    ``eval/bench_decode.py`` (awq_int4, 32-token prompt, 128 new tokens) it gave 17.9 against
-    37.7 tok/s with fp32 activations and 38.6 against 85.1 with bfloat16, after minutes of
-    compiling; compiling the layers' dense parts alone was slower too (per-call guards).
-    A frame that fails to compile runs eagerly (dynamo's ``suppress_errors``); if
-    ``torch.compile`` itself fails, the model is returned with a warning.
-    """
-    if not compile:
-        return model
-    try:
-        import torch._dynamo
 
-        torch._dynamo.config.suppress_errors = True
-        return torch.compile(model, dynamic=None)
-    except Exception as e:  # no compiler, unsupported platform, ...
-        warnings.warn(f"torch.compile failed ({e}); decoding eagerly.")
-        return model
+def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
+    """``(step, cache)`` for compiled decoding: a :class:`StaticDecoder` kept on the model per batch size."""
+    from compress.decoder.static import StaticDecoder
+
+    if kv not in ("fp16", "full") or kv_opts:
+        raise CompressError(f"compiled decoding (--compile) keeps an uncompressed cache: use --kv fp16 or full "
+                            f"without options, not --kv {kv}{' with options' if kv_opts else ''}.")
+    steps = model.__dict__.setdefault("static_steps", {})  # a plain dict: not registered as a submodule
+    if batch not in steps:
+        steps[batch] = StaticDecoder(model, batch)
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
+    return steps[batch], steps[batch].new_cache(size, torch.float16 if kv == "fp16" else torch.float32)

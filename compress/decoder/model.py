@@ -245,6 +245,19 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
                 setattr(module, name, Cast(child, dtype))
 
 
+def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
+    """Keep one in-memory form per quantized layer: the bfloat16 int4pack form (see :func:`load`)."""
+    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only
+    from compress.quant.linear import QuantLinear
+
+    if qdtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu":
+        raise CompressError("lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "
+                            "load on the CPU with dtype or qdtype bfloat16, or without lean.")
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and int4pack_fits(torch.empty(0, dtype=qdtype), m):
+            keep_int4pack_only(m)
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -270,7 +283,7 @@ def release_freed_memory() -> None:
 
 
 def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
-         qdtype: torch.dtype | None = None) -> tuple[Transformer, object]:
+         qdtype: torch.dtype | None = None, lean: bool = False) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point
@@ -278,6 +291,8 @@ def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
     their packed buffers and fp16 scales. ``qdtype`` (e.g. bfloat16, which ATen's int4pack CPU
     kernel needs) makes the group-quantized layers compute in that dtype (:class:`Cast`);
     that rounds their inputs, so the logits are no longer those of the pipeline's loader.
+    ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
+    each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
     """
     from compress.models import check_finite
 
@@ -295,6 +310,8 @@ def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
         p.data = p.data.to(dtype)
     if qdtype is not None and qdtype != dtype:
         cast_quantized(model, qdtype)
+    if lean:
+        make_lean(model, qdtype or dtype)
     model.eval().requires_grad_(False)
     release_freed_memory()
     return model, read_tokenizer(folder)

@@ -1,0 +1,225 @@
+"""A static-shape decode step for ``torch.compile`` (gpt-fast's recipe): the fast CPU decode path.
+
+For a 135M model on 2 cores, eager decoding spends more time dispatching ~1,000 small ops
+per token than multiplying. Compiling removes that, but only if every decode step has the
+same shapes, so that one graph serves every token:
+
+    StaticCache   K and V per layer, [B, Hkv, max_len, D] each, preallocated. The prompt is
+                  prefilled eagerly through ``cache.append``/``cache.attend`` (as FP16Cache).
+    step(idx [B, 1], pos [1], start [B])
+                  writes the token's K, V into slot ``pos`` of every layer (index_put, done in
+                  place by inductor), then attends over all ``max_len`` slots with the slots
+                  ``> pos`` (not yet written) and ``< start[b]`` (left padding) masked:
+
+                  attn = softmax(q K^T / sqrt(D) + mask) V,   mask = -inf where hidden
+
+Only ``pos`` changes between tokens, and it is a tensor, so nothing recompiles. The linears are
+swapped for compile-friendly forms of the same kernels (:func:`static_linear`): the prepared
+int4pack tensors, the K-packed planes' GEMV, or the layer's own forward outside the graph.
+
+Dynamo's guards on the model's ~300 weight tensors cost ~1 ms a call, as much as the
+attention; they are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
+:class:`StaticDecoder` compiles its own code object for its one model. Guards on the inputs
+(the token, the position, the cache tensors) stay.
+"""
+
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.decoder.kv_cache import Cache, hidden
+from compress.decoder.model import Cast, Parallel, apply_rope, head_dim_of
+from compress.errors import CompressError
+
+
+class StaticCache(Cache):
+    """K and V stored in ``storage`` (attention in fp32), one ``[B, Hkv, max_len, D]`` tensor each per
+    layer: separate tensors, because inductor writes a slot of each in place, where for a slice of
+    one big tensor it copied the whole."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, storage, device):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, torch.float32, device)  # fp32 math
+        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=storage, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+
+    def append(self, layer, k, v):
+        T, L = self.check_append(layer, k, v), self.lens[layer]
+        self.k[layer][:, :, L:L + T] = k
+        self.v[layer][:, :, L:L + T] = v
+        self.lens[layer] = L + T
+
+    def attend(self, layer, q, start=None):
+        q4, tq = self.queries(q)
+        L = self.lens[layer]
+        scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
+        kpos = torch.arange(L, device=self.device)[None, None]
+        m = hidden(kpos, self.qpos(layer, tq), start)
+        B, H, M, _ = scores.shape
+        p = scores.view(B, H, M // tq, tq, L).masked_fill(m, torch.finfo(scores.dtype).min).softmax(-1)
+        return self.heads(p.view(B, H, M, L) @ self.v[layer][:, :, :L].to(self.dtype), q)
+
+    def nbytes(self) -> int:
+        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k[0].element_size()
+
+    def reset(self):
+        self.lens = [0] * self.n_layers
+
+
+class Int4Pack(nn.Module):
+    """A ``QuantLinear`` through ATen's int4pack kernel, its prepared tensors held as buffers."""
+
+    def __init__(self, layer, dtype):
+        from compress.kernels.cpu import _cached, _prepare_int4pack
+
+        super().__init__()
+        self.group_size, self.out_features = layer.group_size, layer.out_features
+        parts = _cached(layer, ("int4pack", dtype), lambda: _prepare_int4pack(layer, dtype))  # shared with eager
+        self.parts = len(parts)
+        for i, (w, sz) in enumerate(parts):
+            self.register_buffer(f"w{i}", w)
+            self.register_buffer(f"sz{i}", sz)
+        self.bias = layer.bias
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, getattr(self, f"w{i}"), self.group_size,
+                                                           getattr(self, f"sz{i}")) for i in range(self.parts))
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class KPlanes(nn.Module):
+    """A ``QuantLinear`` through the K-packed planes' GEMV (``kernels/cpu.py``), traced into the graph."""
+
+    def __init__(self, layer, unroll: int):
+        from compress.kernels.cpu import _cached, _prepare_kplanes
+
+        super().__init__()
+        packed, self.widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
+        for p, t in zip(self.widths, packed):
+            self.register_buffer(f"q{p}", t)
+        self.register_buffer("s", s)
+        self.register_buffer("z", z)
+        self.unroll, self.out_features, self.bias = unroll, layer.out_features, layer.bias
+
+    def forward(self, x):
+        from compress.kernels.cpu import _gemv
+
+        packed = tuple(getattr(self, f"q{p}") for p in self.widths)
+        y = _gemv(x.reshape(-1, x.shape[-1]).float(), packed, self.widths, self.s, self.z, self.unroll)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Eager(nn.Module):
+    """Any other layer (e.g. LLM.int8's, whose outlier columns depend on the data), run outside the graph."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.layer(x)
+
+
+def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
+    """A compile-friendly form of ``layer`` for inputs of ``dtype`` with ``batch`` rows, computing the same."""
+    from compress.kernels import cpu
+    from compress.quant.linear import QuantLinear
+
+    if isinstance(layer, nn.Linear):
+        return layer
+    if isinstance(layer, Cast):
+        return Cast(static_linear(layer.layer, layer.dtype, batch), layer.dtype)
+    if isinstance(layer, Parallel):
+        return Parallel([static_linear(p, dtype, batch) for p in layer.parts])
+    if isinstance(layer, QuantLinear) and layer.scales.device.type == "cpu":
+        probe = torch.empty(batch, layer.in_features, dtype=dtype)
+        path = cpu.cpu_path(probe, layer)
+        if path == "int4pack":
+            return Int4Pack(layer, dtype)
+        if path == "kplanes-gemv":
+            widths = [p for p, _, _ in cpu.planes(layer)]
+            return KPlanes(layer, 8 if len(widths) == 1 and batch <= 2 and layer.group_size % 8 == 0 else 1)
+    return Eager(layer)
+
+
+class StaticDecoder(nn.Module):
+    """``step(idx [B, 1], cache, start)`` for :func:`generate`, compiled, over a :class:`StaticCache`."""
+
+    def __init__(self, model, batch: int):
+        super().__init__()
+        if model.lm_head.weight.device.type != "cpu":
+            raise CompressError("the static compiled decode step is for the CPU; on CUDA the Triton kernels "
+                                "already fuse the work, decode without --compile.")
+        self.model, self.batch = model, batch
+        c = model.config
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, head_dim_of(c)
+        self.qkv, self.o, self.gate_up, self.down = (nn.ModuleList(
+            static_linear(getattr(getattr(b, part), name), model.dtype, batch) for b in model.model.layers)
+            for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                               ("mlp", "down_proj")))
+        # a code object of its own, so dynamo's cache (and the dropped weight guards) serve this model only
+        fwd = type(self).forward
+        own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__)
+        whole = not any(isinstance(m, Eager) for m in self.modules())  # else graph breaks around those layers
+        try:
+            self.step = torch.compile(types.MethodType(own, self), dynamic=False, fullgraph=whole, options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        except Exception as e:  # no compiler, unsupported platform
+            self.eager(e)
+
+    def eager(self, error: Exception) -> None:
+        """Run the step uncompiled from now on (it computes the same, and is still faster than the model's)."""
+        warnings.warn(f"torch.compile of the decode step failed ({type(error).__name__}: {error}); "
+                      f"decoding with the same step uncompiled, which is slower.")
+        self.step = self.forward
+
+    def new_cache(self, max_len: int, kv_dtype: torch.dtype) -> StaticCache:
+        c = self.model.config
+        return StaticCache(c.num_hidden_layers, self.batch, self.n_kv_heads, self.head_dim, max_len,
+                           kv_dtype, self.model.lm_head.weight.device)
+
+    def __call__(self, idx, cache: StaticCache, start=None):
+        if not isinstance(cache, StaticCache) or idx.shape != (self.batch, 1):
+            raise CompressError(f"the compiled decode step takes one token per row of a batch of {self.batch} "
+                                f"and a StaticCache; got ids {tuple(idx.shape)} and {type(cache).__name__}.")
+        L = cache.length
+        if L >= cache.max_len:
+            raise CompressError(f"KV cache full: it holds {L} tokens (max_len={cache.max_len}).")
+        start = torch.zeros(self.batch, dtype=torch.long) if start is None else start
+        args = (idx, torch.tensor([L]), start, cache.k, cache.v)
+        try:
+            out = self.step(*args)
+        except Exception as e:  # a compile error: inductor bug, no C++ compiler
+            if self.step == self.forward:
+                raise
+            self.eager(e)
+            out = self.step(*args)  # rewrites the same cache slot
+        cache.lens = [L + 1] * cache.n_layers
+        return out
+
+    def forward(self, idx, pos, start, ks, vs):
+        m, B, H, Hkv, D = self.model, self.batch, self.n_heads, self.n_kv_heads, self.head_dim
+        angles = ((pos - start).float()[:, None] * m.inv_freq).repeat(1, 2)[:, None, None]  # [B, 1, 1, D]
+        cos, sin = angles.cos().to(m.dtype), angles.sin().to(m.dtype)
+        slots = torch.arange(ks[0].shape[2], device=idx.device)
+        hide = (slots > pos)[None] | (slots[None] < start[:, None])  # [B, max_len]
+        x = m.model.embed_tokens(idx)
+        for i, block in enumerate(m.model.layers):
+            heads = self.qkv[i](block.input_layernorm(x)).view(B, 1, H + 2 * Hkv, D).transpose(1, 2)
+            qk = apply_rope(heads[:, :H + Hkv], cos, sin)
+            ks[i][:, :, pos] = qk[:, H:].to(ks[i].dtype)
+            vs[i][:, :, pos] = heads[:, H + Hkv:].to(vs[i].dtype)
+            q = qk[:, :H].float().reshape(B, Hkv, H // Hkv, D) * D ** -0.5
+            s = (q @ ks[i].float().transpose(-1, -2)).masked_fill(hide[:, None, None], float("-inf"))
+            y = (s.softmax(-1) @ vs[i].float()).reshape(B, 1, H * D).to(x.dtype)
+            h = x + self.o[i](y)
+            gate, up = self.gate_up[i](block.post_attention_layernorm(h)).chunk(2, dim=-1)
+            x = h + self.down[i](F.silu(gate) * up)
+        return m.lm_head(m.model.norm(x))
