@@ -1,7 +1,6 @@
 """The built-in decoder against transformers, on a tiny random Llama (fast) and the default model (slow)."""
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -295,8 +294,6 @@ def test_cli_json_and_errors(tiny, capsys):
 def test_compiled_step_matches_eager(ours):
     """The static-shape compiled step (one graph for every token) against the eager model, fp32:
     a batch of two prompts of different lengths, logits of each step and greedy tokens."""
-    from compress.decoder.static import StaticDecoder
-
     model, _ = ours
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     eager = generate(model, prompts, 16, kv="full")
@@ -305,7 +302,7 @@ def test_compiled_step_matches_eager(ours):
     step = model.static_steps[2]
     ids = torch.tensor([[p[-1]] for p in prompts])
     start = torch.tensor([0, 4])
-    a, b = step.new_cache(64, torch.float32), new_cache(model, "full", 2, 64)
+    a, b = new_cache(model, "full", 2, 64), new_cache(model, "full", 2, 64)
     padded = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
     with torch.no_grad():
         model(padded, a, start), model(padded, b, start)
@@ -327,7 +324,7 @@ def test_compiled_step_quantized(dtype, tmp_path):
     compiled = generate(model, prompt, 12, compile=True)
     step = model.static_steps[1]
     assert isinstance(step.down[0], KPlanes if dtype == "float32" else Int4Pack)
-    a, b = step.new_cache(64, torch.float16), new_cache(model, "fp16", 1, 64)
+    a, b = new_cache(model, "fp16", 1, 64), new_cache(model, "fp16", 1, 64)
     with torch.no_grad():
         model(torch.tensor(prompt), a), model(torch.tensor(prompt), b)
         for t in range(4):
@@ -373,7 +370,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(UserWarning, match="no compiler here"):
         step = StaticDecoder(model, 1)
-    cache = step.new_cache(32, torch.float32)
+    cache = new_cache(model, "full", 1, 32)
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]), cache)
         with pytest.raises(CompressError, match="one token per row"):

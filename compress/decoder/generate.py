@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.decoder.kv_cache import Cache, FP16Cache, make_cache
+from compress.decoder.kv_cache import FP16Cache, make_cache
 from compress.decoder.model import head_dim_of
 from compress.errors import CompressError
 
@@ -155,9 +155,8 @@ class FullCache(FP16Cache):
     """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
-        Cache.__init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
-        self.k = torch.zeros(n_layers, batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.storage = dtype
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
 
 
 KV_KINDS = ("fp16", "kivi", "packkv", "full")
@@ -290,4 +289,4 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
         steps[batch] = StaticDecoder(model, batch)
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
-    return steps[batch], steps[batch].new_cache(size, torch.float16 if kv == "fp16" else torch.float32)
+    return steps[batch], new_cache(model, kv, batch, size)

@@ -107,30 +107,36 @@ class Cache:
 
 
 class FP16Cache(Cache):
-    """The baseline: K and V in fp16, preallocated ``[layers, B, Hkv, max_len, D]``."""
+    """The baseline: K and V in fp16, preallocated, one ``[B, Hkv, max_len, D]`` tensor each per layer.
+
+    Separate tensors per layer, because the compiled decode step (``compress.decoder.static``)
+    writes one slot of each in place, where for a slice of one big tensor inductor copied the whole.
+    """
+
+    storage = torch.float16
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=torch.float16, device=device)
-        self.v = torch.zeros(shape, dtype=torch.float16, device=device)
+        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=self.storage, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
 
     def append(self, layer, k, v):
         T, L = self.check_append(layer, k, v), self.lens[layer]
-        self.k[layer, :, :, L:L + T] = k
-        self.v[layer, :, :, L:L + T] = v
+        self.k[layer][:, :, L:L + T] = k
+        self.v[layer][:, :, L:L + T] = v
         self.lens[layer] = L + T
 
     def attend(self, layer, q, start=None):
         q4, tq = self.queries(q)
         L = self.lens[layer]
-        scores = q4 @ self.k[layer, :, :, :L].to(self.dtype).transpose(-1, -2)
+        scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
         kpos = torch.arange(L, device=self.device)[None, None]
         p = masked_softmax(scores, hidden(kpos, self.qpos(layer, tq), start), tq)
-        return self.heads(p @ self.v[layer, :, :, :L].to(self.dtype), q)
+        return self.heads(p @ self.v[layer][:, :, :L].to(self.dtype), q)
 
     def nbytes(self) -> int:
-        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k.element_size()
+        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k[0].element_size()
 
     def reset(self):
         self.lens = [0] * self.n_layers

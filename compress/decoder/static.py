@@ -4,8 +4,8 @@ For a 135M model on 2 cores, eager decoding spends more time dispatching ~1,000 
 per token than multiplying. Compiling removes that, but only if every decode step has the
 same shapes, so that one graph serves every token:
 
-    StaticCache   K and V per layer, [B, Hkv, max_len, D] each, preallocated. The prompt is
-                  prefilled eagerly through ``cache.append``/``cache.attend`` (as FP16Cache).
+    cache         the fp16 (or full) cache: K and V per layer, [B, Hkv, max_len, D] each,
+                  preallocated. The prompt is prefilled eagerly through ``cache.append``/``attend``.
     step(idx [B, 1], pos [1], start [B])
                   writes the token's K, V into slot ``pos`` of every layer (index_put, done in
                   place by inductor), then attends over all ``max_len`` slots with the slots
@@ -30,43 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.decoder.kv_cache import Cache, hidden
+from compress.decoder.kv_cache import FP16Cache
 from compress.decoder.model import Cast, Parallel, apply_rope, head_dim_of
 from compress.errors import CompressError
-
-
-class StaticCache(Cache):
-    """K and V stored in ``storage`` (attention in fp32), one ``[B, Hkv, max_len, D]`` tensor each per
-    layer: separate tensors, because inductor writes a slot of each in place, where for a slice of
-    one big tensor it copied the whole."""
-
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, storage, device):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, torch.float32, device)  # fp32 math
-        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=storage, device=device)
-                  for _ in range(n_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-
-    def append(self, layer, k, v):
-        T, L = self.check_append(layer, k, v), self.lens[layer]
-        self.k[layer][:, :, L:L + T] = k
-        self.v[layer][:, :, L:L + T] = v
-        self.lens[layer] = L + T
-
-    def attend(self, layer, q, start=None):
-        q4, tq = self.queries(q)
-        L = self.lens[layer]
-        scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
-        kpos = torch.arange(L, device=self.device)[None, None]
-        m = hidden(kpos, self.qpos(layer, tq), start)
-        B, H, M, _ = scores.shape
-        p = scores.view(B, H, M // tq, tq, L).masked_fill(m, torch.finfo(scores.dtype).min).softmax(-1)
-        return self.heads(p.view(B, H, M, L) @ self.v[layer][:, :, :L].to(self.dtype), q)
-
-    def nbytes(self) -> int:
-        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k[0].element_size()
-
-    def reset(self):
-        self.lens = [0] * self.n_layers
 
 
 class Int4Pack(nn.Module):
@@ -150,7 +116,7 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
 
 
 class StaticDecoder(nn.Module):
-    """``step(idx [B, 1], cache, start)`` for :func:`generate`, compiled, over a :class:`StaticCache`."""
+    """``step(idx [B, 1], cache, start)`` for :func:`generate`, compiled, over an fp16 or full cache."""
 
     def __init__(self, model, batch: int):
         super().__init__()
@@ -180,15 +146,10 @@ class StaticDecoder(nn.Module):
                       f"decoding with the same step uncompiled, which is slower.")
         self.step = self.forward
 
-    def new_cache(self, max_len: int, kv_dtype: torch.dtype) -> StaticCache:
-        c = self.model.config
-        return StaticCache(c.num_hidden_layers, self.batch, self.n_kv_heads, self.head_dim, max_len,
-                           kv_dtype, self.model.lm_head.weight.device)
-
-    def __call__(self, idx, cache: StaticCache, start=None):
-        if not isinstance(cache, StaticCache) or idx.shape != (self.batch, 1):
+    def __call__(self, idx, cache: FP16Cache, start=None):
+        if not isinstance(cache, FP16Cache) or idx.shape != (self.batch, 1):
             raise CompressError(f"the compiled decode step takes one token per row of a batch of {self.batch} "
-                                f"and a StaticCache; got ids {tuple(idx.shape)} and {type(cache).__name__}.")
+                                f"and an fp16 or full cache; got ids {tuple(idx.shape)} and {type(cache).__name__}.")
         L = cache.length
         if L >= cache.max_len:
             raise CompressError(f"KV cache full: it holds {L} tokens (max_len={cache.max_len}).")
