@@ -95,9 +95,33 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise
 
 
+def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
+    """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
+    from compress.eval.decode_speed import measure
+
+    log.info("decoder: %d tokens after a %d-token prompt (%s, kv %s%s)", dcfg.new_tokens, dcfg.prompt_tokens,
+             dcfg.dtype, dcfg.kv, ", compiled" if dcfg.compile else "")
+    try:
+        return measure(folder, ids, dcfg)
+    except CompressError as e:
+        log.warning("the built-in decoder could not run this folder: %s", e)
+        return {"decode_error": str(e)}
+
+
+def check_decode(dcfg) -> None:
+    """Refuse a ``decode`` group the decoder cannot run, before any stage does work."""
+    from compress.decoder.generate import KV_KINDS
+
+    if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "
+                            f"dtype float32, bfloat16 or float16 (or decode.enabled=false).")
+
+
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
     check_config(cfg.get("hub"))
+    if cfg.decode.enabled:
+        check_decode(cfg.decode)
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
@@ -129,6 +153,11 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
+
+        if cfg.decode.enabled:  # the built-in decoder loads and runs what was saved
+            t = time.time()
+            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode))
+            timings["decode"] = round(time.time() - t, 2)
 
         report = {
             "recipe": cfg.name, "model": source.name, **figures,

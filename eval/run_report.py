@@ -2,7 +2,9 @@
 
 report.json keys (DESIGN.md): recipe, model, ppl, ppl_windows, seqlen,
 kl_vs_source, top1_vs_source, weight_bytes, elapsed_s, stages (per-stage
-seconds), plus whatever the stages recorded (bits, group_size, ...).
+seconds), the built-in decoder's decode_tok_s, prefill_tok_s and kv_bytes_per_token
+(eval/decode_speed.py; decode_error instead if it could not run the folder), plus
+whatever the stages recorded (bits, group_size, ...).
 """
 
 import json
@@ -46,7 +48,7 @@ def metrics_table(report: dict) -> list[str]:
     lines = ["| metric | value |", "|---|---|"]
     for key in ("ppl", "kl_vs_source", "top1_vs_source", "weight_bytes", "linear_weight_bytes",
                 "params", "distill_tokens", "bits", "group_size", "decode_tok_s", "prefill_tok_s",
-                "kv_bytes_per_token", "peak_rss_bytes", "elapsed_s"):
+                "kv_bytes_per_token", "decode_error", "peak_rss_bytes", "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
     return lines

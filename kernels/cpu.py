@@ -179,10 +179,14 @@ _workspace: dict[torch.dtype, torch.Tensor] = {}  # W_hat of the prefill path, p
 def kplanes_gemv(x: torch.Tensor, layer) -> torch.Tensor:
     """``x [M, in] @ W_hat^T`` for small M from the K-packed planes, in fp32, returned in ``x``'s dtype."""
     packed, widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
-    # measured (4096x4096, 1 thread): 8 chains take INT4 from 0.82 to 0.50 ms and INT8 from 2.0 to
-    # 1.1 ms at M = 1; they lose on several planes (INT3: 0.91 -> 2.0 ms) and at M = 4.
-    unroll = 8 if len(widths) == 1 and x.shape[0] <= 2 and layer.group_size % 8 == 0 else 1
-    return gemv_compiled(layer, x.float(), packed, widths, s, z, unroll).to(x.dtype)
+    return gemv_compiled(layer, x.float(), packed, widths, s, z, gemv_unroll(layer, x.shape[0])).to(x.dtype)
+
+
+def gemv_unroll(layer, m: int) -> int:
+    """Accumulator chains of :func:`_gemv` for ``m`` rows. Measured (4096x4096, 1 thread): 8 chains
+    take INT4 from 0.82 to 0.50 ms and INT8 from 2.0 to 1.1 ms at M = 1; they lose on several
+    planes (INT3: 0.91 -> 2.0 ms) and at M = 4."""
+    return 8 if len(planes(layer)) == 1 and m <= 2 and layer.group_size % 8 == 0 else 1
 
 
 def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:

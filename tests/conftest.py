@@ -64,7 +64,7 @@ def compose(recipe: str, overrides=()):
         return hydra_compose(config_name=recipe, overrides=list(overrides))
 
 
-TINY_OVERRIDES = ["eval.windows=2", "eval.seqlen=64", "calib.samples=4", "calib.seqlen=64"]
+TINY_OVERRIDES = ["eval.windows=2", "eval.seqlen=64", "calib.samples=4", "calib.seqlen=64", "decode.new_tokens=16"]
 
 
 @pytest.fixture(scope="session")

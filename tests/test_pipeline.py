@@ -50,9 +50,13 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
 
     saved = json.loads((out / "report.json").read_text())
     for key in ("recipe", "model", "ppl", "ppl_windows", "seqlen", "kl_vs_source", "top1_vs_source",
-                "weight_bytes", "elapsed_s", "stages"):
+                "weight_bytes", "elapsed_s", "stages", "decode_tok_s", "prefill_tok_s", "kv_bytes_per_token"):
         assert key in saved, key
     assert saved["group_size"] == 128 and saved["bits"] == 4 and saved["ppl_windows"] == 2
+    # the built-in decoder ran the folder: fp16 cache, 2 layers x (K + V) x 2 kv heads x 32 dims x 2 bytes
+    assert saved["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
+    assert saved["decode_tok_s"] > 0 and saved["prefill_tok_s"] > 0 and "decode" in saved["stages"]
+    assert "| decode_tok_s |" in (out / "report.md").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == names - {"manifest.json"}
     from compress.models import sha256_file
@@ -220,3 +224,22 @@ def test_awq_refuses_per_row_group(tiny_dir, tmp_path):
     with pytest.raises(CompressError, match="group_size=-1"):
         run_recipe("awq_int4", tiny_dir, tmp_path / "run", "awq.group_size=-1")
     assert not (tmp_path / "run").exists()
+
+
+def test_decoder_figures_and_errors(tiny_dir, tmp_path, monkeypatch):
+    with pytest.raises(CompressError, match="decode.kv=bogus"):
+        run_recipe("fp", tiny_dir, tmp_path / "bad", "decode.kv=bogus")
+    assert not (tmp_path / "bad").exists()
+    report = run_recipe("rtn_int4", tiny_dir, tmp_path / "packkv", "decode.kv=packkv", "decode.new_tokens=200")
+    assert 0 < report["kv_bytes_per_token"] < 2 * 2 * 2 * 32 * 2  # compressed below the fp16 cache's
+
+    from compress.eval import decode_speed
+
+    def refuse(*a, **k):
+        raise CompressError("this architecture is not in the decoder")
+
+    monkeypatch.setattr(decode_speed, "measure", refuse)
+    report = run_recipe("fp", tiny_dir, tmp_path / "nodecoder")
+    assert report["decode_error"] == "this architecture is not in the decoder" and "decode_tok_s" not in report
+    assert (tmp_path / "nodecoder" / "report.json").exists()
+

@@ -110,8 +110,7 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
         if path == "int4pack":
             return Int4Pack(layer, dtype)
         if path == "kplanes-gemv":
-            widths = [p for p, _, _ in cpu.planes(layer)]
-            return KPlanes(layer, 8 if len(widths) == 1 and batch <= 2 and layer.group_size % 8 == 0 else 1)
+            return KPlanes(layer, cpu.gemv_unroll(layer, batch))
     return Eager(layer)
 
 
