@@ -25,7 +25,7 @@ Memory layout of one ``Packed`` tensor (K or V of one layer), ``BH = batch * kv_
     pmeta       : int16 [BH, cap/16, ceil(D f/16)]  per pack the f-bit field pmin | width << m,
                                                     channel c at bits [c f, (c+1) f) of its row
     poff        : int32 [BH, cap/16]                first word of pack row r (16 tokens x D channels)
-    data        : int16 [words]                     the bit stream, grown one block at a time
+    data        : int16 [words]                     the bit stream, grown by appends, cut back by truncate
 
 Pack (r, c) holds ``width[r, c]`` words starting at ``poff[r] + sum_{c'<c} width[r, c']``:
 rest[i] sits at bits ``[i*w, (i+1)*w)`` of that 16w-bit little-endian string. Every field
@@ -166,6 +166,23 @@ class Packed:
         self.data = torch.cat([self.data[:-1], to_int16(words), guard])
         self.n += T
 
+    def pop(self, n: int):
+        """``(codes uint8, tmin, lstep)`` of slots ``n ..``, which are then forgotten (see :meth:`truncate`)."""
+        out = unpack_codes(self, n).to(torch.uint8), self.tmin[:, n:self.n], self.lstep[:, n:self.n]
+        self.truncate(n)
+        return out
+
+    def truncate(self, n: int) -> None:
+        """Forget slots ``n ..`` (``n`` a slot where an ``append`` began); the next append overwrites them.
+
+        An append writes its pack rows head after head, so slot ``n``'s first word over all heads is
+        where that append's words begin, and everything after it belongs to slots ``n ..``.
+        """
+        if n < self.n:
+            end = int(self.poff[:, n // PACK].min())
+            self.data = torch.cat([self.data[:end], torch.zeros(1, dtype=torch.int16, device=self.data.device)])
+            self.n = n
+
     def nbytes(self) -> int:
         """Bytes held for the ``n`` stored tokens: per-token and per-pack metadata plus the bit stream."""
         n, rows = self.n, self.n // PACK
@@ -173,22 +190,23 @@ class Packed:
         return per_token + self.pmeta[:, :rows].nbytes + self.poff[:, :rows].nbytes + self.data.nbytes
 
 
-def unpack_meta(p: Packed):
-    """``(pmin, width)``, int32 ``[BH, rows, D]`` of the stored pack rows."""
+def unpack_meta(p: Packed, start: int = 0):
+    """``(pmin, width)``, int32 ``[BH, rows, D]`` of the pack rows of slots ``start .. n-1``."""
     bitpos = torch.arange(p.dim, device=p.data.device, dtype=torch.int32) * p.fbits
-    fields = field(word_pairs(p.pmeta[:, :p.n // PACK])[..., bitpos >> 4], bitpos, p.fbits)
+    fields = field(word_pairs(p.pmeta[:, start // PACK:p.n // PACK])[..., bitpos >> 4], bitpos, p.fbits)
     return fields & ((1 << p.mbits) - 1), fields >> p.mbits
 
 
-def unpack_codes(p: Packed) -> torch.Tensor:
-    """Codes ``[BH, n, D]`` (int32) of the ``n`` stored tokens: the inverse of :func:`pack_rows`."""
-    bh, rows = p.tmin.shape[0], p.n // PACK
-    pmin, width = unpack_meta(p)
-    first = p.poff[:, :rows, None] + width.cumsum(-1, dtype=torch.int32) - width      # first word of each pack
+def unpack_codes(p: Packed, start: int = 0) -> torch.Tensor:
+    """Codes ``[BH, n - start, D]`` (int32) of slots ``start .. n-1`` (``start`` a multiple of 16):
+    the inverse of :func:`pack_rows`."""
+    bh, r0, r1 = p.tmin.shape[0], start // PACK, p.n // PACK
+    pmin, width = unpack_meta(p, start)
+    first = p.poff[:, r0:r1, None] + width.cumsum(-1, dtype=torch.int32) - width      # first word of each pack
     bitpos = torch.arange(PACK, dtype=torch.int32, device=width.device)[:, None] * width[:, :, None]
     idx = (bitpos >> 4).add_(first[:, :, None]).long()                                # [BH, rows, 16, D]
     rest = field(word_pairs(p.data)[idx], bitpos, width[:, :, None])
-    return rest.add_(pmin[:, :, None]).view(bh, rows * PACK, p.dim)
+    return rest.add_(pmin[:, :, None]).view(bh, (r1 - r0) * PACK, p.dim)
 
 
 def dequantize(p: Packed) -> torch.Tensor:

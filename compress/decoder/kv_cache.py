@@ -11,11 +11,13 @@ padding ``positions < start[b]``. Scores and softmax run in ``dtype`` (fp32 by d
 the output comes back in ``q``'s dtype.
 
 The compressed caches keep the most recent ``residual`` tokens in an fp16 window and
-compress the older ones a block at a time (32 tokens for KIVI, 64 for PackKV) once a
-whole block has left the window. A block is never compressed in the ``append`` that
-brought it, so a prefill attends over exact fp16 keys (as KIVI does), and the
-compressed history is always older than every query: the causal mask never cuts
-through it, only left padding can.
+compress the older ones. KIVI compresses a 32-token group once it has wholly left the
+window (K is quantized over the group's tokens), so up to 31 more tokens wait in fp16.
+PackKV quantizes each token as it leaves, so its window holds exactly ``residual``
+tokens; it bit-packs them 16 at a time and repacks each block of 64 when it fills. A
+token is never compressed in the ``append`` that brought it, so a prefill attends over
+exact fp16 keys (as KIVI does), and the compressed history is always older than every
+query: the causal mask never cuts through it, only left padding can.
 
 ``nbytes()`` counts what is held for the tokens in the cache: codes, every scale, minimum,
 bit width, offset and permutation, and the fp16 window (the fp16 cache's preallocated
@@ -151,6 +153,7 @@ class ResidualCache(Cache):
     """
 
     block = 64
+    granule = None  # tokens leave the window in multiples of this; None: of ``block``
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
@@ -172,8 +175,9 @@ class ResidualCache(Cache):
         old = self.win_k[layer].shape[2]
         wk = torch.cat([self.win_k[layer], k.half()], 2)
         wv = torch.cat([self.win_v[layer], v.half()], 2)
-        # whole blocks older than this chunk and outside the newest `residual` tokens
-        n = max(0, min(old, old + T - self.residual)) // self.block * self.block
+        # tokens older than this chunk and outside the newest `residual`, in whole granules
+        granule = self.granule or self.block
+        n = max(0, min(old, old + T - self.residual)) // granule * granule
         if n:
             self.compress(layer, wk[:, :, :n].float(), wv[:, :, :n].float())
             self.ncomp[layer] += n
@@ -271,6 +275,10 @@ class KIVICache(ResidualCache):
         x = z.to(self.dtype) + s.to(self.dtype) * codes.to(self.dtype)
         return x.view(self.batch, self.n_kv_heads, C, D)
 
+    def history(self, layer):
+        """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` of the compressed positions, in position order."""
+        return self.dequantize(layer, "k"), self.dequantize(layer, "v")
+
     def history_scores(self, layer, q4):
         return q4 @ self.dequantize(layer, "k").transpose(-1, -2)
 
@@ -322,6 +330,11 @@ def order_greedy(codes: torch.Tensor, pack: int = packkv_ref.PACK) -> torch.Tens
     return perm
 
 
+def joined(a: tuple, b: tuple) -> tuple:
+    """Tensors of ``a`` and ``b`` pairwise concatenated along the token axis (1)."""
+    return tuple(torch.cat([x, y], 1) for x, y in zip(a, b))
+
+
 ORDERS = {"greedy": order_greedy, "median": order_median,
           "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2])}
 
@@ -329,29 +342,36 @@ ORDERS = {"greedy": order_greedy, "median": order_median,
 class PackKVCache(ResidualCache):
     """PackKV (arXiv 2512.24449): error-bounded per-token codes, repacked, bit-packed per 16-token pack.
 
-    A block of ``block`` tokens leaving the window is quantized per token (``k_rel``, ``v_rel``:
-    step = rel * token range), its tokens reordered by one permutation shared by K and V
-    (attention is invariant to permuting key/value pairs together) so that packs of 16 tokens
-    span small code ranges, then bit-packed (``compress.kernels.packkv_ref`` has the format).
+    Each token leaving the window is quantized per token (``k_rel``, ``v_rel``: step = rel *
+    token range) and waits as uint8 codes (``staged``, with its minimum and step) until 16 have
+    left; those are bit-packed as one pack row in arrival order (``compress.kernels.packkv_ref``
+    has the format). When a block of ``block`` tokens fills, its pack rows are taken back and
+    the block is repacked: one permutation, shared by K and V (attention is invariant to
+    permuting key/value pairs together), orders its tokens so that packs of 16 span small code
+    ranges. So the cache holds exactly ``residual`` fp16 tokens, at most 15 staged ones and at
+    most 48 packed in arrival order; everything older is repacked.
     The permutation is kept (uint8 ``[layers, BH, cap]``) only if ``keep_perm`` (default: when
     batch > 1, for left-padding masks); the causal mask never needs it (see the module docstring).
 
-    Defaults ``k_rel=0.03, v_rel=0.1``, picked on WikiText-2 validation text (eval/kv_quality.py
-    ``--data .../wiki.valid.tokens --tokens 1536``): KL 4.1e-3 against the fp16 cache at 0.333 of
-    its bytes, where KIVI-4 has KL 3.95e-3 at 0.370; k_rel 0.04 or v_rel 0.15 cost 1.25x and 1.8x
-    the KL for 4% fewer bytes.
+    Defaults ``k_rel=0.04, v_rel=0.1``: on WikiText-2 validation text (eval/kv_quality.py ``--parallel
+    --windows 4 --tokens 1536 --data .../wiki.valid.tokens``), the sweep's lowest-KL pair whose bytes
+    stay under a third of the fp16 cache's at every length from 1,400 to 1,700 tokens (0.321 at
+    1,536, at most 0.328): KL 5.3e-3, where KIVI-4 has 3.9e-3 at 0.370. Matching KIVI-4's KL takes
+    0.025:0.1 at 0.340 (1.09x fewer bytes than KIVI-4).
 
     Attention products come from ``compress.kernels.packkv`` (Triton, decoding in registers) on
     CUDA and from ``packkv_ref`` (unpack into a scratch tensor, then matmul) on the CPU. Measured
     on this project's 2-core CPU (one thread, one layer of SmolLM2, 1,536 tokens of which 1,408
     compressed, one decode query): scratch + matmul 2.6 ms per ``attend``, the same Triton
     kernels under the interpreter about 7 s (KIVI's dequantize + matmul 1.1 ms, fp16 0.18 ms).
+    The staged tokens (under 16) are dequantized and multiplied in PyTorch.
     """
 
     OPTIONS = ("k_rel", "v_rel", "block", "pack", "residual", "order", "keep_perm")
+    granule = 1
 
     def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device,
-                 k_rel=0.03, v_rel=0.1, block=64, pack=16, residual=128, order="greedy", keep_perm=None):
+                 k_rel=0.04, v_rel=0.1, block=64, pack=16, residual=128, order="greedy", keep_perm=None):
         for name, rel in (("k_rel", k_rel), ("v_rel", v_rel)):
             if not packkv_ref.MIN_REL <= rel <= 1:
                 raise CompressError(f"PackKV {name}={rel} is out of range; use a relative error bound in "
@@ -372,45 +392,90 @@ class PackKVCache(ResidualCache):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
-        BH, dev = self.batch * self.n_kv_heads, self.device
-        self.k, self.v = ([packkv_ref.Packed.empty(BH, self.cap, self.head_dim, packkv_ref.max_code(rel), dev)
+        BH, dev, cap = self.batch * self.n_kv_heads, self.device, self.max_len // packkv_ref.PACK * packkv_ref.PACK
+        self.k, self.v = ([packkv_ref.Packed.empty(BH, cap, self.head_dim, packkv_ref.max_code(rel), dev)
                            for _ in range(self.n_layers)] for rel in (self.k_rel, self.v_rel))
-        self.perm = torch.zeros(self.n_layers, BH, self.cap if self.keep_perm else 0, dtype=torch.uint8, device=dev)
+        self.perm = torch.zeros(self.n_layers, BH, cap if self.keep_perm else 0, dtype=torch.uint8, device=dev)
+        none = torch.zeros(BH, 0, self.head_dim, dtype=torch.uint8, device=dev), \
+            torch.zeros(BH, 0, dtype=torch.float16, device=dev), torch.zeros(BH, 0, dtype=torch.int8, device=dev)
+        self.staged = [(none, none) for _ in range(self.n_layers)]  # per layer, K and V: (codes, tmin, lstep)
 
     def compress(self, layer, k, v):
-        BH, n, D, blk = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block
-        kc, kmin, klstep = packkv_ref.quantize_tokens(k.reshape(BH, n, D), self.k_rel)
-        vc, vmin, vlstep = packkv_ref.quantize_tokens(v.reshape(BH, n, D), self.v_rel)
-        perm = ORDERS[self.order](torch.cat([kc, vc], -1).view(BH * n // blk, blk, 2 * D)).view(BH, n // blk, blk)
-        idx = (perm + torch.arange(0, n, blk, device=self.device)[:, None]).view(BH, n)
+        """Quantize the tokens leaving the window, bit-pack whole packs, repack a block when it fills."""
+        BH, n, D, blk, pack = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block, packkv_ref.PACK
+        pk, pv = self.k[layer], self.v[layer]
+        # pending tokens of K and of V, each (codes uint8, tmin, lstep): the staged ones, then these
+        new = [packkv_ref.quantize_tokens(x.reshape(BH, n, D), rel) for x, rel in ((k, self.k_rel), (v, self.v_rel))]
+        kv = [joined(st, (c.to(torch.uint8), tmin, lstep)) for st, (c, tmin, lstep) in zip(self.staged[layer], new)]
+        start = pk.n // blk * blk  # first slot of the block being filled
+        if pk.n - start + kv[0][0].shape[1] >= blk:  # it fills: take its packs back, to repack it whole
+            kv = [joined(p.pop(start), t) for p, t in zip((pk, pv), kv)]
+        m = kv[0][0].shape[1]
+        full = m // blk * blk if pk.n == start else 0  # whole blocks, from a block's first slot
+        packed = m // pack * pack
+        if full:
+            codes = torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).long().view(-1, blk, 2 * D)
+            perm = ORDERS[self.order](codes).view(BH, full // blk, blk)
+            idx = (perm + torch.arange(0, full, blk, device=self.device)[:, None]).view(BH, full)
+            self.store(layer, [[t[:, :full].gather(1, idx if t.dim() == 2 else idx[..., None].expand(-1, -1, D))
+                                for t in x] for x in kv], perm.reshape(BH, full))
+        if packed > full:  # whole packs of a block not yet full: in arrival order
+            self.store(layer, [[t[:, full:packed] for t in x] for x in kv])
+        self.staged[layer] = tuple(tuple(t[:, packed:] for t in x) for x in kv)
 
-        def take(t):
-            return t.gather(1, idx if t.dim() == 2 else idx[..., None].expand_as(t))
-
-        self.k[layer].append(take(kc), take(kmin), take(klstep))
-        self.v[layer].append(take(vc), take(vmin), take(vlstep))
+    def store(self, layer, kv, order=None):
+        """Append whole packs ``kv = [K, V]`` of ``(codes, tmin, lstep)``; ``order [BH, n]``: each one's
+        token within its block (None: in arrival order)."""
+        C, n = self.k[layer].n, kv[0][0].shape[1]
+        for p, (codes, tmin, lstep) in zip((self.k[layer], self.v[layer]), kv):
+            p.append(codes.long(), tmin, lstep)
         if self.keep_perm:
-            C = self.ncomp[layer]
-            self.perm[layer, :, C:C + n] = perm.reshape(BH, n).to(torch.uint8)
+            slots = torch.arange(C, C + n, device=self.device)
+            self.perm[layer, :, C:C + n] = (slots % self.block if order is None else order).to(torch.uint8)
+
+    def staged_hat(self, layer, which: int) -> torch.Tensor:
+        """Dequantized staged tokens ``[BH, s, D]`` fp32 of K (0) or V (1)."""
+        codes, tmin, lstep = self.staged[layer][which]
+        return tmin[..., None].float() + packkv_ref.step_of(lstep[..., None]) * codes.float()
+
+    def history(self, layer):
+        """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` fp32 of the compressed positions, in position order
+        (the stored order, unpermuted; needs ``keep_perm``)."""
+        if not self.keep_perm:
+            raise CompressError("PackKV history() needs the permutation: create the cache with keep_perm=True.")
+        n, blk, shape = self.k[layer].n, self.block, (self.batch, self.n_kv_heads, -1, self.head_dim)
+        pos = (torch.arange(n, device=self.device) // blk * blk + self.perm[layer, :, :n].long())[..., None]
+        out = []
+        for which, p in enumerate((self.k[layer], self.v[layer])):
+            x = torch.empty(p.tmin.shape[0], n, self.head_dim, device=self.device)
+            x.scatter_(1, pos.expand(-1, -1, self.head_dim), packkv_ref.dequantize(p))
+            out.append(torch.cat([x, self.staged_hat(layer, which)], 1).view(shape))
+        return tuple(out)
 
     def history_scores(self, layer, q4):
         B, H, M, D = q4.shape
-        return self.ops.qk(q4.reshape(B * H, M, D).float(), self.k[layer]).view(B, H, M, -1)
+        q = q4.reshape(B * H, M, D).float()
+        s = self.ops.qk(q, self.k[layer]) if self.k[layer].n else q.new_zeros(B * H, M, 0)
+        return torch.cat([s, q @ self.staged_hat(layer, 0).transpose(1, 2)], -1).view(B, H, M, -1)
 
     def history_mix(self, layer, p):
         B, H, M, C = p.shape
-        return self.ops.pv(p.reshape(B * H, M, C).float(), self.v[layer]).view(B, H, M, -1)
+        n, p = self.k[layer].n, p.reshape(B * H, M, C).float()
+        out = p[..., n:] @ self.staged_hat(layer, 1)
+        if n:
+            out = out + self.ops.pv(p[..., :n].contiguous(), self.v[layer])
+        return out.view(B, H, M, -1)
 
     def history_positions(self, layer, qpos, start):
-        C, blk = self.ncomp[layer], self.block
+        C, n, blk = self.ncomp[layer], self.k[layer].n, self.block
         slots = torch.arange(C, device=self.device)
         if self.keep_perm:
-            pos = slots // blk * blk + self.perm[layer, :, :C].long()
+            pos = torch.cat([slots[:n] // blk * blk + self.perm[layer, :, :n].long(), slots[n:].expand(len(self.perm[layer]), -1)], 1)
             return pos.view(self.batch, self.n_kv_heads, C)
-        # without the permutation a slot's position is known up to its block: fine unless a
-        # mask boundary (a causal limit qpos + 1, or a row's start) falls inside a block.
+        # without the permutation a packed slot's position is known up to its block: fine unless a
+        # mask boundary (a causal limit qpos + 1, or a row's start) falls inside a repacked block.
         cuts = qpos + 1 if start is None else torch.cat([qpos + 1, start.to(qpos)])
-        if ((cuts > 0) & (cuts < C) & (cuts % blk != 0)).any():
+        if ((cuts > 0) & (cuts < n // blk * blk) & (cuts % blk != 0)).any():
             raise CompressError(f"a mask boundary (left padding start={None if start is None else start.tolist()}"
                                 f" or the causal limit) falls inside PackKV's compressed history of {C} "
                                 f"tokens, whose token order within blocks was not kept. Create the cache "
@@ -419,8 +484,10 @@ class PackKVCache(ResidualCache):
 
     def nbytes(self) -> int:
         total = self.window_nbytes()
-        for layer, C in enumerate(self.ncomp):
-            total += self.k[layer].nbytes() + self.v[layer].nbytes() + self.perm[layer, :, :C].nbytes
+        for layer in range(self.n_layers):
+            n = self.k[layer].n
+            total += self.k[layer].nbytes() + self.v[layer].nbytes() + self.perm[layer, :, :n].nbytes
+            total += sum(t.nbytes for kv in self.staged[layer] for t in kv)
         return total
 
 
