@@ -299,6 +299,23 @@ def test_left_padding_start(kind, opts):
     assert rel_err(unmasked[1], masked[1]) > 0.1  # the padding mask changes row 1's output
 
 
+def test_kivi_left_padding_stays_out_of_k_groups():
+    """Row 1's 37 padding keys are wild (x1000); the K group they share with real tokens must be
+    quantized over the real tokens only: each real key stays within its group's bound without them."""
+    q, k, v = data(260)
+    start = torch.tensor([0, 37])
+    k[1, :, :37] *= 1000
+    cache = make_cache("kivi", 1, B, HKV, D, 260, bits=4, residual=32)
+    decode(cache, q, k, v, 70, set(), start)
+    k_hat, _ = cache.history(0)
+    C = k_hat.shape[2]
+    k_real = k.clone()
+    k_real[1, :, :37] = k[1, :, 37:38]  # what padding slots may hold without widening a group
+    dk, _ = kivi_error(k_real, v, 4)
+    real = (torch.arange(C) >= start[:, None])[:, None, :, None]
+    assert C == 224 and (((k_hat - k[:, :, :C]).abs() <= dk[:, :, :C]) | ~real).all()
+
+
 def test_packkv_without_permutation_refuses_padding_inside_a_block():
     q, k, v = data(260)
     cache = make_cache("packkv", 1, B, HKV, D, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False)

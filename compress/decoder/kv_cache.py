@@ -166,6 +166,7 @@ class ResidualCache(Cache):
     def reset(self):
         self.lens = [0] * self.n_layers
         self.ncomp = [0] * self.n_layers
+        self.start = None  # rows' left padding, as last given to attend
         empty = torch.zeros(self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device)
         self.win_k, self.win_v = [empty] * self.n_layers, [empty] * self.n_layers
         self.reset_history()
@@ -186,6 +187,7 @@ class ResidualCache(Cache):
         self.lens[layer] += T
 
     def attend(self, layer, q, start=None):
+        self.start = start
         q4, tq = self.queries(q)
         C, qpos = self.ncomp[layer], self.qpos(layer, tq)
         wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
@@ -225,6 +227,9 @@ def minmax_quantize(x: torch.Tensor, bits: int, dim: int):
 class KIVICache(ResidualCache):
     """KIVI (Liu et al. 2024): K per channel over 32-token groups, V per token over 32-channel groups.
 
+    Left padding (the ``start`` last given to ``attend``) stays out of the K groups: padded slots
+    copy their row's first token before a group is quantized, so they cannot widen its range.
+
     Layout per layer (``BH = B * Hkv``, ``cap`` tokens, ``G = group``, ``b = bits``)::
 
         kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.quant.packing planes
@@ -255,6 +260,10 @@ class KIVICache(ResidualCache):
 
     def compress(self, layer, k, v):
         BH, n, D, G, C = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block, self.ncomp[layer]
+        if self.start is not None:  # left padding must not widen a K group: its slots copy the row's first token
+            pad = torch.arange(C, C + n, device=k.device) < self.start.to(k.device)[:, None]    # [B, n]
+            first = (self.start.to(k.device) - C).clamp(0, n - 1).view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, D)
+            k = torch.where(pad[:, None, :, None], k.gather(2, first), k)
         kc, kz, ks = minmax_quantize(k.reshape(BH, n // G, G, D), self.bits, dim=2)
         vc, vz, vs = minmax_quantize(v.reshape(BH, n, D // G, G), self.bits, dim=3)
         plane = f"w{self.bits}"
