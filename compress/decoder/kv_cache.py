@@ -479,7 +479,8 @@ class PackKVCache(ResidualCache):
         C, n, blk = self.ncomp[layer], self.k[layer].n, self.block
         slots = torch.arange(C, device=self.device)
         if self.keep_perm:
-            pos = torch.cat([slots[:n] // blk * blk + self.perm[layer, :, :n].long(), slots[n:].expand(len(self.perm[layer]), -1)], 1)
+            packed = slots[:n] // blk * blk + self.perm[layer, :, :n].long()   # staged ones are in order
+            pos = torch.cat([packed, slots[n:].expand(len(packed), -1)], 1)
             return pos.view(self.batch, self.n_kv_heads, C)
         # without the permutation a packed slot's position is known up to its block: fine unless a
         # mask boundary (a causal limit qpos + 1, or a row's start) falls inside a repacked block.
