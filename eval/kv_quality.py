@@ -45,6 +45,14 @@ from compress.decoder.kv_cache import make_cache
 DATA = "/work/shared/data/wikitext-2/wiki.test.raw"
 
 
+def heads(layer, x: torch.Tensor, D: int, cos, sin):
+    """``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]`` of decoder ``layer`` on ``x [B, T, hidden]``, RoPE applied."""
+    a, h = layer.self_attn, layer.input_layernorm(x)
+    B, T = x.shape[:2]
+    q, k, v = (proj(h).view(B, T, -1, D).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
+    return (*apply_rotary_pos_emb(q, k, cos, sin), v)
+
+
 @torch.no_grad()
 def forward(model, ids: torch.Tensor, cache, last: bool = False) -> torch.Tensor:
     """Logits ``[B, T, V]`` of ``ids [B, T]`` at positions ``cache.length ..`` (Llama, HF modules)."""
@@ -55,11 +63,8 @@ def forward(model, ids: torch.Tensor, cache, last: bool = False) -> torch.Tensor
     x = m.embed_tokens(ids)
     cos, sin = m.rotary_emb(x, pos)
     for i, layer in enumerate(m.layers):
-        a, h = layer.self_attn, layer.input_layernorm(x)
-        q = a.q_proj(h).view(B, T, -1, D).transpose(1, 2)
-        k = a.k_proj(h).view(B, T, -1, D).transpose(1, 2)
-        v = a.v_proj(h).view(B, T, -1, D).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        a = layer.self_attn
+        q, k, v = heads(layer, x, D, cos, sin)
         cache.append(i, k, v)
         x = x + a.o_proj(cache.attend(i, q).transpose(1, 2).reshape(B, T, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -142,11 +147,8 @@ def forward_parallel(model, ids: torch.Tensor, kind: str, opts: dict, C: torch.T
     if kind == "packkv":
         opts = {**opts, "keep_perm": True}  # to read the history back in position order
     for layer in m.layers:
-        a, h = layer.self_attn, layer.input_layernorm(x)
-        q = a.q_proj(h).view(B, T, -1, D).transpose(1, 2)
-        k = a.k_proj(h).view(B, T, -1, D).transpose(1, 2)
-        v = a.v_proj(h).view(B, T, -1, D).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        a = layer.self_attn
+        q, k, v = heads(layer, x, D, cos, sin)
         H, Hkv = q.shape[1], k.shape[1]
         cache = make_cache(kind, 1, B, Hkv, D, T, **opts)
         cache.append(0, k[:, :, :T - 1], v[:, :, :T - 1])
