@@ -209,10 +209,14 @@ def unpack_codes(p: Packed, start: int = 0) -> torch.Tensor:
     return rest.add_(pmin[:, :, None]).view(bh, (r1 - r0) * PACK, p.dim)
 
 
+def values(codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> torch.Tensor:
+    """``x_hat [..., T, D]`` fp32 = tmin + tstep * code, from per-token ``tmin``, ``lstep [..., T]``."""
+    return tmin[..., None].float() + step_of(lstep[..., None]) * codes.float()
+
+
 def dequantize(p: Packed) -> torch.Tensor:
-    """``x_hat [BH, n, D]`` fp32 = tmin + tstep * code."""
-    n = p.n
-    return p.tmin[:, :n, None].float() + step_of(p.lstep[:, :n, None]) * unpack_codes(p).float()
+    """``x_hat [BH, n, D]`` fp32 of the stored tokens."""
+    return values(unpack_codes(p), p.tmin[:, :p.n], p.lstep[:, :p.n])
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -444,8 +444,7 @@ class PackKVCache(ResidualCache):
 
     def staged_hat(self, layer, which: int) -> torch.Tensor:
         """Dequantized staged tokens ``[BH, s, D]`` fp32 of K (0) or V (1)."""
-        codes, tmin, lstep = self.staged[layer][which]
-        return tmin[..., None].float() + packkv_ref.step_of(lstep[..., None]) * codes.float()
+        return packkv_ref.values(*self.staged[layer][which])
 
     def history(self, layer):
         """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` fp32 of the compressed positions, in position order
