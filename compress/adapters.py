@@ -67,6 +67,11 @@ def get_adapter(config) -> Adapter:
     return ADAPTERS[model_type]
 
 
+def head_dim(config) -> int:
+    """Width of one attention head: ``config.head_dim``, else hidden size / query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     """Replace the submodule at dotted path ``name``."""
     parent, _, child = name.rpartition(".")

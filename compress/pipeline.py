@@ -110,7 +110,7 @@ def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
 
 def check_decode(dcfg) -> None:
     """Refuse a ``decode`` group the decoder cannot run, before any stage does work."""
-    from compress.decoder.generate import KV_KINDS
+    from compress.decoder.kv import KV_KINDS
 
     if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
         raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "

@@ -20,9 +20,10 @@ compressed K/V come from a cache of that kind holding the whole window. It is ab
 for sweeps, and equal up to rounding: projecting one token or a whole window rounds differently,
 so a few codes flip (SmolLM2, 1,536 tokens: KL within 2% of the token-by-token figure).
 
-The forward is a small Llama written here on the HF model's modules, so it runs any cache
-through ``compress.decoder.kv_cache``'s interface. Prints a table, writes ``kv_quality.json``
-and a plot of KL against bytes/token to ``--out``.
+Both run the decoder's own model forward (``compress.decoder.model``): token by token through
+the caches themselves, ``--parallel`` through :class:`HistoryMix`, a cache-shaped view that
+gives each query its history. Prints a table, writes ``kv_quality.json`` and a plot of KL
+against bytes/token to ``--out``.
 
     python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
     python -m compress.eval.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
@@ -32,45 +33,17 @@ and a plot of KL against bytes/token to ``--out``.
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from compress.data import read_text, tokenize
-from compress.decoder.kv_cache import make_cache
-
-DATA = "/work/shared/data/wikitext-2/wiki.test.raw"
-
-
-def heads(layer, x: torch.Tensor, D: int, cos, sin):
-    """``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]`` of decoder ``layer`` on ``x [B, T, hidden]``, RoPE applied."""
-    a, h = layer.self_attn, layer.input_layernorm(x)
-    B, T = x.shape[:2]
-    q, k, v = (proj(h).view(B, T, -1, D).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
-    return (*apply_rotary_pos_emb(q, k, cos, sin), v)
-
-
-@torch.no_grad()
-def forward(model, ids: torch.Tensor, cache, last: bool = False) -> torch.Tensor:
-    """Logits ``[B, T, V]`` of ``ids [B, T]`` at positions ``cache.length ..`` (Llama, HF modules)."""
-    m, cfg = model.model, model.config
-    B, T = ids.shape
-    D = cfg.head_dim
-    pos = torch.arange(cache.length, cache.length + T, device=ids.device).expand(B, T)
-    x = m.embed_tokens(ids)
-    cos, sin = m.rotary_emb(x, pos)
-    for i, layer in enumerate(m.layers):
-        a = layer.self_attn
-        q, k, v = heads(layer, x, D, cos, sin)
-        cache.append(i, k, v)
-        x = x + a.o_proj(cache.attend(i, q).transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if last:
-        x = x[:, -1:]
-    return model.lm_head(m.norm(x))
+from compress.decoder.kv import make_cache
+from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.errors import CompressError
 
 
 def configs(args) -> list[tuple[str, str, dict]]:
@@ -89,7 +62,7 @@ def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     """Lock-step teacher forcing of every cache in ``cfgs`` over ``windows [B, T]``."""
     c = model.config
     B, T = windows.shape
-    caches = [make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, c.head_dim, T, **opts)
+    caches = [make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, model.head_dim, T, **opts)
               for _, kind, opts in cfgs]
     kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
     for t in tqdm(range(prefill, T + 1), desc="kv_quality", unit="tok", mininterval=10):
@@ -97,7 +70,7 @@ def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
         ref = None
         for i, cache in enumerate(caches):
             t0 = time.perf_counter()
-            logits = forward(model, ids, cache, last=True)[:, -1].float()
+            logits = model(ids, cache, last=True)[:, -1].float()
             secs[i] += time.perf_counter() - t0
             if t == T:
                 continue  # the last token only fills the caches: bytes are read at context T
@@ -131,43 +104,48 @@ def history_lengths(kind: str, opts: dict, T: int, prefill: int, head_dim: int) 
     return C
 
 
-@torch.no_grad()
-def forward_parallel(model, ids: torch.Tensor, kind: str, opts: dict, C: torch.Tensor, first: int):
-    """``(log-probs [B, T-first-1, V] at positions first .. T-2, bytes held at the end)``: teacher-forced
-    decoding through a cache of ``kind`` in one pass (the module docstring says why it is the same)."""
-    m, cfg = model.model, model.config
-    B, T = ids.shape
-    D = cfg.head_dim
-    x = m.embed_tokens(ids)
-    cos, sin = m.rotary_emb(x, torch.arange(T).expand(B, T))
-    key = torch.arange(T)
-    future = key[None, :] > key[:, None]      # [Tq, Tk]
-    old = key[None, :] < C[:, None]           # key in query t's compressed history
-    held = 0
-    if kind == "packkv":
-        opts = {**opts, "keep_perm": True}  # to read the history back in position order
-    for layer in m.layers:
-        a = layer.self_attn
-        q, k, v = heads(layer, x, D, cos, sin)
-        H, Hkv = q.shape[1], k.shape[1]
-        cache = make_cache(kind, 1, B, Hkv, D, T, **opts)
+class HistoryMix(Cache):
+    """One causal pass that decodes as a cache of ``kind`` would, token by token (module docstring).
+
+    ``append`` feeds each layer's K/V into a real one-layer cache of that kind, which then holds
+    what decoding leaves at the end; ``attend`` lets query t read that cache's dequantized K/V at
+    keys older than ``C[t]`` and the fp16 window's values after.
+    """
+
+    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, n_layers: int, n_kv_heads: int,
+                 head_dim: int):
+        T = len(C)
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, T, torch.float32, torch.device("cpu"))
+        self.kind, self.opts = kind, {**opts, "keep_perm": True} if kind == "packkv" else opts
+        self.old = torch.arange(T)[None, :] < C[:, None]   # [Tq, Tk]: key in query t's compressed history
+        self.kv, self.held = {}, 0
+
+    def append(self, layer, k, v, pos=None):
+        T = k.shape[2]
+        cache = make_cache(self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.opts)
         cache.append(0, k[:, :, :T - 1], v[:, :, :T - 1])
         cache.append(0, k[:, :, T - 1:], v[:, :, T - 1:])  # now holds what decoding leaves at the end
-        held += cache.nbytes() - (cache.perm[0, :, :cache.k[0].n].nbytes if kind == "packkv" else 0)
-        k16, v16 = k.half().float()[:, :, None], v.half().float()[:, :, None]   # the fp16 window's values
-        q5 = (q * D ** -0.5).view(B, Hkv, H // Hkv, T, D)
-        s = q5 @ k16.transpose(-1, -2)
-        if kind != "fp16":
-            kh, vh = (t[:, :, None] for t in cache.history(0))
-            n = kh.shape[3]
-            s[..., :n] = torch.where(old[:, :n], q5 @ kh.transpose(-1, -2), s[..., :n])
-        p = s.masked_fill(future, torch.finfo(s.dtype).min).softmax(-1)
+        self.held += cache.nbytes() - (cache.perm[0, :, :cache.k[0].n].nbytes if self.kind == "packkv" else 0)
+        hist = cache.history(0) if self.kind != "fp16" else None
+        self.kv[layer] = (k.half().float(), v.half().float(), hist)  # the fp16 window's values
+        self.lens[layer] = T
+
+    def attend(self, layer, q, pos=None, start=None):
+        q4, tq = self.queries(q)
+        k16, v16, hist = self.kv.pop(layer)
+        g = q4.shape[2] // tq
+        old = self.old.repeat(g, 1)                        # [g*Tq, Tk], queries laid out as q4's
+        s = q4 @ k16.transpose(-1, -2)
+        if hist is not None:
+            kh, vh = hist
+            n = kh.shape[2]
+            s[..., :n] = torch.where(old[:, :n], q4 @ kh.transpose(-1, -2), s[..., :n])
+        kpos = torch.arange(tq)[None, None]
+        p = masked_softmax(s, hidden(kpos, torch.arange(tq), None), tq)
         out = (p * ~old) @ v16
-        if kind != "fp16":
+        if hist is not None:
             out = out + (p[..., :n] * old[:, :n]) @ vh
-        x = x + a.o_proj(out.view(B, H, T, D).transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return torch.log_softmax(model.lm_head(m.norm(x[:, first:T - 1])).float(), -1), held
+        return self.heads(out, q)
 
 
 def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
@@ -178,8 +156,11 @@ def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]
     rows, ref = [], None
     for label, kind, opts in tqdm(cfgs, desc="kv_quality --parallel", unit="cache"):
         t0 = time.perf_counter()
-        C = history_lengths(kind, opts, T, prefill, c.head_dim)
-        logp, held = forward_parallel(model, windows, kind, opts, C, prefill - 1)
+        C = history_lengths(kind, opts, T, prefill, model.head_dim)
+        mix = HistoryMix(kind, opts, C, B, c.num_hidden_layers, c.num_key_value_heads, model.head_dim)
+        with torch.no_grad():
+            logits = model(windows, mix)[:, prefill - 1:T - 1]
+        logp, held = torch.log_softmax(logits.float(), -1), mix.held
         ref = logp if ref is None else ref
         n = B * (T - prefill)
         rows.append({"label": label, "kind": kind, "opts": opts, "bytes_per_token": held / (B * T),
@@ -242,6 +223,13 @@ def bars(rows) -> list[str]:
     return lines
 
 
+def default_data() -> str:
+    if "COMPRESS_DATA_DIR" not in os.environ:
+        raise CompressError("no --data given and COMPRESS_DATA_DIR is not set: point --data at a text file, or "
+                            "set COMPRESS_DATA_DIR to the folder holding wikitext-2/.")
+    return str(Path(os.environ["COMPRESS_DATA_DIR"]) / "wikitext-2" / "wiki.test.raw")
+
+
 def rel_pair(s: str) -> tuple[float, float]:
     k, _, v = s.partition(":")
     return float(k), float(v or k)
@@ -260,16 +248,19 @@ def main(argv=None):
     ap.add_argument("--parallel", action="store_true",
                     help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
-    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--data", default=None,
+                    help="a text file (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
+    ap.add_argument("--model", default=None, help="a run folder or HF folder (default: the default model)")
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
-    from compress.models import load_model
+    from compress.decoder.model import load
+    from compress.models import convert_default_model
 
+    data = args.data or default_data()
     torch.set_num_threads(args.threads)
-    model, tok, _ = load_model()
-    model.eval()
-    ids = tokenize(tok, read_text(args.data))
+    model, tok = load(args.model or convert_default_model())
+    ids = tokenize(tok, read_text(data))
     windows = ids[: args.windows * args.tokens].view(args.windows, args.tokens)
     rows = (run_parallel if args.parallel else run)(model, windows, configs(args), args.prefill)
     out = Path(args.out)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from compress.decoder.__main__ import main as cli
-from compress.decoder.generate import Sampling, generate, logits_to_probs, new_cache
+from compress.decoder.generate import generate
+from compress.decoder.kv import new_cache, static_cache
+from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.model import load
 from compress.errors import CompressError
 
@@ -65,7 +67,7 @@ def ours(tiny):
 def forward(model, ids, kv="full", start=None):
     cache = new_cache(model, kv, ids.shape[0], ids.shape[1])
     with torch.no_grad():
-        return model(ids, cache, start)
+        return model(ids, cache, start=start)
 
 
 VARIANTS = {
@@ -152,7 +154,7 @@ def test_batch_of_different_lengths_equals_each_alone(ours):
     ids, start = left_pad(prompts, 0, "cpu")
     cache = new_cache(model, "full", 3, ids.shape[1])
     with torch.no_grad():
-        batch = model(ids, cache, start, last=True)[:, -1]
+        batch = model(ids, cache, start=start, last=True)[:, -1]
     for b, p in enumerate(prompts):
         assert rel_err(batch[b], forward(model, torch.tensor([p]))[0, -1]) < 1e-5
 
@@ -316,13 +318,13 @@ def test_compiled_step_matches_eager(ours):
     step = model.static_steps[2]
     ids = torch.tensor([[p[-1]] for p in prompts])
     start = torch.tensor([0, 4])
-    a, b = new_cache(model, "full", 2, 64), new_cache(model, "full", 2, 64)
+    a, b = static_cache(new_cache(model, "full", 2, 64)), new_cache(model, "full", 2, 64)
     padded = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
     with torch.no_grad():
-        model(padded, a, start), model(padded, b, start)
+        model(padded, a, start=start), model(padded, b, start=start)
         for t in range(5):
             x = torch.randint(0, 300, (2, 1), generator=torch.Generator().manual_seed(t))
-            assert rel_err(step(x, a, start), model(x, b, start)) < 1e-5
+            assert rel_err(step(x, a, start), model(x, b, start=start)) < 1e-5
     assert a.length == b.length == 12
 
 
@@ -330,6 +332,7 @@ def test_compiled_step_matches_eager(ours):
 def test_compiled_step_quantized(dtype, tmp_path):
     """int4 layers in the compiled step: the K-packed GEMV (fp32) and ATen's int4pack (bf16) forms."""
     from compress.decoder.static import Int4Pack, KPlanes
+    from compress.quant.linear import QuantLinear
     from compress.quant.rtn import pack_model, quantization_config
 
     folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
@@ -337,8 +340,9 @@ def test_compiled_step_quantized(dtype, tmp_path):
     prompt = [[5, 6, 7, 8, 9]]
     compiled = generate(model, prompt, 12, compile=True)
     step = model.static_steps[1]
-    assert isinstance(step.down[0], KPlanes if dtype == "float32" else Int4Pack)
-    a, b = new_cache(model, "fp16", 1, 64), new_cache(model, "fp16", 1, 64)
+    assert isinstance(step.model.model.layers[0].mlp.down_proj, KPlanes if dtype == "float32" else Int4Pack)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the model keeps its own layers
+    a, b = static_cache(new_cache(model, "fp16", 1, 64)), new_cache(model, "fp16", 1, 64)
     with torch.no_grad():
         model(torch.tensor(prompt), a), model(torch.tensor(prompt), b)
         for t in range(4):
@@ -384,7 +388,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(UserWarning, match="no compiler here"):
         step = StaticDecoder(model, 1)
-    cache = new_cache(model, "full", 1, 32)
+    cache = static_cache(new_cache(model, "full", 1, 32))
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]), cache)
         with pytest.raises(CompressError, match="one token per row"):

@@ -8,7 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from compress.decoder.kv_cache import make_cache  # noqa: E402
+from compress.decoder.kv import make_cache  # noqa: E402
 from compress.kernels import packkv, packkv_ref  # noqa: E402
 
 D = 64
@@ -64,5 +64,5 @@ def test_cache_attends_the_same_through_the_kernels():
         for t in range(100, L):
             cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
         assert cache.ncomp[0] == 168 and cache.k[0].n == 160  # 5 blocks of 32 packed, 8 tokens staged
-        outs.append(cache.attend(0, q[:, :, -1:], torch.tensor([0, 21])))
+        outs.append(cache.attend(0, q[:, :, -1:], start=torch.tensor([0, 21])))
     assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-6

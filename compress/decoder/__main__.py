@@ -81,7 +81,8 @@ def run(args) -> None:
 
     import torch
 
-    from compress.decoder.generate import Sampling, generate, peak_memory, peak_memory_reset
+    from compress.decoder.generate import generate, peak_memory, peak_memory_reset
+    from compress.decoder.sampling import Sampling
     from compress.decoder.model import load, release_freed_memory
 
     if args.threads:

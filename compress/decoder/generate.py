@@ -3,9 +3,7 @@
     prefill:  l_0 = model(prompt [B, T0])[:, -1]        x_1 = sample(l_0)
     decode:   l_t = model(x_t [B, 1])                     x_{t+1} = sample(l_t)
 
-``sample`` is greedy (argmax) at temperature 0. Otherwise p = softmax(l / temperature),
-restricted to the ``top_k`` largest entries, then to the smallest set of largest entries
-whose mass reaches ``top_p``, renormalised, and drawn with a seeded generator.
+``sample`` (``compress.decoder.sampling``) is greedy at temperature 0.
 
 Prompts of different lengths are left-padded to the longest; row b's tokens start at
 slot ``start[b]``, which the cache masks before and the model takes as position 0, so each
@@ -24,40 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.decoder.kv_cache import FP16Cache, make_cache
-from compress.decoder.model import head_dim_of
+from compress.decoder.kv import new_cache, static_cache
+from compress.decoder.sampling import Sampling, sample
 from compress.errors import CompressError
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-
-def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """``logits [B, V]`` -> probabilities after temperature, top-k and top-p."""
-    logits = logits.float() / max(s.temperature, 1e-5)
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if s.top_p is not None and s.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p  # mass before this token already reaches top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ids ``[B]`` from ``logits [B, V]``."""
-    if s.temperature <= 0:
-        return logits.argmax(-1)
-    probs = logits_to_probs(logits, s)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
 def peak_memory_reset() -> None:
@@ -151,33 +118,6 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids.to(device), (start if start.any() else None)
 
 
-class FullCache(FP16Cache):
-    """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
-
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
-        self.storage = dtype
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
-
-
-KV_KINDS = ("fp16", "kivi", "packkv", "full")
-
-
-def new_cache(model, kind: str, batch: int, max_len: int, **opts):
-    """A preallocated cache for ``model``: ``kind`` fp16 | kivi | packkv, or full (exact: fp32 storage).
-
-    Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
-    model's dtype on a GPU.
-    """
-    c, device = model.config, model.lm_head.weight.device
-    dtype = torch.float32 if device.type == "cpu" else model.dtype
-    shape = (c.num_hidden_layers, batch, c.num_key_value_heads, head_dim_of(c), max_len)
-    if kind == "full":
-        if opts:
-            raise CompressError(f"the full-precision KV cache takes no options, got {sorted(opts)}.")
-        return FullCache(*shape, dtype, device)
-    return make_cache(kind, *shape, dtype=dtype, device=device, **opts)
-
-
 def eos_ids_of(model, tokenizer) -> set[int]:
     ids = getattr(model.config, "eos_token_id", None)
     ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
@@ -250,7 +190,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
                     on_text(b, text)
 
     t0 = time.perf_counter()
-    logits = model(ids, cache, start, last=True)[:, -1]
+    logits = model(ids, cache, start=start, last=True)[:, -1]
     sync(device)
     t1 = time.perf_counter()
     x = sample(logits, sampling, gen)
@@ -258,7 +198,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
     t2 = time.perf_counter()
     steps = 0
     while steps < n_new - 1 and not all(done):
-        x = sample(step(x[:, None], cache, start)[:, -1], sampling, gen)
+        x = sample(step(x[:, None], cache, start=start)[:, -1], sampling, gen)
         take(x)
         steps += 1
     t3 = time.perf_counter()
@@ -289,4 +229,4 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
         steps[batch] = StaticDecoder(model, batch)
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
-    return steps[batch], new_cache(model, kv, batch, size)
+    return steps[batch], static_cache(new_cache(model, kv, batch, size))

@@ -9,12 +9,15 @@ One decoder layer, with n1 = input_layernorm and n2 = post_attention_layernorm::
     rope(x)[p] = x * cos(p * f) + rotate_half(x) * sin(p * f),       f_i = theta^(-2i / head_dim)
     rotate_half([a, b]) = [-b, a]                                    (HF's half-split layout)
 
-``attend`` is the KV cache's (``compress.decoder.kv_cache``): K and V are
-appended after RoPE, and the cache computes causal GQA attention over what it
-holds. Module names are the HF checkpoint's, so a run folder's tensors load by
-name and validation errors name the tensor as it is stored. Linears are
-``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks
-for (``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
+One forward serves every use: eager, compiled (``compress.decoder.static`` runs it with a
+static cache and compile-friendly linears), batched with left padding, teacher-forced
+(``eval/bench/kv_quality``). It takes the cache slots of its tokens as a tensor ``pos``, so
+nothing in it depends on a Python-side position. Attention is the cache's
+(``compress.decoder.kv``): K and V are appended after position encoding, and the cache decides
+how they are stored and read. Module names are the HF checkpoint's, so a run folder's tensors
+load by name and validation errors name the tensor as it is stored. Linears are
+``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks for
+(``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
 After loading, q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj``
 (one matmul each: fewer calls per token). Mistral's sliding window is not
 implemented: ``generate`` refuses sequences longer than the window.
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compress.adapters import head_dim
 from compress.checkpoint import (load_state, quantized_layer, read_config, read_tensors, read_tokenizer,
                                  swap_quantized)
 from compress.errors import CompressError
@@ -82,7 +86,7 @@ class Attention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
         dim, qkv_bias, o_bias = config.hidden_size, *attention_biases(config)
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
@@ -90,14 +94,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
         self.qkv_proj = None  # q_proj, k_proj, v_proj fused by fuse_projections()
 
-    def forward(self, x, cos, sin, cache, start):
+    def forward(self, x, cos, sin, cache, pos, start):
         B, T, _ = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
         heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
         qk = apply_rope(heads[:, :H + Hkv], cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
-        cache.append(self.layer, k, v)
-        y = cache.attend(self.layer, q, start).to(x.dtype)  # [B, H, T, D]
+        cache.append(self.layer, k, v, pos)
+        y = cache.attend(self.layer, q, pos, start).to(x.dtype)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -123,8 +127,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(self, x, cos, sin, cache, start):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+    def forward(self, x, cos, sin, cache, pos, start):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, start)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -137,14 +141,15 @@ class Body(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``forward(idx [B, T], cache, start) -> logits [B, T, V]`` for the T tokens after the cache's."""
+    """``forward(idx [B, T], cache, pos [T], start [B]) -> logits [B, T, V]``."""
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        self.head_dim = head_dim(config)
         self.model = Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim_of(config), config.rope_parameters), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(self.head_dim, config.rope_parameters), persistent=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -155,19 +160,21 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(self, idx: torch.Tensor, cache, start: torch.Tensor | None = None, last: bool = False):
-        """Run ``idx`` at positions ``cache.length ...``; row b's position 0 is slot ``start[b]``.
+    def forward(self, idx: torch.Tensor, cache, pos: torch.Tensor | None = None,
+                start: torch.Tensor | None = None, last: bool = False):
+        """Run ``idx`` at cache slots ``pos`` (default: the next T, ``cache.length ...``); row b's
+        position 0 is slot ``start[b]`` (left padding before it is masked).
 
         ``last=True`` returns only the last position's logits ``[B, 1, V]`` (prefill).
         """
-        T = idx.shape[1]
-        pos = torch.arange(cache.length, cache.length + T, device=idx.device)
-        pos = pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
-        angles = (pos[..., None].float() * self.inv_freq).repeat(1, 1, 2)[:, None]  # [B or 1, 1, T, D]
+        if pos is None:
+            pos = torch.arange(cache.length, cache.length + idx.shape[1], device=idx.device)
+        rel = pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
+        angles = (rel[..., None].float() * self.inv_freq).repeat(1, 1, 2)[:, None]  # [B or 1, 1, T, D]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = self.model.embed_tokens(idx)
         for block in self.model.layers:
-            x = block(x, cos, sin, cache, start)
+            x = block(x, cos, sin, cache, pos, start)
         if last:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
@@ -258,10 +265,6 @@ def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
             keep_int4pack_only(m)
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def attention_biases(config) -> tuple[bool, bool]:
     """(q/k/v bias, o bias): Llama's ``attention_bias`` covers all four; Qwen2 biases q/k/v only."""
     if config.model_type == "qwen2":
@@ -302,7 +305,7 @@ def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
         model = Transformer(config)
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
-    model.inv_freq.copy_(rope_inv_freq(head_dim_of(config), config.rope_parameters))
+    model.inv_freq.copy_(rope_inv_freq(model.head_dim, config.rope_parameters))
     load_state(model, read_tensors(folder), str(folder))
     check_finite(model, f"run folder '{folder}'")
     fuse_projections(model, qcfg, device)

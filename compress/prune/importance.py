@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from compress.adapters import get_adapter
+from compress.adapters import get_adapter, head_dim
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,6 @@ VERSION = 1  # bump when the definitions above change: it invalidates cached sco
 
 class _Stop(Exception):
     pass
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _hidden(x):

@@ -40,9 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.adapters import get_adapter
+from compress.adapters import get_adapter, head_dim
 from compress.errors import CompressError
-from compress.prune.importance import head_dim
 
 AXES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
 WIDTH_AXES = AXES[:4]

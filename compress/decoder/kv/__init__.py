@@ -1,0 +1,47 @@
+"""KV caches of the decoder, one file per kind, and the one registry every caller reads.
+
+    fp16     the baseline (``fp16.py``)          full    fp16's layout in the model's dtype: exact
+    kivi     KIVI 2-/4-bit (``kivi.py``)         packkv  PackKV (``packkv.py``)
+
+The CLI's ``--kv``, the pipeline's ``decode.kv`` check and ``eval/bench/kv_quality`` take
+their names from :data:`KV_KINDS`; ``base.py`` has the interface.
+"""
+
+import torch
+
+from compress.decoder.kv.base import Cache
+from compress.decoder.kv.fp16 import FP16Cache, FullCache, static_cache
+from compress.decoder.kv.kivi import KIVICache
+from compress.decoder.kv.packkv import PackKVCache
+from compress.errors import CompressError
+
+CACHES = {"fp16": FP16Cache, "kivi": KIVICache, "packkv": PackKVCache, "full": FullCache}
+KV_KINDS = tuple(CACHES)
+
+__all__ = ["CACHES", "KV_KINDS", "Cache", "FP16Cache", "FullCache", "KIVICache", "PackKVCache",
+           "make_cache", "new_cache", "static_cache"]
+
+
+def make_cache(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+               dtype: torch.dtype = torch.float32, device="cpu", **opts) -> Cache:
+    """A cache of ``kind`` (one of :data:`KV_KINDS`); ``opts`` are that kind's options."""
+    if kind not in CACHES:
+        raise CompressError(f"unknown KV cache kind '{kind}'. Use one of {list(KV_KINDS)}.")
+    cls = CACHES[kind]
+    unknown = set(opts) - set(cls.OPTIONS)
+    if unknown:
+        raise CompressError(f"KV cache '{kind}' has no option(s) {sorted(unknown)}; its options are "
+                            f"{list(cls.OPTIONS) or 'none'}.")
+    return cls(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, torch.device(device), **opts)
+
+
+def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
+    """A preallocated cache of ``kind`` for the decoder's ``model``.
+
+    Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
+    model's dtype on a GPU; the ``full`` cache also stores K and V in that dtype.
+    """
+    c, device = model.config, model.lm_head.weight.device
+    dtype = torch.float32 if device.type == "cpu" else model.dtype
+    return make_cache(kind, c.num_hidden_layers, batch, c.num_key_value_heads, model.head_dim, max_len,
+                      dtype=dtype, device=device, **opts)

@@ -1,0 +1,84 @@
+"""The KV cache interface of the decoder, and the masked attention every kind shares.
+
+    cache.append(layer, k, v, pos)          k, v [B, Hkv, T, D] of the T tokens at cache slots pos [T]
+    out = cache.attend(layer, q, pos, start)  q [B, H, Tq, D] of the queries at slots pos [Tq]
+                                              -> softmax(q K^T / sqrt(D) + mask) V  [B, H, Tq, D]
+
+``pos`` defaults to the next T slots (append) and to the last Tq slots written (attend).
+    cache.length, cache.nbytes(), cache.reset()
+
+K arrives position-encoded, as the model's attention computes it. Query head ``j`` reads KV
+head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``) and, per row ``b``,
+the left padding (slots ``< start[b]``). Scores and softmax run in ``dtype`` (fp32 on the
+CPU); the output comes back in ``q``'s dtype.
+"""
+
+import torch
+
+from compress.errors import CompressError
+
+
+def hidden(kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Mask ``[B|1, Hkv|1, 1, Tq, Lk]``, True where key slot ``kpos [B|1, Hkv|1, Lk]`` is in query
+    slot ``qpos [Tq]``'s future or in row b's left padding (``< start[b]``)."""
+    m = kpos[:, :, None, None, :] > qpos[:, None]
+    if start is not None:
+        m = m | (kpos < start.view(-1, 1, 1))[:, :, None, None, :]
+    return m
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
+    """Softmax over keys of ``scores [B, Hkv, g*Tq, Lk]`` with ``mask`` from :func:`hidden`.
+
+    A query whose keys are all hidden (a padding query) gets finite weights, not NaN.
+    """
+    B, H, M, L = scores.shape
+    s = scores.view(B, H, M // tq, tq, L).masked_fill(mask, torch.finfo(scores.dtype).min)
+    return s.softmax(-1).view(B, H, M, L)
+
+
+class Cache:
+    """Shape checks, GQA query layout and lengths, shared by every kind."""
+
+    OPTIONS: tuple = ()  # keyword options of the kind, for make_cache's check
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        self.n_layers, self.batch, self.n_kv_heads, self.head_dim = n_layers, batch, n_kv_heads, head_dim
+        self.max_len, self.dtype, self.device = max_len, dtype, device
+        self.lens = [0] * n_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens held; the last layer's count, so it is the step's start while a step runs."""
+        return self.lens[-1]
+
+    def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)
+        if k.dim() != 4 or tuple(k.shape) != want or k.shape != v.shape:
+            raise CompressError(f"KV cache append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                                f"[batch, kv_heads, T, head_dim] = {want}; build the cache with the "
+                                f"model's batch, num_key_value_heads and head_dim.")
+        if self.lens[layer] + k.shape[2] > self.max_len:
+            raise CompressError(f"KV cache full: layer {layer} holds {self.lens[layer]} tokens and "
+                                f"{k.shape[2]} more exceed max_len={self.max_len}. Create the cache "
+                                f"with a larger max_len (prompt + new tokens).")
+        return k.shape[2]
+
+    def slots(self, layer: int, t: int, pos: torch.Tensor | None, after: bool) -> torch.Tensor:
+        """``pos``, or the ``t`` slots after (append) or up to (attend) what ``layer`` holds."""
+        if pos is not None:
+            return pos
+        end = self.lens[layer] + t if after else self.lens[layer]
+        return torch.arange(end - t, end, device=self.device)
+
+    def queries(self, q: torch.Tensor):
+        """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], Tq)`` for this layer."""
+        B, H, Tq, D = q.shape
+        if B != self.batch or D != self.head_dim or H % self.n_kv_heads:
+            raise CompressError(f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
+                                f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}].")
+        return (q.to(self.dtype) * D ** -0.5).reshape(B, self.n_kv_heads, -1, D), Tq
+
+    def heads(self, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, g*Tq, D]`` -> ``[B, H, Tq, D]`` in ``q``'s dtype."""
+        return out.reshape(q.shape).to(q.dtype)

@@ -1,0 +1,62 @@
+"""The uncompressed caches: K and V in fp16 (the baseline), or in any dtype (``full``: exact).
+
+Per layer, one preallocated ``[B, Hkv, max_len, D]`` tensor each for K and V (separate tensors
+per layer: inductor writes a slot of one in place, where for a slice of one big tensor it
+copied the whole). A ``static`` cache attends over every slot with the mask hiding the unwritten
+ones, so every decode step has the same shapes and one compiled graph serves them all
+(``compress.decoder.static``); otherwise it attends over the slots written so far.
+"""
+
+import torch
+
+from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.errors import CompressError
+
+
+class FP16Cache(Cache):
+    storage = torch.float16
+    static = False
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=self.storage, device=device)
+                  for _ in range(n_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+
+    def append(self, layer, k, v, pos=None):
+        pos = self.slots(layer, k.shape[2], pos, after=True)
+        if not torch.compiler.is_compiling():  # a compiled step's caller counts its token
+            self.lens[layer] += self.check_append(layer, k, v)
+        self.k[layer][:, :, pos] = k.to(self.storage)
+        self.v[layer][:, :, pos] = v.to(self.storage)
+
+    def attend(self, layer, q, pos=None, start=None):
+        q4, tq = self.queries(q)
+        pos = self.slots(layer, tq, pos, after=False)
+        L = self.max_len if self.static else self.lens[layer]
+        scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
+        kpos = torch.arange(L, device=q.device)[None, None]
+        p = masked_softmax(scores, hidden(kpos, pos, start), tq)
+        return self.heads(p @ self.v[layer][:, :, :L].to(self.dtype), q)
+
+    def nbytes(self) -> int:
+        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k[0].element_size()
+
+    def reset(self):
+        self.lens = [0] * self.n_layers
+
+
+class FullCache(FP16Cache):
+    """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+        self.storage = dtype
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+
+
+def static_cache(cache: FP16Cache) -> FP16Cache:
+    """``cache`` marked static (attend over all ``max_len`` slots), for the compiled decode step."""
+    if not isinstance(cache, FP16Cache):
+        raise CompressError(f"the compiled decode step needs an fp16 or full cache, not {type(cache).__name__}.")
+    cache.static = True
+    return cache

@@ -1,0 +1,85 @@
+"""A compressed history behind an fp16 window of the most recent tokens (KIVI, PackKV).
+
+The newest ``residual`` tokens stay in fp16; older ones are compressed by the subclass. KIVI
+compresses a 32-token group once it has wholly left the window (K is quantized over the
+group's tokens), so up to 31 more tokens wait in fp16. PackKV quantizes each token as it
+leaves, so its window holds exactly ``residual`` tokens. A token is never compressed in the
+``append`` that brought it, so a prefill attends over exact fp16 keys (as KIVI does), and the
+compressed history is always older than every query: the causal mask never cuts through it,
+only left padding can.
+
+``nbytes()`` counts what is held for the tokens in the cache: codes, every scale, minimum,
+bit width, offset and permutation, and the fp16 window.
+"""
+
+import torch
+
+from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.errors import CompressError
+
+
+class ResidualCache(Cache):
+    """An fp16 window of recent tokens in front of a compressed history.
+
+    Per layer: ``win_k, win_v`` fp16 ``[B, Hkv, w, D]`` hold positions ``ncomp .. length-1``;
+    positions ``0 .. ncomp-1`` are compressed (``ncomp`` a multiple of ``block``). Subclasses
+    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions.
+    """
+
+    block = 64
+    granule = None  # tokens leave the window in multiples of this; None: of ``block``
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        if residual < 0:
+            raise CompressError(f"KV cache residual={residual} must be >= 0 (tokens kept in fp16).")
+        self.residual = residual
+        self.cap = max_len // self.block * self.block  # most tokens the history can hold
+        self.reset()
+
+    def reset(self):
+        self.lens = [0] * self.n_layers
+        self.ncomp = [0] * self.n_layers
+        self.start = None  # rows' left padding, as last given to attend
+        empty = torch.zeros(self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device)
+        self.win_k, self.win_v = [empty] * self.n_layers, [empty] * self.n_layers
+        self.reset_history()
+
+    def append(self, layer, k, v, pos=None):
+        T = self.check_append(layer, k, v)
+        old = self.win_k[layer].shape[2]
+        wk = torch.cat([self.win_k[layer], k.half()], 2)
+        wv = torch.cat([self.win_v[layer], v.half()], 2)
+        # tokens older than this chunk and outside the newest `residual`, in whole granules
+        granule = self.granule or self.block
+        n = max(0, min(old, old + T - self.residual)) // granule * granule
+        if n:
+            self.compress(layer, wk[:, :, :n].float(), wv[:, :, :n].float())
+            self.ncomp[layer] += n
+            wk, wv = wk[:, :, n:].clone(), wv[:, :, n:].clone()
+        self.win_k[layer], self.win_v[layer] = wk, wv
+        self.lens[layer] += T
+
+    def attend(self, layer, q, pos=None, start=None):
+        self.start = start
+        q4, tq = self.queries(q)
+        C, qpos = self.ncomp[layer], self.slots(layer, tq, pos, after=False)
+        wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
+        scores = q4 @ wk.transpose(-1, -2)
+        kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
+        if C:
+            scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
+            hpos = self.history_positions(layer, qpos, start)
+            kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
+        p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
+        out = p[..., C:] @ wv
+        if C:
+            out = out + self.history_mix(layer, p[..., :C].contiguous()).to(self.dtype)
+        return self.heads(out, q)
+
+    def history_positions(self, layer, qpos, start) -> torch.Tensor:
+        """Positions ``[B|1, Hkv|1, C]`` of the compressed slots; in order by default."""
+        return torch.arange(self.ncomp[layer], device=self.device)[None, None]
+
+    def window_nbytes(self) -> int:
+        return sum(w.nbytes for w in self.win_k + self.win_v)
