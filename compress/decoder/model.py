@@ -83,26 +83,117 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; with ``cla_share`` s in the config, cross-layer attention (CLA):
+    layer i reads the K/V that layer ``i - i % s`` wrote into cache slot ``i // s`` and has no
+    k/v projections of its own. Kinds differ only in :meth:`project` (and their loading)."""
+
     def __init__(self, config, layer: int):
         super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
+        share = getattr(config, "cla_share", None) or 1
+        self.kv_slot, self.writes_kv = layer // share, layer % share == 0
+        self.n_heads, self.head_dim = config.num_attention_heads, head_dim(config)
+        self.n_kv_heads = config.num_key_value_heads if self.writes_kv else 0  # heads this layer projects
         dim, qkv_bias, o_bias = config.hidden_size, *attention_biases(config)
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        if self.writes_kv:
+            self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
-        self.qkv_proj = None  # q_proj, k_proj, v_proj fused by fuse_projections()
+        self.qkv_proj = None  # the input projections, fused by fuse_projections()
 
-    def forward(self, x, cos, sin, cache, pos, start):
+    def inputs(self) -> list[str]:
+        """Names of the input projections that :func:`fuse_projections` fuses into ``qkv_proj``."""
+        return ["q_proj", "k_proj", "v_proj"] if self.writes_kv else ["q_proj"]
+
+    def project(self, x, cos, sin):
+        """``(q [B, H, T, Dk], k [B, Hkv, T, Dk] or None, v or None)``, position-encoded."""
         B, T, _ = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
         heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
         qk = apply_rope(heads[:, :H + Hkv], cos, sin)
-        q, k, v = qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
-        cache.append(self.layer, k, v, pos)
-        y = cache.attend(self.layer, q, pos, start).to(x.dtype)  # [B, H, T, D]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        if not self.writes_kv:
+            return qk, None, None
+        return qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
+
+    def forward(self, x, cos, sin, cache, pos, start):
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if k is not None:
+            cache.append(self.kv_slot, k, v, pos)
+        y = cache.attend(self.kv_slot, q, pos, start).to(x.dtype)  # [B, H, T, Dv]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention (MHA2MLA layout, ``compress.attn.mla``), decoded absorbed.
+
+    Per layer (H query heads, G KV heads of width D, p RoPE pairs per KV head, latent width L,
+    n = D - 2p), the checkpoint holds ``q_proj`` (each head's rows ``[2p rotated | n]``),
+    ``k_rope_proj`` [G 2p], ``kv_a_proj`` [L], ``k_b_proj`` [G n, L], ``v_b_proj`` [G D, L],
+    ``o_proj`` and ``rope_index`` [G, p] (the frequency pairs each KV head keeps). Nothing is
+    expanded per token: with W_kb,g and W_vb,g the rows of KV head g,
+
+        q_lat,h = q_n,h W_kb,g          score = (q_r,h . k_r,g + q_lat,h . c) / sqrt(D)
+        u_h = sum_t p(t) c(t)           y = sum_h u_h (W_o,h W_vb,g)^T
+
+    so the cache holds one key per token, ``[c | k_r,1 .. k_r,G]`` (L + 2pG values), whose first
+    L channels are also the value, and query head h is ``[q_lat,h | q_r,h in group g's slot]``.
+    """
+
+    def __init__(self, config, layer: int):
+        nn.Module.__init__(self)
+        self.kv_slot, self.writes_kv = layer, True
+        H, G, D = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
+        p, L = config.mla_rope_pairs, config.kv_lora_rank
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent = H, G, D, 2 * p, L
+        dim = config.hidden_size
+        self.q_proj = nn.Linear(dim, H * D, bias=False)
+        self.k_rope_proj = nn.Linear(dim, G * 2 * p, bias=False)
+        self.kv_a_proj = nn.Linear(dim, L, bias=False)
+        self.k_b_proj = nn.Linear(L, G * (D - 2 * p), bias=False)
+        self.v_b_proj = nn.Linear(L, G * D, bias=False)
+        self.o_proj = nn.Linear(H * D, dim, bias=False)
+        self.register_buffer("rope_index", torch.zeros(G, p, dtype=torch.long))
+        self.qkv_proj = None
+
+    def inputs(self) -> list[str]:
+        return ["q_proj", "k_rope_proj", "kv_a_proj"]
+
+    def absorb(self) -> None:
+        """Fold ``k_b_proj`` into the query rows and ``v_b_proj`` into ``o_proj`` (see the class)."""
+        H, G, D, r, L = self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent
+        g = torch.arange(H) // (H // G)
+        wq = self.q_proj.weight.view(H, D, -1).double()
+        kb = self.k_b_proj.weight.view(G, D - r, L).double()[g]                # [H, n, L]
+        vb = self.v_b_proj.weight.view(G, D, L).double()[g]                    # [H, D, L]
+        q_lat = kb.transpose(1, 2) @ wq[:, r:]                                 # [H, L, hidden]
+        wo = self.o_proj.weight.view(-1, H, D).transpose(0, 1).double()       # [H, hidden, D]
+        dtype = self.q_proj.weight.dtype
+        self.q_proj.weight = nn.Parameter(torch.cat([wq[:, :r], q_lat], 1).reshape(H * (r + L), -1).to(dtype))
+        self.o_proj.weight = nn.Parameter((wo @ vb).transpose(0, 1).reshape(-1, H * L).to(dtype))
+        self.q_proj.out_features, self.o_proj.in_features = H * (r + L), H * L
+        del self.k_b_proj, self.v_b_proj
+        # query head h's rotated part goes to its group's slot of the key's 2pG RoPE channels
+        slot = torch.zeros(H, G * r, dtype=dtype)
+        for h in range(H):
+            slot[h, g[h] * r:(g[h] + 1) * r] = 1
+        self.register_buffer("rope_slot", slot[None, :, None], persistent=False)
+
+    def project(self, x, cos, sin):
+        B, T, _ = x.shape
+        H, G, r, L = self.n_heads, self.n_kv_heads, self.rope, self.latent
+        out = self.qkv_proj(x)
+        q = out[..., :H * (r + L)].view(B, T, H, r + L).transpose(1, 2)
+        kr = out[..., H * (r + L):-L].view(B, T, G, r).transpose(1, 2)
+        half = cos.shape[-1] // 2
+        cg, sg = (torch.cat([t[:, 0, :, :half][..., self.rope_index]] * 2, -1).permute(0, 2, 1, 3)
+                  for t in (cos, sin))                                         # [B|1, G, T, 2p]
+        kr = apply_rope(kr, cg, sg)
+        each = H // G
+        qr = apply_rope(q[..., :r], cg.repeat_interleave(each, 1), sg.repeat_interleave(each, 1))
+        k = torch.cat([out[:, None, :, -L:], kr.transpose(1, 2).reshape(B, 1, T, G * r)], -1)  # [B, 1, T, L + 2pG]
+        q = torch.cat([q[..., r:], qr.repeat(1, 1, 1, G) * self.rope_slot], -1)
+        return q, k, None
 
 
 class FeedForward(nn.Module):
@@ -123,7 +214,7 @@ class Block(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = (LatentAttention if getattr(config, "kv_lora_rank", None) else Attention)(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
@@ -155,6 +246,18 @@ class Transformer(nn.Module):
 
     def tie_weights(self):
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_layout(self) -> dict:
+        """What a KV cache for this model holds per token: ``n_layers`` (cache slots), ``n_kv_heads``,
+        ``head_dim`` (of K), ``v_dim`` (V = K's first v_dim channels; None: V of its own) and the
+        attention ``scale``."""
+        attns = [b.self_attn for b in self.model.layers]
+        a, slots = attns[0], max(x.kv_slot for x in attns) + 1
+        if isinstance(a, LatentAttention):
+            return dict(n_layers=slots, n_kv_heads=1, head_dim=a.latent + a.n_kv_heads * a.rope,
+                        v_dim=a.latent, scale=a.head_dim ** -0.5)
+        return dict(n_layers=slots, n_kv_heads=self.config.num_key_value_heads, head_dim=self.head_dim,
+                    v_dim=None, scale=None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -223,12 +326,20 @@ def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str =
 
 
 def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
-    """Replace q/k/v by ``qkv_proj`` and gate/up by ``gate_up_proj`` in every layer (fewer, larger matmuls)."""
+    """Replace the attention's input projections by ``qkv_proj`` and gate/up by ``gate_up_proj``
+    in every layer (fewer, larger matmuls); latent attention is absorbed first."""
     for i, block in enumerate(model.model.layers):
         a, f = block.self_attn, block.mlp
-        a.qkv_proj = fuse_linears([a.q_proj, a.k_proj, a.v_proj], qcfg, device, f"model.layers.{i}.self_attn.qkv")
+        if isinstance(a, LatentAttention):
+            if qcfg:
+                raise CompressError("the decoder runs latent (MLA) attention from float weights only; this "
+                                    "folder's attention projections are quantized.")
+            a.absorb()
+        a.qkv_proj = fuse_linears([getattr(a, n) for n in a.inputs()], qcfg, device, f"model.layers.{i}.self_attn.qkv")
         f.gate_up_proj = fuse_linears([f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up")
-        del a.q_proj, a.k_proj, a.v_proj, f.gate_proj, f.up_proj
+        for name in a.inputs():
+            delattr(a, name)
+        del f.gate_proj, f.up_proj
 
 
 class Cast(nn.Module):

@@ -41,7 +41,14 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
     model's dtype on a GPU; the ``full`` cache also stores K and V in that dtype.
     """
-    c, device = model.config, model.lm_head.weight.device
+    device = model.lm_head.weight.device
     dtype = torch.float32 if device.type == "cpu" else model.dtype
-    return make_cache(kind, c.num_hidden_layers, batch, c.num_key_value_heads, model.head_dim, max_len,
-                      dtype=dtype, device=device, **opts)
+    layout = model.kv_layout()
+    shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
+    extra = {k: v for k, v in layout.items() if v is not None}
+    if extra and kind not in ("fp16", "full"):
+        raise CompressError(f"this model's latent (MLA) attention caches one key per token whose first "
+                            f"channels are also the value; the {kind} cache does not store that yet: "
+                            f"use --kv fp16 or full.")
+    return make_cache(kind, shape[0], batch, shape[1], shape[2], max_len, dtype=dtype, device=device,
+                      **extra, **opts)

@@ -2,7 +2,10 @@
 
     cache.append(layer, k, v, pos)          k, v [B, Hkv, T, D] of the T tokens at cache slots pos [T]
     out = cache.attend(layer, q, pos, start)  q [B, H, Tq, D] of the queries at slots pos [Tq]
-                                              -> softmax(q K^T / sqrt(D) + mask) V  [B, H, Tq, D]
+                                              -> softmax(q K^T * scale + mask) V  [B, H, Tq, Dv]
+
+``scale`` is 1/sqrt(D) unless given. With ``v_dim`` (latent attention) ``v`` is None and V is
+the first ``v_dim`` channels of K, stored once.
 
 ``pos`` defaults to the next T slots (append) and to the last Tq slots written (attend).
     cache.length, cache.nbytes(), cache.reset()
@@ -42,9 +45,11 @@ class Cache:
 
     OPTIONS: tuple = ()  # keyword options of the kind, for make_cache's check
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
         self.n_layers, self.batch, self.n_kv_heads, self.head_dim = n_layers, batch, n_kv_heads, head_dim
         self.max_len, self.dtype, self.device = max_len, dtype, device
+        self.v_dim = v_dim  # latent attention: V is K's first v_dim channels, not stored apart
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.lens = [0] * n_layers
 
     @property
@@ -54,7 +59,7 @@ class Cache:
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)
-        if k.dim() != 4 or tuple(k.shape) != want or k.shape != v.shape:
+        if k.dim() != 4 or tuple(k.shape) != want or (v is not None and k.shape != v.shape) or (v is None) != bool(self.v_dim):
             raise CompressError(f"KV cache append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
                                 f"[batch, kv_heads, T, head_dim] = {want}; build the cache with the "
                                 f"model's batch, num_key_value_heads and head_dim.")
@@ -77,8 +82,8 @@ class Cache:
         if B != self.batch or D != self.head_dim or H % self.n_kv_heads:
             raise CompressError(f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
                                 f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}].")
-        return (q.to(self.dtype) * D ** -0.5).reshape(B, self.n_kv_heads, -1, D), Tq
+        return (q.to(self.dtype) * self.scale).reshape(B, self.n_kv_heads, -1, D), Tq
 
     def heads(self, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, g*Tq, D]`` -> ``[B, H, Tq, D]`` in ``q``'s dtype."""
-        return out.reshape(q.shape).to(q.dtype)
+        """``[B, Hkv, g*Tq, Dv]`` -> ``[B, H, Tq, Dv]`` in ``q``'s dtype."""
+        return out.reshape(*q.shape[:3], -1).to(q.dtype)

@@ -17,18 +17,21 @@ class FP16Cache(Cache):
     storage = torch.float16
     static = False
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+    OPTIONS = ("v_dim", "scale")
+
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale)
         self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=self.storage, device=device)
                   for _ in range(n_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self.v = [t[..., :v_dim] for t in self.k] if v_dim else [torch.zeros_like(t) for t in self.k]
 
     def append(self, layer, k, v, pos=None):
         pos = self.slots(layer, k.shape[2], pos, after=True)
         if not torch.compiler.is_compiling():  # a compiled step's caller counts its token
             self.lens[layer] += self.check_append(layer, k, v)
         self.k[layer][:, :, pos] = k.to(self.storage)
-        self.v[layer][:, :, pos] = v.to(self.storage)
+        if v is not None:
+            self.v[layer][:, :, pos] = v.to(self.storage)
 
     def attend(self, layer, q, pos=None, start=None):
         q4, tq = self.queries(q)
@@ -40,7 +43,8 @@ class FP16Cache(Cache):
         return self.heads(p @ self.v[layer][:, :, :L].to(self.dtype), q)
 
     def nbytes(self) -> int:
-        return 2 * sum(self.lens) * self.batch * self.n_kv_heads * self.head_dim * self.k[0].element_size()
+        width = self.head_dim if self.v_dim else 2 * self.head_dim
+        return sum(self.lens) * self.batch * self.n_kv_heads * width * self.k[0].element_size()
 
     def reset(self):
         self.lens = [0] * self.n_layers
@@ -49,9 +53,9 @@ class FP16Cache(Cache):
 class FullCache(FP16Cache):
     """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device):
+    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
         self.storage = dtype
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale)
 
 
 def static_cache(cache: FP16Cache) -> FP16Cache:
