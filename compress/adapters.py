@@ -31,6 +31,7 @@ class Adapter:
         ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
         ("down", "mlp.down_proj"),
     )
+    optional: tuple = ()  # roles some layers lack (cross-layer attention: k and v)
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
@@ -39,8 +40,9 @@ class Adapter:
         return layer.get_submodule(dict(self.linears)[role])
 
     def named_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
-        """``{path inside the layer: module}`` for the seven projections."""
-        return {path: layer.get_submodule(path) for _, path in self.linears}
+        """``{path inside the layer: module}`` for the layer's projections."""
+        return {path: layer.get_submodule(path) for role, path in self.linears
+                if role not in self.optional or _has(layer, path)}
 
     def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
         """``{full module name: module}`` for every projection of every decoder layer."""
@@ -51,8 +53,24 @@ class Adapter:
         return out
 
 
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 LLAMA = Adapter(family="llama")
-ADAPTERS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA}
+# compress.attn's converted Llamas: CLA layers after a group's first lack k/v; MLA (DeepSeek-like
+# names) has a RoPE key projection, a latent down-projection and the K/V up-projections.
+CLA = Adapter(family="compress_cla", optional=("k", "v"))
+MLA = Adapter(family="compress_mla", linears=(
+    ("q", "self_attn.q_proj"), ("k_rope", "self_attn.k_rope_proj"), ("kv_a", "self_attn.kv_a_proj"),
+    ("k_b", "self_attn.k_b_proj"), ("v_b", "self_attn.v_b_proj"), ("o", "self_attn.o_proj"),
+    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
+))
+ADAPTERS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "compress_cla": CLA, "compress_mla": MLA}
 
 
 def get_adapter(config) -> Adapter:

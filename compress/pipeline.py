@@ -37,6 +37,9 @@ STAGES = {
     "llm_int8": "compress.quant.llm_int8:llm_int8",
     "prune": "compress.prune.stage:prune",
     "distill": "compress.train.distill:distill",
+    "gqa": "compress.attn.stage:gqa",
+    "cla": "compress.attn.stage:cla",
+    "mla": "compress.attn.stage:mla",
 }
 
 

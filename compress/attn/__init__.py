@@ -1,0 +1,2 @@
+"""Attention conversion for a smaller KV cache: GQA/MQA mean-pooling (``gqa``), cross-layer
+attention (``cla``) and multi-head latent attention (``mla``), each followed by distillation."""

@@ -1,0 +1,75 @@
+"""The attention-conversion stages ``gqa``, ``cla`` and ``mla`` (``(model, ctx) -> model``).
+
+Recipe keys::
+
+    attn.kv_heads:   gqa: KV heads after mean-pooling (null keeps the model's)
+    attn.share:      cla: layers sharing one layer's K/V (1: no sharing)
+    attn.cla_init:   cla: lstsq | first
+    mla.d_kv:        mla: latent values per KV head (the layer's latent: d_kv x KV heads)
+    mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
+    mla.rope_select: mla: 2norm | uniform | high | low
+
+``cla`` and ``mla`` give models of their own type (``compress.attn.hf``), whose modeling files
+the run folder carries. report.json gets ``attn`` (what was converted, with which settings).
+"""
+
+import logging
+
+from compress.attn.checks import check_rope, check_source
+from compress.attn.hf import folder_files
+
+log = logging.getLogger(__name__)
+
+
+def _record(ctx, **fields) -> None:
+    ctx.record.setdefault("attn", {}).update(fields)
+
+
+def gqa(model, ctx):
+    """Mean-pool K/V heads to ``attn.kv_heads`` (a no-op when null or equal to the model's)."""
+    from compress.attn.gqa import check_kv_heads, mean_pool_kv
+
+    check_source(model.config, "gqa")
+    kv_heads = ctx.cfg.attn.get("kv_heads")
+    source = model.config.num_key_value_heads
+    if kv_heads is not None:
+        check_kv_heads(model.config, int(kv_heads))
+    if kv_heads is None or int(kv_heads) == source:
+        return model
+    log.info("gqa: %d -> %d KV heads (mean-pooled)", source, int(kv_heads))
+    _record(ctx, kv_heads=int(kv_heads), source_kv_heads=source)
+    return mean_pool_kv(model, int(kv_heads))
+
+
+def cla(model, ctx):
+    """Share each group of ``attn.share`` layers' K/V (``attn.cla_init`` initialisation)."""
+    from compress.attn.cla import check_share, convert_cla
+
+    a = ctx.cfg.attn
+    share, init = int(a.get("share") or 1), str(a.get("cla_init") or "lstsq")
+    check_source(model.config, "cla")
+    check_share(model.config, share, init)
+    tokens = ctx.calibration() if init == "lstsq" and share > 1 else None
+    log.info("cla: K/V shared by groups of %d layers (%s)", share, init)
+    out = convert_cla(model, share, init, tokens)
+    ctx.files.update(folder_files(out.config.model_type))
+    _record(ctx, share=share, cla_init=init, kv_heads=out.config.num_key_value_heads)
+    return out
+
+
+def mla(model, ctx):
+    """Partial RoPE + joint low-rank K/V (``mla.*``)."""
+    from compress.attn.mla import check_mla, convert_mla
+
+    m = ctx.cfg.mla
+    d_kv, pairs, select = int(m.d_kv), int(m.rope_pairs), str(m.rope_select)
+    check_source(model.config, "mla")
+    check_rope(model.config, "mla")
+    check_mla(model.config, d_kv, pairs, select)
+    tokens = ctx.calibration() if select == "2norm" else None
+    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s)", d_kv, pairs, select)
+    out = convert_mla(model, d_kv, pairs, select, tokens)
+    ctx.files.update(folder_files(out.config.model_type))
+    _record(ctx, d_kv=d_kv, kv_lora_rank=out.config.kv_lora_rank, rope_pairs=pairs,
+            rope_select=select, kv_heads=out.config.num_key_value_heads)
+    return out
