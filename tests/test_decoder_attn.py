@@ -1,0 +1,84 @@
+"""The built-in decoder on attention-converted folders (gqa, cla, mla), against transformers
+running the same folders (plain Llama, or the folder's own modeling files)."""
+
+import shutil
+
+import pytest
+import torch
+
+from compress.decoder.generate import generate
+from compress.decoder.kv import new_cache
+from compress.decoder.model import load
+from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
+
+
+def convert(kind: str):
+    """(converted HF model, files its folder carries) of a tiny 4-layer Llama, head_dim 16."""
+    from compress.attn.cla import convert_cla
+    from compress.attn.gqa import mean_pool_kv
+    from compress.attn.hf import folder_files
+    from compress.attn.mla import convert_mla, full_rank
+
+    hf = tiny_hf(num_hidden_layers=4)
+    tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
+    if kind == "gqa":
+        return mean_pool_kv(hf, 1), {}
+    if kind == "cla":
+        out = convert_cla(hf, 2, "lstsq", tokens)
+    elif kind == "mla":
+        out = convert_mla(hf, d_kv=6, rope_pairs=2, rope_select="2norm", tokens=tokens)
+    else:  # mla at full rank with every pair kept: the source model itself
+        out = convert_mla(hf, d_kv=full_rank(hf.config, 8), rope_pairs=8, rope_select="uniform")
+    return out, folder_files(out.config.model_type)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "cla", "mla", "mla-full"])
+def test_decoder_matches_transformers_on_converted(kind, tmp_path):
+    """Prefill then one token at a time (the absorbed latent path for mla) against transformers'
+    logits over the whole sequence (mla: K/V expanded from the latent), and the cache holds
+    exactly the kind's bytes per token."""
+    hf, files = convert(kind)
+    folder = save(hf, tmp_path, tiny_tokenizer())
+    for name, src in files.items():
+        shutil.copyfile(src, folder / name)
+    ours, _ = load(folder)
+    ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        cache = new_cache(ours, "fp16", 2, 24)
+        out = torch.cat([ours(ids[:, :16], cache)] + [ours(ids[:, t:t + 1], cache) for t in range(16, 24)], 1)
+    assert rel_err(out, ref) < 2e-3  # the fp16 cache
+    with torch.no_grad():
+        full = new_cache(ours, "full", 2, 24)
+        out = torch.cat([ours(ids[:, :16], full)] + [ours(ids[:, t:t + 1], full) for t in range(16, 24)], 1)
+    assert rel_err(out, ref) < 1e-5
+    c = hf.config
+    per_layer = {"gqa": 2 * 1 * 16, "cla": 2 * 2 * 16 / 2,
+                 "mla": getattr(c, "kv_lora_rank", 0) + 2 * getattr(c, "mla_rope_pairs", 0) * c.num_key_value_heads}
+    per_layer["mla-full"] = per_layer["mla"]
+    assert cache.nbytes() == 2 * 24 * c.num_hidden_layers * per_layer[kind] * 2
+
+
+@pytest.mark.parametrize("kind", ["cla", "mla"])
+def test_compiled_step_on_converted(kind, tmp_path):
+    """The compiled decode step runs the same attention kinds: identical greedy tokens."""
+    hf, files = convert(kind)
+    folder = save(hf, tmp_path, tiny_tokenizer())
+    for name, src in files.items():
+        shutil.copyfile(src, folder / name)
+    ours, _ = load(folder)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    eager = generate(ours, prompts, 12, kv="full")
+    assert generate(ours, prompts, 12, kv="full", compile=True).tokens == eager.tokens
+
+
+def test_latent_attention_refuses_compressed_caches(tmp_path):
+    from compress.errors import CompressError
+
+    hf, files = convert("mla")
+    folder = save(hf, tmp_path, tiny_tokenizer())
+    for name, src in files.items():
+        shutil.copyfile(src, folder / name)
+    ours, _ = load(folder)
+    with pytest.raises(CompressError, match="fp16 or full"):
+        generate(ours, [[5, 6, 7]], 4, kv="kivi")
