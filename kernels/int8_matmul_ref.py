@@ -9,7 +9,7 @@ the weight ``B [N, K]`` (``c_b[n]``, bitsandbytes' ``SCB``)::
 
 The sum is exact in float64 (|sum| <= 127^2 * K < 2^53), so this reference is
 the ground truth the CPU path (``int8_cpu.py``) and the Triton kernel
-(``int8_matmul.py``) are tested against.
+(``int8_triton.py``) are tested against.
 """
 
 import torch

@@ -1,7 +1,7 @@
 """How the kernels see a ``QuantLinear``: its bit planes, and the inputs they accept.
 
-Every packed weight is a list of bit planes, low bits first (see
-``compress/quant/packing.py``)::
+Every packed weight is a list of bit planes, low bits first (the layouts are
+``compress.formats.awq_gemm`` and ``compress.formats.bitplanes``)::
 
     "awq"      (INT4): one 4-bit plane, qweight [in, out/8], nibbles in AWQ_ORDER
     "compress" (other): plane w{p} per p in plane_widths(bits), widest (low bits) first,
@@ -13,8 +13,8 @@ and ``W_hat[o, i] = (q[i, o] - z[i // g, o]) * s[i // g, o]`` with ``s = scales 
 import torch
 
 from compress.errors import CompressError
+from compress.formats.bitplanes import plane_widths
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8*j + AWQ_ORDER[i]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -22,8 +22,8 @@ def planes(layer) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """``(p, qweight, qzeros)`` for each bit plane of ``layer``, low bits first."""
     if layer.format == "awq":
         return [(4, layer.qweight, layer.qzeros)]
-    widths = [p for p in (8, 4, 2, 1) if layer.bits & p]
-    return [(p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}")) for p in widths]
+    return [(p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}"))
+            for p in plane_widths(layer.bits)]
 
 
 def stamp(layer) -> tuple:

@@ -30,7 +30,7 @@ import torch
 
 from compress.errors import CompressError
 from compress.kernels import packkv_ref
-from compress.quant.packing import pack_planes, unpack_planes
+from compress.formats.bitplanes import pack_planes, unpack_planes
 
 
 def make_cache(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
@@ -232,7 +232,7 @@ class KIVICache(ResidualCache):
 
     Layout per layer (``BH = B * Hkv``, ``cap`` tokens, ``G = group``, ``b = bits``)::
 
-        kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.quant.packing planes
+        kq, vq : int32 [BH, cap, D*b/32]   channel-axis codes in compress.formats.bitplanes planes
         kz, ks : fp16  [BH, cap/G, D]      K zero and scale per (token group, channel)
         vz, vs : fp16  [BH, cap, D/G]      V zero and scale per (token, channel group)
     """
