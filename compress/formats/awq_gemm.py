@@ -5,7 +5,7 @@ Codes ``q`` of shape ``[rows, N]`` with values in ``[0, 16)``; rows are input ch
 
     packed[r, j] : int32, j in [0, N/8)
     nibble i (bits 4i..4i+3) of packed[r, j] = q[r, 8*j + AWQ_ORDER[i]]
-    AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+    with AWQ_ORDER (0, 2, 4, 6, 1, 3, 5, 7): columns 0, 2, 4, 6 in the low nibbles
 
 That is a 4-bit plane of :mod:`compress.formats.bitplanes` with the columns of each word
 permuted by ``AWQ_ORDER``.
