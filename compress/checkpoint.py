@@ -7,10 +7,10 @@ A run folder holds an HF-format checkpoint::
     tokenizer files    as tokenizer.save_pretrained writes them
 
 ``quantization_config["quant_method"]`` says which layer replaces the decoder's
-linears on load: "awq" (INT4, AutoAWQ GEMM) and "compress" (other widths) load
-as ``QuantLinear``; "bitsandbytes" as the LLM.int8 layer. Layers whose names
-contain an entry of ``modules_to_not_convert`` (bitsandbytes: ``llm_int8_skip_modules``)
-stay ``nn.Linear``.
+linears on load (``compress.formats.LAYERS``): "awq" (INT4, AutoAWQ GEMM) and
+"compress" (other widths) load as ``QuantLinear``; "bitsandbytes" as ``Int8Linear``.
+Layers whose names contain an entry of ``modules_to_not_convert`` (bitsandbytes:
+``llm_int8_skip_modules``) stay ``nn.Linear``.
 """
 
 import contextlib
@@ -22,6 +22,7 @@ from torch import nn
 
 from compress.adapters import get_adapter, set_module
 from compress.errors import CompressError
+from compress.formats import quantized_layer
 
 WEIGHTS = "model.safetensors"
 
@@ -60,26 +61,6 @@ def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_conf
     save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-
-
-def quantized_layer(qcfg: dict, linear: nn.Linear, name: str = "") -> nn.Module:
-    """An empty quantized layer of ``linear``'s shape, for the config's quant_method.
-
-    ``name`` (the module's full name) lets a layer name itself in run-time errors.
-    """
-    method = qcfg.get("quant_method")
-    bias = linear.bias is not None
-    if method in ("awq", "compress"):
-        from compress.quant.linear import QuantLinear
-
-        return QuantLinear(linear.in_features, linear.out_features, qcfg["bits"], qcfg["group_size"], bias=bias)
-    if method == "bitsandbytes":
-        from compress.quant.llm_int8 import Int8Linear
-
-        return Int8Linear(linear.in_features, linear.out_features, bias=bias,
-                          threshold=qcfg.get("llm_int8_threshold", 6.0), name=name)
-    raise CompressError(f"unknown quant_method '{method}' in config.json; compress reads "
-                        f"'awq', 'compress' and 'bitsandbytes'.")
 
 
 def build_model(config, qcfg: dict | None) -> nn.Module:

@@ -80,6 +80,15 @@ def _weight_bytes(model) -> tuple[int, int]:
     return total, linear
 
 
+def eval_device(name: str) -> torch.device:
+    """``eval.device``: ``auto`` is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise CompressError(f"eval.device={name}: use auto, cpu, or cuda on a machine with a GPU.")
+    return torch.device(name)
+
+
 def _check_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise CompressError(f"run folder '{run_dir}' already exists and is not empty; pick another "
@@ -125,6 +134,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     check_config(cfg.get("hub"))
     if cfg.decode.enabled:
         check_decode(cfg.decode)
+    eval_device(cfg.eval.get("device", "auto"))
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
@@ -150,8 +160,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
 
         t = time.time()
         windows = eval_windows(tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows)
-        compressed, _ = load_run(tmp)  # evaluate what was saved, not the in-memory model
-        reference = load_model(m.path, m.dtype, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+        device = eval_device(cfg.eval.get("device", "auto"))
+        compressed = load_run(tmp)[0].to(device)  # evaluate what was saved, not the in-memory model
+        reference = load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device) if cfg.eval.compare_source else None
         cache = cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
         figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
         del compressed, reference

@@ -25,8 +25,8 @@ import time
 
 import torch
 
+from compress.formats import QuantLinear
 from compress.kernels import cpu, quant_matmul
-from compress.quant.linear import QuantLinear
 from compress.quant.quantizer import quantize
 
 SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down

@@ -26,8 +26,10 @@ from tqdm import tqdm
 
 
 def _log_probs(model, window: torch.Tensor) -> torch.Tensor:
-    logits = model(window.unsqueeze(0)).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
+    """Log-probs ``[seqlen - 1, V]`` on the CPU; the model runs on whatever device it is on."""
+    device = next(model.parameters()).device
+    logits = model(window.unsqueeze(0).to(device)).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 def _source_log_probs(source, window: torch.Tensor, cache: Path | None, source_sha: str) -> torch.Tensor:

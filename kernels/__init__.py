@@ -1,11 +1,17 @@
-"""Kernels: fused dequant-matmul and compressed-KV attention, each beside its reference.
+"""Kernels: one entry point per kernel family, each implementation beside its reference.
 
-``quant_matmul(x, layer)`` is the one entry point the model code calls; it
-picks the fastest path for the layer's format and ``x``'s device: Triton on
-CUDA (``dequant_matmul.py``), the measured-fastest CPU path otherwise
-(``cpu.py``). ``COMPRESS_KERNELS=ref`` forces the reference (dequantize, then
-matmul) for debugging; ``COMPRESS_KERNELS=eager`` runs the CPU paths without
-``torch.compile``.
+    quant_matmul(x, layer)       group-quantized linear    dequant_matmul.py (Triton), cpu.py,
+                                 (a QuantLinear)           reference: x @ layer.dequantize()^T
+    int8_matmul(a, b, c_a, c_b)  LLM.int8's int8 GEMM and  int8_triton.py, int8_cpu.py,
+                                 its epilogue              int8_matmul_ref.py
+    packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton); packkv_ref.py is
+    packkv_pv(p, v)              products                  both the CPU path and the reference
+
+Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_KERNELS=ref``
+forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
+a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
+``torch.compile``. Triton is imported only when a CUDA input needs it. The kernels read the
+layouts of ``compress.formats`` and import no method package.
 """
 
 import os
@@ -15,17 +21,62 @@ import torch
 from compress.kernels.layout import check_inputs
 
 
+def backend(x: torch.Tensor) -> str:
+    """``"ref"``, ``"triton"`` or ``"cpu"``: which implementation a kernel family runs for ``x``."""
+    if os.environ.get("COMPRESS_KERNELS") == "ref":
+        return "ref"
+    return "triton" if x.is_cuda else "cpu"
+
+
 def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     """``x [M, in] @ W_hat^T`` for a ``QuantLinear``, in ``x``'s dtype."""
-    if os.environ.get("COMPRESS_KERNELS") == "ref" or (x.requires_grad and torch.is_grad_enabled()):
+    where = backend(x)
+    if where == "ref" or (x.requires_grad and torch.is_grad_enabled()):
         return x @ layer.dequantize(x.dtype).t()  # the kernels have no backward
     check_inputs(x, layer)
     if x.shape[0] == 0:
         return x.new_empty(0, layer.out_features)
-    if x.is_cuda:
-        from compress.kernels.dequant_matmul import triton_quant_matmul  # imports triton only when needed
+    if where == "triton":
+        from compress.kernels.dequant_matmul import triton_quant_matmul
 
         return triton_quant_matmul(x, layer)
     from compress.kernels.cpu import cpu_quant_matmul
 
     return cpu_quant_matmul(x, layer)
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
+                col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(a @ b^T) * row_absmax[:, None] * col_absmax / 127^2 + bias`` -> ``[M, N]`` in
+    ``out_dtype``, from int8 ``a [M, K]``, ``b [N, K]`` and absmax vectors ``[M]``, ``[N]``."""
+    where = backend(a)
+    if where == "ref":
+        from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref as fn
+    elif where == "triton":
+        from compress.kernels.int8_triton import int8_matmul_dequant_triton as fn
+    else:
+        from compress.kernels.int8_cpu import int8_matmul_dequant_cpu as fn
+    return fn(a, b, row_absmax, col_absmax, bias, out_dtype)
+
+
+def _packkv(x: torch.Tensor, head_dim: int):
+    """The module computing PackKV's products for ``x``: ``packkv`` (Triton) or ``packkv_ref``."""
+    if backend(x) == "triton":
+        from compress.kernels import packkv
+
+        if packkv.supports(head_dim):
+            return packkv
+    from compress.kernels import packkv_ref
+
+    return packkv_ref
+
+
+def packkv_qk(q: torch.Tensor, k, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` fp32 of a PackKV-packed ``k``."""
+    return _packkv(q, k.dim).qk(q, k, out=out)
+
+
+def packkv_pv(p: torch.Tensor, v, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32 of a PackKV-packed ``v``."""
+    return _packkv(p, v.dim).pv(p, v, out=out)

@@ -1,4 +1,4 @@
-"""CPU paths of ``quant_matmul``, chosen by measurement (``eval/bench_linear.py``).
+"""CPU paths of ``quant_matmul``, and the modules that run them inside a compiled graph.
 
 Each layer gets a form prepared at first use and kept in ``layer.cache``:
 
@@ -14,8 +14,7 @@ Each layer gets a form prepared at first use and kept in ``layer.cache``:
 
   so call ``i`` gets ``s' = m_i s`` and ``z' = b s`` (first call) or 0; ``c``
   centres the top nibble on 8, which keeps ``b``, stored in bfloat16, small.
-  Its float32 path is scalar code (60x slower, below), so float32 inputs
-  never take it.
+  Its float32 path is scalar code, so float32 inputs never take it.
 * ``kplanes`` (float32 and float16 inputs, and larger M): the codes re-packed
   along K in the layer's own bit planes, int32 ``[in*p/32, out]`` per plane,
   ``bits/8`` byte/weight. A word holds ``32/p`` consecutive input channels of
@@ -28,37 +27,38 @@ Each layer gets a form prepared at first use and kept in ``layer.cache``:
   For M > 8 (prefill) it dequantizes ``W_hat`` into a reused buffer instead,
   and ``x @ W_hat`` runs as a dense matmul.
 
-Measured (``bench_linear --quick --threads 1 --alternatives``, 4096x4096, M=1,
-weights cold, min ms; dense fp32 2.7, bf16 1.9): INT4 int4pack 0.95,
-kplanes 1.5 (bf16 in) / 0.94 (fp32 in), ATen's fp32 int4pack 57; INT3
-re-encoded int4pack 0.58 (0.5 byte/weight), kplanes on its 3-bit planes 2.0
-(bf16) / 1.2 (fp32); INT8 two int4pack calls 1.16, kplanes 2.2 (bf16) / 1.35
-(fp32). At M=512 both prefill paths cost what the dense matmul of their
-dtype costs, within 1.0-1.5x.
+The paths and their M limits are the fastest of all candidates per dtype and M; ``python -m
+compress.eval.bench_linear --quick --threads 1 --alternatives`` re-measures them (figures in the
+README, "Kernel measurements").
 
 Both are exact up to the rounding of their dtype: ``kplanes`` matches the
 float64 reference to ~1e-6 in float32; ``int4pack`` to ~3e-3 (bfloat16 output
 and scales). Layers under 2^16 weights (test models), ``COMPRESS_KERNELS=eager``
 (no C++ compiler, debugging) and a failed compile (with a warning) run the same
 ``kplanes`` code eagerly.
+
+:class:`Int4PackLinear` and :class:`KPlanesLinear` hold a layer's prepared form as buffers and
+compute the same products as modules that ``torch.compile`` traces (the compiled decode step);
+:class:`Eager` runs any other layer outside the graph.
 """
 
 import os
 import warnings
 
 import torch
+from torch import nn
 
 from compress.errors import CompressError
+from compress.formats.bitplanes import pack_planes
 from compress.kernels.layout import check_layer, planes, stamp
-from compress.quant.packing import pack_planes
 
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above
-INT4PACK_MAX_M = {1: 32, 2: 8}  # ATen int4pack (bfloat16) up to this M, by calls (nibbles per code)
+INT4PACK_MAX_M = {1: 32, 2: 8}  # ATen int4pack (bfloat16) up to this M, by calls per code
 RECOMPILE_LIMIT = 64  # one compiled graph per (layer shape, M <= 8)
 COMPILE_MIN_WEIGHTS = 2**16  # smaller layers run eagerly: compiling them costs more than it saves
 
 
-def _cached(layer, key, build):
+def cached(layer, key, build):
     """``build()``, kept in ``layer.cache[key]`` until the layer's tensors change."""
     current = stamp(layer)
     hit = layer.cache.get(key)
@@ -73,10 +73,11 @@ def _codes(layer) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int32), z.to(torch.int32)
 
 
-# ---- int4pack: ATen's bfloat16 kernel, one call per nibble of the codes --------------------------
+# ---- int4pack: ATen's bfloat16 kernel, one call per nibble of the codes ------------------------
 
-def _prepare_int4pack(layer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(w, scales_and_zeros)`` per nibble: ``q - z = sum_i m_i (n_i - 8) + b`` (see the module docstring)."""
+def prepare_int4pack(layer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(w, scales_and_zeros)`` per nibble: ``q - z = sum_i m_i (n_i - 8) + b`` (see the module
+    docstring)."""
     q, z = _codes(layer)
     s = layer.scales.float()
     if layer.bits <= 4:
@@ -94,23 +95,33 @@ def _prepare_int4pack(layer, dtype: torch.dtype) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def int4pack_mm(x: torch.Tensor, layer) -> torch.Tensor:
-    """``x [M, in] @ W_hat^T`` through ``_weight_int4pack_mm_for_cpu``, one call per nibble of the codes."""
+def int4pack_apply(x: torch.Tensor, parts, group_size: int) -> torch.Tensor:
+    """``x [M, in] @ W_hat^T`` from the :func:`prepare_int4pack` form ``parts``, one
+    ``_weight_int4pack_mm_for_cpu`` call per nibble of the codes."""
     y = None
-    for w, sz in _cached(layer, ("int4pack", x.dtype), lambda: _prepare_int4pack(layer, x.dtype)):
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, layer.group_size, sz)
+    for w, sz in parts:
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group_size, sz)
         y = part if y is None else y + part
     return y
 
 
+def int4pack_mm(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x [M, in] @ W_hat^T`` through ATen's int4pack kernel."""
+    parts = cached(layer, ("int4pack", x.dtype), lambda: prepare_int4pack(layer, x.dtype))
+    return int4pack_apply(x, parts, layer.group_size)
+
+
 # ---- kplanes: codes packed along K, compiled unpack-and-accumulate -----------------------------
 
-def _prepare_kplanes(layer) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor, torch.Tensor]:
-    """The codes packed along K: ``pack_planes`` of ``q^T``, each plane transposed to ``[in*p/32, out]``."""
+def prepare_kplanes(layer) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor,
+                                     torch.Tensor]:
+    """``(planes, widths, s, z)``: the codes packed along K (``pack_planes`` of ``q^T``, each
+    plane transposed to ``[in*p/32, out]``), their widths, and fp32 scales and zeros."""
     q, z = _codes(layer)
     widths = tuple(p for p, _, _ in planes(layer))
     along_k = pack_planes(q.t().contiguous(), layer.bits)
-    return tuple(along_k[f"w{p}"].t().contiguous() for p in widths), widths, layer.scales.float(), z.float()
+    packed = tuple(along_k[f"w{p}"].t().contiguous() for p in widths)
+    return packed, widths, layer.scales.float(), z.float()
 
 
 def _unpack_k(packed: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> torch.Tensor:
@@ -123,7 +134,7 @@ def _unpack_k(packed: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> torc
     return q
 
 
-def _gemv(x, packed, widths, s, z, unroll: int):
+def gemv(x, packed, widths, s, z, unroll: int):
     """fp32 ``x [M, K] @ W_hat^T`` for small M; one unpack of the weight serves all M rows.
 
     Each row sums ``unroll`` interleaved partial sums: independent add chains, so
@@ -133,7 +144,8 @@ def _gemv(x, packed, widths, s, z, unroll: int):
     M, K = x.shape
     q = _unpack_k(packed, widths).reshape(G, K // G // unroll, unroll, N).float()
     xg = x.reshape(M, G, -1, unroll, 1)
-    rows = [(sum((xg[m, :, :, u] * q[:, :, u]).sum(1) for u in range(unroll)) * s).sum(0) for m in range(M)]
+    rows = [(sum((xg[m, :, :, u] * q[:, :, u]).sum(1) for u in range(unroll)) * s).sum(0)
+            for m in range(M)]
     return torch.stack(rows) - x.reshape(M, G, -1).sum(-1) @ (z * s)
 
 
@@ -166,39 +178,44 @@ class _Compiled:
             return self.compiled(*args)
         except Exception as e:  # no C++ compiler, an inductor bug
             self.failed = True
-            warnings.warn(f"torch.compile of the CPU dequant kernel failed ({type(e).__name__}: {e}); "
-                          f"running it eagerly, which is slower.")
+            warnings.warn(f"torch.compile of the CPU dequant kernel failed "
+                          f"({type(e).__name__}: {e}); running it eagerly, which is slower.")
             return self.fn(*args)
 
 
-gemv_compiled = _Compiled(_gemv)
+gemv_compiled = _Compiled(gemv)
 dequant_compiled = _Compiled(_dequant_into)
 _workspace: dict[torch.dtype, torch.Tensor] = {}  # W_hat of the prefill path, per dtype
 
 
 def kplanes_gemv(x: torch.Tensor, layer) -> torch.Tensor:
-    """``x [M, in] @ W_hat^T`` for small M from the K-packed planes, in fp32, returned in ``x``'s dtype."""
-    packed, widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
-    return gemv_compiled(layer, x.float(), packed, widths, s, z, gemv_unroll(layer, x.shape[0])).to(x.dtype)
+    """``x [M, in] @ W_hat^T`` for small M from the K-packed planes, in fp32, returned in
+    ``x``'s dtype."""
+    packed, widths, s, z = cached(layer, "kplanes", lambda: prepare_kplanes(layer))
+    unroll = gemv_unroll(layer, x.shape[0])
+    return gemv_compiled(layer, x.float(), packed, widths, s, z, unroll).to(x.dtype)
 
 
 def gemv_unroll(layer, m: int) -> int:
-    """Accumulator chains of :func:`_gemv` for ``m`` rows. Measured (4096x4096, 1 thread): 8 chains
-    take INT4 from 0.82 to 0.50 ms and INT8 from 2.0 to 1.1 ms at M = 1; they lose on several
-    planes (INT3: 0.91 -> 2.0 ms) and at M = 4."""
+    """Accumulator chains of :func:`gemv` for ``m`` rows.
+
+    8 chains speed up one-plane widths at M <= 2 and slow down several planes and larger M
+    (``python -m compress.eval.bench_linear --quick --threads 1 --m 1 4``, with and without them).
+    """
     return 8 if len(planes(layer)) == 1 and m <= 2 and layer.group_size % 8 == 0 else 1
 
 
 def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
-    """``x @ W_hat^T`` with ``W_hat`` dequantized from the K-packed planes into a reused buffer (prefill).
+    """``x @ W_hat^T`` with ``W_hat`` dequantized from the K-packed planes into a reused buffer
+    (prefill).
 
-    The buffer, the size of the largest layer seen, is shared by all layers: a
-    fresh one per call costs more in page faults than the dequantization itself
-    (a 64 MB tensor: 80 ms to first touch here, 2 ms to rewrite).
+    The buffer, the size of the largest layer seen, is shared by all layers: a fresh one per call
+    costs more in page faults than the dequantization itself (``python -m timeit -s "import
+    torch; b = torch.empty(2**24)" "torch.empty(2**24).fill_(1)"`` against ``"b.fill_(1)"``).
     """
     if x.dtype == torch.float16:  # CPUs without AVX512-FP16 multiply float16 slowly
         return kplanes_dequant_mm(x.float(), layer).half()
-    packed, widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
+    packed, widths, s, z = cached(layer, "kplanes", lambda: prepare_kplanes(layer))
     k, n = layer.in_features, layer.out_features
     buf = _workspace.get(x.dtype)
     if buf is None or buf.numel() < k * n:
@@ -228,15 +245,17 @@ def kplanes_fit(layer) -> bool:
 
 
 def keep_int4pack_only(layer) -> None:
-    """Prepare the bfloat16 int4pack form, then free the packed codes it duplicates (``lean`` loading).
+    """Prepare the bfloat16 int4pack form, then free the packed codes it duplicates (``lean``
+    loading).
 
     The layer then computes through int4pack at every ``M`` and only from bfloat16 inputs: it
     holds its weights once, at 0.5 byte each (1 byte from INT5 up), for ~2x slower prefill than
-    dequantize + matmul (SmolLM2 layers at M = 512, 1 thread: qkv 3.3 against 1.5 ms, gate_up
-    10.6 against 4.9 ms).
+    dequantize + matmul (``python -m compress.eval.bench_linear --quick --threads 1
+    --alternatives --m 512``).
     """
     check_layer(layer)
-    form = _cached(layer, ("int4pack", torch.bfloat16), lambda: _prepare_int4pack(layer, torch.bfloat16))
+    bf16 = torch.bfloat16
+    form = cached(layer, ("int4pack", bf16), lambda: prepare_int4pack(layer, bf16))
     for name, t in layer._buffers.items():
         if name.startswith(("qweight", "qzeros")):
             layer._buffers[name] = t.new_empty(0)
@@ -248,9 +267,10 @@ def cpu_path(x: torch.Tensor, layer) -> str:
     """Name of the measured-fastest exact CPU path for ``x``'s dtype, the layer and ``M``."""
     if layer.cache.get("lean"):
         if x.dtype != torch.bfloat16:
-            raise CompressError(f"this quantized layer [{layer.in_features} -> {layer.out_features}] was loaded "
-                                f"lean (only its bfloat16 int4pack form is kept), so it takes bfloat16 "
-                                f"inputs, not {x.dtype}; load without lean to compute in other dtypes.")
+            raise CompressError(f"this quantized layer [{layer.in_features} -> "
+                                f"{layer.out_features}] was loaded lean (only its bfloat16 "
+                                f"int4pack form is kept), so it takes bfloat16 inputs, not "
+                                f"{x.dtype}; load without lean to compute in other dtypes.")
         return "int4pack"
     if int4pack_fits(x, layer) and x.shape[0] <= INT4PACK_MAX_M[1 if layer.bits <= 4 else 2]:
         return "int4pack"
@@ -261,3 +281,62 @@ def cpu_path(x: torch.Tensor, layer) -> str:
 
 def cpu_quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     return PATHS[cpu_path(x, layer)](x, layer)
+
+
+# ---- the same products as modules, for a torch.compile'd graph ---------------------------------
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class Int4PackLinear(nn.Module):
+    """A ``QuantLinear`` through ATen's int4pack kernel, its :func:`prepare_int4pack` form held
+    as buffers (shared with the layer's own cache)."""
+
+    def __init__(self, layer, dtype: torch.dtype):
+        super().__init__()
+        self.group_size, self.out_features = layer.group_size, layer.out_features
+        parts = cached(layer, ("int4pack", dtype), lambda: prepare_int4pack(layer, dtype))
+        self.parts = len(parts)
+        for i, (w, sz) in enumerate(parts):
+            self.register_buffer(f"w{i}", w)
+            self.register_buffer(f"sz{i}", sz)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [(getattr(self, f"w{i}"), getattr(self, f"sz{i}")) for i in range(self.parts)]
+        y = int4pack_apply(x.reshape(-1, x.shape[-1]), parts, self.group_size)
+        return _add_bias(y.reshape(*x.shape[:-1], self.out_features), self.bias)
+
+
+class KPlanesLinear(nn.Module):
+    """A ``QuantLinear`` through the K-packed planes' :func:`gemv` with ``unroll`` accumulator
+    chains, its :func:`prepare_kplanes` form held as buffers; traced into the graph."""
+
+    def __init__(self, layer, unroll: int):
+        super().__init__()
+        packed, self.widths, s, z = cached(layer, "kplanes", lambda: prepare_kplanes(layer))
+        for p, t in zip(self.widths, packed):
+            self.register_buffer(f"q{p}", t)
+        self.register_buffer("s", s)
+        self.register_buffer("z", z)
+        self.unroll, self.out_features, self.bias = unroll, layer.out_features, layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = tuple(getattr(self, f"q{p}") for p in self.widths)
+        y = gemv(x.reshape(-1, x.shape[-1]).float(), packed, self.widths, self.s, self.z,
+                 self.unroll)
+        return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features), self.bias)
+
+
+class Eager(nn.Module):
+    """Any other layer (e.g. LLM.int8's, whose outlier columns depend on the data), run outside
+    the graph."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)

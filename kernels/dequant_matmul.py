@@ -33,9 +33,10 @@ MIN_BLOCK_K = 16  # tl.dot's smallest K
 def _plane(ptr, rows, cols, col_mask, N, P: tl.constexpr, AWQ: tl.constexpr):
     """Bits of one ``P``-bit plane, int32 ``[rows, cols]``; the plane is int32 ``[*, N*P/32]``."""
     PER: tl.constexpr = 32 // P
-    words = tl.load(ptr + rows[:, None] * (N // PER) + (cols // PER)[None, :], mask=col_mask[None, :], other=0)
+    words = tl.load(ptr + rows[:, None] * (N // PER) + (cols // PER)[None, :],
+                    mask=col_mask[None, :], other=0)
     if AWQ:
-        slot = (cols % 8) // 2 + (cols % 2) * 4  # nibble holding column 8*j + r: inverse of AWQ_ORDER
+        slot = (cols % 8) // 2 + (cols % 2) * 4  # nibble of column 8*j + r: AWQ_ORDER inverted
     else:
         slot = cols % PER
     return (words >> (slot * P)[None, :]) & ((1 << P) - 1)
@@ -44,7 +45,8 @@ def _plane(ptr, rows, cols, col_mask, N, P: tl.constexpr, AWQ: tl.constexpr):
 @triton.jit
 def _codes(ptrs, rows, cols, col_mask, N, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
            NUM_PLANES: tl.constexpr, AWQ: tl.constexpr):
-    """Codes ``[rows, cols]`` from their bit planes: plane ``i`` holds bits ``LOWS[i] .. LOWS[i] + WIDTHS[i]``."""
+    """Codes ``[rows, cols]`` from their bit planes: plane ``i`` holds bits ``LOWS[i] ..
+    LOWS[i] + WIDTHS[i]``."""
     q = _plane(ptrs[0], rows, cols, col_mask, N, WIDTHS[0], AWQ)
     for i in tl.static_range(1, NUM_PLANES):
         q = q | (_plane(ptrs[i], rows, cols, col_mask, N, WIDTHS[i], AWQ) << LOWS[i])
@@ -64,15 +66,17 @@ def _dequant_tile(qw, qz, s_ptr, k0, rk, rn, n_mask, N, G: tl.constexpr, WIDTHS:
 
 @triton.jit
 def _gemm_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, stride_xm,
-                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr, NUM_PLANES: tl.constexpr,
-                 AWQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
+                 NUM_PLANES: tl.constexpr, AWQ: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None],
+                    other=0.0)
         w = _dequant_tile(qw, qz, s_ptr, k0, rk, rn, n_mask, N, G, WIDTHS, LOWS, NUM_PLANES, AWQ)
         acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
     out = out_ptr + rm[:, None] * N + rn[None, :]
@@ -81,9 +85,11 @@ def _gemm_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, stride_xm,
 
 @triton.jit
 def _gemv_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, K_SPLIT, stride_xm,
-                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr, NUM_PLANES: tl.constexpr,
-                 AWQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Writes ``out[split, m, n]``: the sum over K split ``split`` (program axis 1) of rows ``m < M``."""
+                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
+                 NUM_PLANES: tl.constexpr, AWQ: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Writes ``out[split, m, n]``: the sum over K split ``split`` (program axis 1) of rows
+    ``m < M``."""
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,12 +108,14 @@ def _gemv_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, K_SPLIT, stride_xm,
 
 
 def block_k(group_size: int, cap: int = 64) -> int:
-    """Largest power of two dividing the group size, at most ``cap``; a K block never straddles groups."""
+    """Largest power of two dividing the group size, at most ``cap``; a K block never straddles
+    groups."""
     bk = min(group_size & -group_size, cap)
     if bk < MIN_BLOCK_K:
         raise CompressError(
-            f"group size {group_size} is not a multiple of {MIN_BLOCK_K}, the Triton kernel's smallest "
-            f"K block; re-quantize with a group size that is a multiple of {MIN_BLOCK_K} (e.g. 32, 64, 128).")
+            f"group size {group_size} is not a multiple of {MIN_BLOCK_K}, the Triton kernel's "
+            f"smallest K block; re-quantize with a group size that is a multiple of {MIN_BLOCK_K} "
+            f"(e.g. 32, 64, 128).")
     return bk
 
 
@@ -115,11 +123,13 @@ def _launch_args(layer) -> tuple[tuple, tuple, dict]:
     ps = planes(layer)
     widths = tuple(p for p, _, _ in ps)
     lows = tuple(sum(widths[:i]) for i in range(len(widths)))
-    meta = dict(G=layer.group_size, WIDTHS=widths, LOWS=lows, NUM_PLANES=len(ps), AWQ=layer.format == "awq")
+    meta = dict(G=layer.group_size, WIDTHS=widths, LOWS=lows, NUM_PLANES=len(ps),
+                AWQ=layer.format == "awq")
     return tuple(t.contiguous() for _, t, _ in ps), tuple(t.contiguous() for _, _, t in ps), meta
 
 
-def gemv(x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1, block_n: int = 64) -> torch.Tensor:
+def gemv(x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1,
+         block_n: int = 64) -> torch.Tensor:
     """``out [M, N] = x @ W_hat^T`` for ``M <= 8``, with K split over ``split_k`` programs."""
     M, K = x.shape
     N = layer.out_features
@@ -138,7 +148,8 @@ def gemv(x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1, block_n: i
     return out
 
 
-def gemm(x: torch.Tensor, layer, out: torch.Tensor, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def gemm(x: torch.Tensor, layer, out: torch.Tensor, block_m: int = 64,
+         block_n: int = 64) -> torch.Tensor:
     """``out [M, N] = x @ W_hat^T`` as tiles of ``block_m x block_n``."""
     M, K = x.shape
     N = layer.out_features
@@ -159,7 +170,8 @@ def _default_split(x: torch.Tensor, n_blocks: int, k_blocks: int) -> int:
 
 
 def triton_quant_matmul(x: torch.Tensor, layer, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, in] @ W_hat^T`` in ``x``'s dtype (into ``out`` if given): GEMV for ``M <= 8``, GEMM above."""
+    """``x [M, in] @ W_hat^T`` in ``x``'s dtype (into ``out`` if given): GEMV for ``M <= 8``,
+    GEMM above."""
     check_inputs(x, layer)
     block_k(layer.group_size)
     x = x.contiguous()
@@ -171,6 +183,7 @@ def triton_quant_matmul(x: torch.Tensor, layer, out: torch.Tensor | None = None)
     if x.shape[0] == 0:
         return out
     if x.shape[0] <= GEMV_MAX_M:
-        split = _default_split(x, triton.cdiv(layer.out_features, 64), x.shape[1] // block_k(layer.group_size, 32))
+        k_blocks = x.shape[1] // block_k(layer.group_size, 32)
+        split = _default_split(x, triton.cdiv(layer.out_features, 64), k_blocks)
         return gemv(x, layer, out, split_k=split)
     return gemm(x, layer, out)

@@ -9,7 +9,7 @@ the weight ``B [N, K]`` (``c_b[n]``, bitsandbytes' ``SCB``)::
 
 The sum is exact in float64 (|sum| <= 127^2 * K < 2^53), so this reference is
 the ground truth the CPU path (``int8_cpu.py``) and the Triton kernel
-(``int8_matmul.py``) are tested against.
+(``int8_triton.py``) are tested against.
 """
 
 import torch
@@ -18,7 +18,8 @@ import torch
 def int8_matmul_dequant_ref(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
                             col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``C [M, N]`` from ``a [M, K]`` int8, ``b [N, K]`` int8 and the absmax vectors ``[M]``, ``[N]``."""
+    """``C [M, N]`` from ``a [M, K]`` int8, ``b [N, K]`` int8 and the absmax vectors ``[M]``,
+    ``[N]``."""
     acc = a.double() @ b.double().t()
     out = acc * row_absmax.double()[:, None] * col_absmax.double()[None, :] / 127.0**2
     if bias is not None:

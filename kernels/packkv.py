@@ -31,7 +31,8 @@ STEPS: tl.constexpr = STEPS_PER_OCTAVE
 
 @triton.jit
 def _bits(words, idx, n_words, bitpos, width, mask):
-    """The ``width``-bit field at ``bitpos`` of the little-endian 16-bit ``words[idx], words[idx + 1]``."""
+    """The ``width``-bit field at ``bitpos`` of the little-endian 16-bit ``words[idx],
+    words[idx + 1]``."""
     lo = tl.load(words + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
     hi = tl.load(words + idx + 1, mask=mask & (idx + 1 < n_words), other=0).to(tl.int32) & 0xFFFF
     return ((lo | (hi << 16)) >> (bitpos & 15)) & ((1 << width) - 1)
@@ -59,30 +60,32 @@ def _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mb
 def _qk_kernel(q, out, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, s0 = tl.program_id(0), tl.program_id(1) * BLOCK_T
-    x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
-                     D, BLOCK_T)
+    x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits,
+                     bh, s0, D, BLOCK_T)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     qt = tl.load(q + (bh * M + m[:, None]) * D + ch[None, :], mask=m[:, None] < M, other=0.0)
     s = tl.dot(qt, tl.trans(x), input_precision="ieee")
     slot = s0 + tl.arange(0, BLOCK_T)
-    tl.store(out + (bh * M + m[:, None]) * n + slot[None, :], s, mask=(m[:, None] < M) & (slot[None, :] < n))
+    tl.store(out + (bh * M + m[:, None]) * n + slot[None, :], s,
+             mask=(m[:, None] < M) & (slot[None, :] < n))
 
 
 @triton.jit
-def _pv_kernel(p, part, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M, BH,
-               tiles, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+def _pv_kernel(p, part, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits,
+               M, BH, tiles, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
     bh, split = tl.program_id(0), tl.program_id(1)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for t in range(split * tiles, (split + 1) * tiles):
         s0 = t * BLOCK_T
-        x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
-                         D, BLOCK_T)
+        x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits,
+                         fbits, bh, s0, D, BLOCK_T)
         slot = s0 + tl.arange(0, BLOCK_T)
-        pt = tl.load(p + (bh * M + m[:, None]) * n + slot[None, :], mask=(m[:, None] < M) & (slot[None, :] < n),
-                     other=0.0)
+        pt = tl.load(p + (bh * M + m[:, None]) * n + slot[None, :],
+                     mask=(m[:, None] < M) & (slot[None, :] < n), other=0.0)
         acc += tl.dot(pt, x, input_precision="ieee")
-    tl.store(part + ((split * BH + bh) * M + m[:, None]) * D + ch[None, :], acc, mask=m[:, None] < M)
+    tl.store(part + ((split * BH + bh) * M + m[:, None]) * D + ch[None, :], acc,
+             mask=m[:, None] < M)
 
 
 def supports(head_dim: int) -> bool:
@@ -91,8 +94,8 @@ def supports(head_dim: int) -> bool:
 
 
 def _args(x: Packed):
-    return (x.tmin, x.lstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1], x.pmeta.shape[-1],
-            x.mbits, x.fbits)
+    return (x.tmin, x.lstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1],
+            x.pmeta.shape[-1], x.mbits, x.fbits)
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +109,8 @@ def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
-def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None,
+       splits: int | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` in registers."""
     BH, M, n = p.shape
     D = v.dim

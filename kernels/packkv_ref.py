@@ -24,8 +24,10 @@ Memory layout of one ``Packed`` tensor (K or V of one layer), ``BH = batch * kv_
     lstep       : int8  [BH, cap]                   per-token step, tstep = 2^(lstep/8)
     pmeta       : int16 [BH, cap/16, ceil(D f/16)]  per pack the f-bit field pmin | width << m,
                                                     channel c at bits [c f, (c+1) f) of its row
-    poff        : int32 [BH, cap/16]                first word of pack row r (16 tokens x D channels)
-    data        : int16 [words]                     the bit stream, grown by appends, cut back by truncate
+    poff        : int32 [BH, cap/16]                first word of pack row r
+                                                    (16 tokens x D channels)
+    data        : int16 [words]                     the bit stream, grown by appends, cut back
+                                                    by truncate
 
 Pack (r, c) holds ``width[r, c]`` words starting at ``poff[r] + sum_{c'<c} width[r, c']``:
 rest[i] sits at bits ``[i*w, (i+1)*w)`` of that 16w-bit little-endian string. Every field
@@ -46,7 +48,8 @@ MAX_CODE = 255  # codes and pack minima fit 8 bits
 
 
 def bit_width(m: torch.Tensor) -> torch.Tensor:
-    """Bit length of non-negative ints ``m`` <= 255: 0 -> 0, 1 -> 1, 2..3 -> 2, ..., 128..255 -> 8."""
+    """Bit length of non-negative ints ``m`` <= 255: 0 -> 0, 1 -> 1, 2..3 -> 2, ...,
+    128..255 -> 8."""
     pow2 = 2 ** torch.arange(8, device=m.device)
     return (m.unsqueeze(-1) >= pow2).sum(-1)
 
@@ -57,7 +60,8 @@ MIN_REL = 2 ** (1 / STEPS_PER_OCTAVE) / (MAX_CODE - 1)  # the finest rel whose c
 
 
 def max_code(rel: float) -> int:
-    """Largest code of ``rel``: the range over the stored step (up to 2^(1/8)/rel), plus one for fp16 rounding."""
+    """Largest code of ``rel``: the range over the stored step (up to 2^(1/8)/rel), plus one for
+    fp16 rounding."""
     return min(math.ceil(2 ** (1 / STEPS_PER_OCTAVE) / rel) + 1, MAX_CODE)
 
 
@@ -67,7 +71,8 @@ def step_of(lstep: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_tokens(x: torch.Tensor, rel: float):
-    """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16, lstep int8)``.
+    """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16,
+    lstep int8)``.
 
     The stored minimum and step are used to compute the codes, so the bound
     ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values.
@@ -83,8 +88,8 @@ def quantize_tokens(x: torch.Tensor, rel: float):
 
 
 def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Tensor:
-    """Little-endian 16-bit words ``[..., n_words]`` (int64) holding ``vals`` (< 2**12) at ``bitpos``
-    (both ``[..., K]``, bits along the last axis)."""
+    """Little-endian 16-bit words ``[..., n_words]`` (int64) holding ``vals`` (< 2**12) at
+    ``bitpos`` (both ``[..., K]``, bits along the last axis)."""
     shifted = vals << (bitpos % 16)
     words = torch.zeros(*vals.shape[:-1], n_words + 1, dtype=torch.int64, device=vals.device)
     words.scatter_add_(-1, bitpos // 16, shifted & 0xFFFF)  # bit ranges do not overlap: add is or
@@ -93,7 +98,8 @@ def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Te
 
 
 def word_pairs(words: torch.Tensor) -> torch.Tensor:
-    """int32 ``word[j] | word[j+1] << 16`` along the last axis of int16 ``words`` (0 past the end)."""
+    """int32 ``word[j] | word[j+1] << 16`` along the last axis of int16 ``words`` (0 past the
+    end)."""
     w = words.int() & 0xFFFF
     return w | torch.cat([w[..., 1:], torch.zeros_like(w[..., :1])], -1) << 16
 
@@ -167,33 +173,39 @@ class Packed:
         self.n += T
 
     def pop(self, n: int):
-        """``(codes uint8, tmin, lstep)`` of slots ``n ..``, which are then forgotten (see :meth:`truncate`)."""
+        """``(codes uint8, tmin, lstep)`` of slots ``n ..``, which are then forgotten (see
+        :meth:`truncate`)."""
         out = unpack_codes(self, n).to(torch.uint8), self.tmin[:, n:self.n], self.lstep[:, n:self.n]
         self.truncate(n)
         return out
 
     def truncate(self, n: int) -> None:
-        """Forget slots ``n ..`` (``n`` a slot where an ``append`` began); the next append overwrites them.
+        """Forget slots ``n ..`` (``n`` a slot where an ``append`` began); the next append
+        overwrites them.
 
         An append writes its pack rows head after head, so slot ``n``'s first word over all heads is
         where that append's words begin, and everything after it belongs to slots ``n ..``.
         """
         if n < self.n:
             end = int(self.poff[:, n // PACK].min())
-            self.data = torch.cat([self.data[:end], torch.zeros(1, dtype=torch.int16, device=self.data.device)])
+            guard = torch.zeros(1, dtype=torch.int16, device=self.data.device)
+            self.data = torch.cat([self.data[:end], guard])
             self.n = n
 
     def nbytes(self) -> int:
-        """Bytes held for the ``n`` stored tokens: per-token and per-pack metadata plus the bit stream."""
+        """Bytes held for the ``n`` stored tokens: per-token and per-pack metadata plus the bit
+        stream."""
         n, rows = self.n, self.n // PACK
         per_token = self.tmin[:, :n].nbytes + self.lstep[:, :n].nbytes
-        return per_token + self.pmeta[:, :rows].nbytes + self.poff[:, :rows].nbytes + self.data.nbytes
+        per_pack = self.pmeta[:, :rows].nbytes + self.poff[:, :rows].nbytes
+        return per_token + per_pack + self.data.nbytes
 
 
 def unpack_meta(p: Packed, start: int = 0):
     """``(pmin, width)``, int32 ``[BH, rows, D]`` of the pack rows of slots ``start .. n-1``."""
     bitpos = torch.arange(p.dim, device=p.data.device, dtype=torch.int32) * p.fbits
-    fields = field(word_pairs(p.pmeta[:, start // PACK:p.n // PACK])[..., bitpos >> 4], bitpos, p.fbits)
+    pairs = word_pairs(p.pmeta[:, start // PACK:p.n // PACK])
+    fields = field(pairs[..., bitpos >> 4], bitpos, p.fbits)
     return fields & ((1 << p.mbits) - 1), fields >> p.mbits
 
 
@@ -202,15 +214,16 @@ def unpack_codes(p: Packed, start: int = 0) -> torch.Tensor:
     the inverse of :func:`pack_rows`."""
     bh, r0, r1 = p.tmin.shape[0], start // PACK, p.n // PACK
     pmin, width = unpack_meta(p, start)
-    first = p.poff[:, r0:r1, None] + width.cumsum(-1, dtype=torch.int32) - width      # first word of each pack
+    first = p.poff[:, r0:r1, None] + width.cumsum(-1, dtype=torch.int32) - width  # pack starts
     bitpos = torch.arange(PACK, dtype=torch.int32, device=width.device)[:, None] * width[:, :, None]
-    idx = (bitpos >> 4).add_(first[:, :, None]).long()                                # [BH, rows, 16, D]
+    idx = (bitpos >> 4).add_(first[:, :, None]).long()  # [BH, rows, 16, D]
     rest = field(word_pairs(p.data)[idx], bitpos, width[:, :, None])
     return rest.add_(pmin[:, :, None]).view(bh, (r1 - r0) * PACK, p.dim)
 
 
 def values(codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> torch.Tensor:
-    """``x_hat [..., T, D]`` fp32 = tmin + tstep * code, from per-token ``tmin``, ``lstep [..., T]``."""
+    """``x_hat [..., T, D]`` fp32 = tmin + tstep * code, from per-token ``tmin``,
+    ``lstep [..., T]``."""
     return tmin[..., None].float() + step_of(lstep[..., None]) * codes.float()
 
 
@@ -220,7 +233,8 @@ def dequantize(p: Packed) -> torch.Tensor:
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` (fp32), through a scratch copy of ``k_hat``."""
+    """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` (fp32), through a scratch copy of
+    ``k_hat``."""
     return torch.matmul(q.float(), dequantize(k).transpose(1, 2), out=out)
 
 

@@ -331,8 +331,8 @@ def test_compiled_step_matches_eager(ours):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_step_quantized(dtype, tmp_path):
     """int4 layers in the compiled step: the K-packed GEMV (fp32) and ATen's int4pack (bf16) forms."""
-    from compress.decoder.static import Int4Pack, KPlanes
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
+    from compress.kernels.cpu import Int4PackLinear, KPlanesLinear
     from compress.quant.rtn import pack_model, quantization_config
 
     folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
@@ -340,7 +340,7 @@ def test_compiled_step_quantized(dtype, tmp_path):
     prompt = [[5, 6, 7, 8, 9]]
     compiled = generate(model, prompt, 12, compile=True)
     step = model.static_steps[1]
-    assert isinstance(step.model.model.layers[0].mlp.down_proj, KPlanes if dtype == "float32" else Int4Pack)
+    assert isinstance(step.model.model.layers[0].mlp.down_proj, KPlanesLinear if dtype == "float32" else Int4PackLinear)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the model keeps its own layers
     a, b = static_cache(new_cache(model, "fp16", 1, 64)), new_cache(model, "fp16", 1, 64)
     with torch.no_grad():
@@ -354,7 +354,7 @@ def test_compiled_step_quantized(dtype, tmp_path):
 
 def test_lean_load_keeps_one_form(tmp_path):
     """``lean``: the packed codes are freed, the int4pack form computes what it computed before."""
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
     from compress.quant.rtn import pack_model, quantization_config
 
     folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))

@@ -18,7 +18,7 @@ from compress.errors import CompressError  # noqa: E402
 from compress.kernels import cpu, quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul import gemv, triton_quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul_ref import dequant_matmul_ref, dequantize_ref  # noqa: E402
-from compress.quant.linear import QuantLinear  # noqa: E402
+from compress.formats import QuantLinear  # noqa: E402
 from compress.quant.quantizer import quantize  # noqa: E402
 
 
@@ -99,7 +99,7 @@ AOT_SCRIPT = textwrap.dedent("""
     driver.set_active(NoGPU())
 
     from compress.kernels import dequant_matmul as dm
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
     from compress.quant.quantizer import quantize
 
     for bits in (4, 3):
@@ -201,6 +201,25 @@ def test_quant_linear_forward_and_forced_reference(monkeypatch):
     assert rel_err(layer(x), ref) < 1e-5
     monkeypatch.delenv("COMPRESS_KERNELS")
     assert layer(x[:0]).shape == (0, 3, 64)
+
+
+@pytest.mark.parametrize("bits,dtype,tol", [(4, torch.bfloat16, 1e-2), (8, torch.bfloat16, 1e-2),
+                                            (4, torch.float32, 1e-5), (3, torch.float32, 1e-5)])
+def test_cpu_linear_modules_match_reference(bits, dtype, tol):
+    """The modules the compiled decode step holds compute ``x W_hat^T + b`` on [B, T, in] inputs."""
+    layer = make_layer(bits, 256, 64, 64, seed=bits)
+    layer.bias = torch.randn(64, generator=torch.Generator().manual_seed(bits))
+    x = make_input(6, 256, seed=bits, dtype=dtype).reshape(2, 3, 256)
+    ref = dequant_matmul_ref(x.reshape(6, 256), layer).reshape(2, 3, 64) + layer.bias.double()
+    if dtype == torch.bfloat16:
+        module = cpu.Int4PackLinear(layer, dtype)
+        assert module.parts == (1 if bits <= 4 else 2)
+    else:
+        module = cpu.KPlanesLinear(layer, cpu.gemv_unroll(layer, 6))
+    y = module(x)
+    assert y.dtype == dtype and y.shape == (2, 3, 64)
+    assert rel_err(y, ref) < tol
+    assert torch.equal(cpu.Eager(layer)(x), layer(x))
 
 
 # ---- shapes the kernels cannot take --------------------------------------------------------------

@@ -20,7 +20,8 @@ from compress.errors import CompressError
 from compress.kernels.int8_cpu import int8_matmul_dequant_cpu
 from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref
 from compress.pipeline import run
-from compress.quant.llm_int8 import Int8Linear, llm_int8
+from compress.formats import Int8Linear
+from compress.quant.llm_int8 import llm_int8
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -206,7 +207,7 @@ def test_cpu_int8_gemm_matches_reference(m, k, n, with_bias):
 @pytest.mark.parametrize("m,k,n", [(1, 64, 128), (17, 200, 130), (70, 96, 40)])
 @pytest.mark.parametrize("out_dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
 def test_triton_int8_gemm_matches_reference(m, k, n, out_dtype, tol):
-    from compress.kernels.int8_matmul import int8_matmul_dequant_triton
+    from compress.kernels.int8_triton import int8_matmul_dequant_triton
 
     a, b, ra, rb, bias = int8_problem(m, k, n, seed=m * k)
     for bias_ in (bias, None):

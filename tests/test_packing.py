@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from compress.quant.linear import QuantLinear
-from compress.quant.packing import pack_awq, pack_planes, unpack_awq, unpack_planes
+from compress.formats import QuantLinear
+from compress.formats import pack_awq, pack_planes, unpack_awq, unpack_planes
 from compress.quant.quantizer import quantize
 
 

@@ -14,7 +14,7 @@ from compress.checkpoint import load_run
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
 from compress.pipeline import run
-from compress.quant.packing import unpack_awq
+from compress.formats import unpack_awq
 from compress.quant.quantizer import quantize
 from tests.conftest import DATA, ROOT, TINY_OVERRIDES, compose
 

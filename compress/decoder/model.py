@@ -355,7 +355,7 @@ class Cast(nn.Module):
 
 def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
     """Wrap every group-quantized projection (``QuantLinear``) in :class:`Cast` to ``dtype``."""
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
 
     for module in list(model.modules()):
         for name, child in module.named_children():
@@ -366,7 +366,7 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
 def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     """Keep one in-memory form per quantized layer: the bfloat16 int4pack form (see :func:`load`)."""
     from compress.kernels.cpu import int4pack_fits, keep_int4pack_only
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
 
     if qdtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu":
         raise CompressError("lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "

@@ -24,70 +24,13 @@ from torch import nn
 from compress.decoder.kv import FP16Cache
 from compress.decoder.model import Cast, Parallel
 from compress.errors import CompressError
-
-
-class Int4Pack(nn.Module):
-    """A ``QuantLinear`` through ATen's int4pack kernel, its prepared tensors held as buffers."""
-
-    def __init__(self, layer, dtype):
-        from compress.kernels.cpu import _cached, _prepare_int4pack
-
-        super().__init__()
-        self.group_size, self.out_features = layer.group_size, layer.out_features
-        parts = _cached(layer, ("int4pack", dtype), lambda: _prepare_int4pack(layer, dtype))  # shared with eager
-        self.parts = len(parts)
-        for i, (w, sz) in enumerate(parts):
-            self.register_buffer(f"w{i}", w)
-            self.register_buffer(f"sz{i}", sz)
-        self.bias = layer.bias
-
-    def forward(self, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        y = sum(torch.ops.aten._weight_int4pack_mm_for_cpu(x2, getattr(self, f"w{i}"), self.group_size,
-                                                           getattr(self, f"sz{i}")) for i in range(self.parts))
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-
-class KPlanes(nn.Module):
-    """A ``QuantLinear`` through the K-packed planes' GEMV (``kernels/cpu.py``), traced into the graph."""
-
-    def __init__(self, layer, unroll: int):
-        from compress.kernels.cpu import _cached, _prepare_kplanes
-
-        super().__init__()
-        packed, self.widths, s, z = _cached(layer, "kplanes", lambda: _prepare_kplanes(layer))
-        for p, t in zip(self.widths, packed):
-            self.register_buffer(f"q{p}", t)
-        self.register_buffer("s", s)
-        self.register_buffer("z", z)
-        self.unroll, self.out_features, self.bias = unroll, layer.out_features, layer.bias
-
-    def forward(self, x):
-        from compress.kernels.cpu import _gemv
-
-        packed = tuple(getattr(self, f"q{p}") for p in self.widths)
-        y = _gemv(x.reshape(-1, x.shape[-1]).float(), packed, self.widths, self.s, self.z, self.unroll)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-
-class Eager(nn.Module):
-    """Any other layer (e.g. LLM.int8's, whose outlier columns depend on the data), run outside the graph."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    @torch.compiler.disable
-    def forward(self, x):
-        return self.layer(x)
+from compress.kernels.cpu import Eager, Int4PackLinear, KPlanesLinear
 
 
 def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A compile-friendly form of ``layer`` for inputs of ``dtype`` with ``batch`` rows, computing the same."""
     from compress.kernels import cpu
-    from compress.quant.linear import QuantLinear
+    from compress.formats import QuantLinear
 
     if isinstance(layer, nn.Linear):
         return layer
@@ -99,9 +42,9 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
         probe = torch.empty(batch, layer.in_features, dtype=dtype)
         path = cpu.cpu_path(probe, layer)
         if path == "int4pack":
-            return Int4Pack(layer, dtype)
+            return Int4PackLinear(layer, dtype)
         if path == "kplanes-gemv":
-            return KPlanes(layer, cpu.gemv_unroll(layer, batch))
+            return KPlanesLinear(layer, cpu.gemv_unroll(layer, batch))
     return Eager(layer)
 
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from compress.adapters import Adapter, get_adapter, set_module
 from compress.errors import CompressError
-from compress.quant.linear import QuantLinear
+from compress.formats import QuantLinear
 from compress.quant.quantizer import fake_quantize, quantize
 from compress.quant.rtn import quantization_config, resolve_group_size
 

@@ -3,7 +3,7 @@
 from torch import nn
 
 from compress.adapters import get_adapter, set_module
-from compress.quant.linear import QuantLinear, layout_for
+from compress.formats import QuantLinear, layout_for
 from compress.quant.quantizer import check_group_size, quantize, auto_group_size
 
 

@@ -4,7 +4,7 @@ import torch
 
 from compress.decoder.kv.window import ResidualCache
 from compress.errors import CompressError
-from compress.quant.packing import pack_planes, unpack_planes
+from compress.formats.bitplanes import pack_planes, unpack_planes
 
 
 def minmax_quantize(x: torch.Tensor, bits: int, dim: int):
@@ -28,7 +28,7 @@ class KIVICache(ResidualCache):
 
     Layout per layer (``BH = B * Hkv``, ``cap`` tokens, ``G = group``, ``b = bits``)::
 
-        kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.quant.packing planes
+        kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.formats.bitplanes planes
         kz, ks : fp16  [BH, cap/G, D]      K zero and scale per (token group, channel)
         vz, vs : fp16  [BH, cap, D/G]      V zero and scale per (token, channel group)
     """

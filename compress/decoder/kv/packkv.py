@@ -6,7 +6,7 @@ import torch
 
 from compress.decoder.kv.window import ResidualCache
 from compress.errors import CompressError
-from compress.kernels import packkv_ref
+from compress.kernels import packkv_pv, packkv_qk, packkv_ref
 
 
 def order_median(codes: torch.Tensor) -> torch.Tensor:
@@ -93,12 +93,6 @@ class PackKVCache(ResidualCache):
             raise CompressError(f"PackKV order='{order}' is unknown; use one of {sorted(ORDERS)}.")
         self.k_rel, self.v_rel, self.block, self.order = k_rel, v_rel, block, order
         self.keep_perm = batch > 1 if keep_perm is None else bool(keep_perm)
-        self.ops = packkv_ref
-        if device.type == "cuda":
-            from compress.kernels import packkv
-
-            if packkv.supports(head_dim):
-                self.ops = packkv
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
@@ -164,7 +158,7 @@ class PackKVCache(ResidualCache):
     def history_scores(self, layer, q4):
         B, H, M, D = q4.shape
         q = q4.reshape(B * H, M, D).float()
-        s = self.ops.qk(q, self.k[layer]) if self.k[layer].n else q.new_zeros(B * H, M, 0)
+        s = packkv_qk(q, self.k[layer]) if self.k[layer].n else q.new_zeros(B * H, M, 0)
         return torch.cat([s, q @ self.staged_hat(layer, 0).transpose(1, 2)], -1).view(B, H, M, -1)
 
     def history_mix(self, layer, p):
@@ -172,7 +166,7 @@ class PackKVCache(ResidualCache):
         n, p = self.k[layer].n, p.reshape(B * H, M, C).float()
         out = p[..., n:] @ self.staged_hat(layer, 1)
         if n:
-            out = out + self.ops.pv(p[..., :n].contiguous(), self.v[layer])
+            out = out + packkv_pv(p[..., :n].contiguous(), self.v[layer])
         return out.view(B, H, M, -1)
 
     def history_positions(self, layer, qpos, start):

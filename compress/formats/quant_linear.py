@@ -1,11 +1,11 @@
 """``QuantLinear``: a linear layer that stores packed group-quantized weights.
 
-Buffers (the names are the on-disk tensor names, see ``packing.py``)::
+Buffers (the names are the on-disk tensor names)::
 
-    format "awq" (INT4, AutoAWQ GEMM):
+    format "awq" (INT4, AutoAWQ GEMM, see awq_gemm.py):
         qweight  int32 [in, out/8]      qzeros  int32 [in/g, out/8]
         scales   fp16  [in/g, out]      bias    (optional) [out]
-    format "compress" (any other width, bit planes):
+    format "compress" (any other width, bit planes, see bitplanes.py):
         qweight_w{p} int32 [in, out*p/32]   qzeros_w{p} int32 [in/g, out*p/32]
         scales   fp16  [in/g, out]          bias    (optional) [out]
 
@@ -19,8 +19,8 @@ PyTorch reference is :meth:`QuantLinear.dequantize`.
 import torch
 from torch import nn
 
-from compress.quant.packing import pack_awq, pack_planes, plane_widths, unpack_awq, unpack_planes
-from compress.quant.quantizer import QuantizedWeight
+from compress.formats.awq_gemm import pack_awq, unpack_awq
+from compress.formats.bitplanes import pack_planes, plane_widths, unpack_planes
 
 
 def layout_for(bits: int) -> str:
@@ -43,9 +43,11 @@ class QuantLinear(nn.Module):
             self.register_buffer("qzeros", torch.zeros(ng, out_features // 8, **kw))
         else:
             for p in plane_widths(bits):
-                self.register_buffer(f"qweight_w{p}", torch.zeros(in_features, out_features * p // 32, **kw))
+                self.register_buffer(f"qweight_w{p}",
+                                     torch.zeros(in_features, out_features * p // 32, **kw))
                 self.register_buffer(f"qzeros_w{p}", torch.zeros(ng, out_features * p // 32, **kw))
-        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=torch.float16,
+                                                   device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -53,7 +55,9 @@ class QuantLinear(nn.Module):
         self.cache = {}  # per-device packed forms built by the kernels (not saved)
 
     @classmethod
-    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "QuantLinear":
+    def from_quantized(cls, qw, bias: torch.Tensor | None = None) -> "QuantLinear":
+        """The layer holding ``qw``'s codes: any object with ``q [out, in]``, ``zeros`` and
+        ``scales`` ``[out, in/g]``, ``bits`` and ``group_size`` (a quantizer's weight)."""
         out_features, in_features = qw.q.shape
         layer = cls(in_features, out_features, qw.bits, qw.group_size, bias=bias is not None)
         q_t, z_t = qw.q.t().contiguous(), qw.zeros.t().contiguous()  # [in, out], [in/g, out]
@@ -87,9 +91,10 @@ class QuantLinear(nn.Module):
         return ((q - z.repeat_interleave(g, dim=0)).to(dtype) * s).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from compress.kernels import quant_matmul
+        from compress.kernels import quant_matmul  # here: compress.kernels loads formats at import
 
-        y = quant_matmul(x.reshape(-1, self.in_features), self).reshape(*x.shape[:-1], self.out_features)
+        y = quant_matmul(x.reshape(-1, self.in_features), self)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -61,7 +61,8 @@ def _int8_matmul_dequant_kernel(
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _blocks(M: int) -> tuple[int, int, int]:
@@ -76,13 +77,14 @@ def int8_matmul_dequant_triton(a: torch.Tensor, b: torch.Tensor, row_absmax: tor
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """``C [M, N]`` from ``a [M, K]`` int8, ``b [N, K]`` int8 and absmax vectors ``[M]``, ``[N]``.
 
-    ``out`` (optional, ``[M, N]``) is written in place; otherwise a new ``out_dtype`` tensor is returned.
+    ``out`` (optional, ``[M, N]``) is written in place; otherwise a new ``out_dtype`` tensor is
+    returned.
     """
     M, K = a.shape
     N = b.shape[0]
     if a.dtype != torch.int8 or b.dtype != torch.int8 or b.shape[1] != K:
-        raise ValueError(f"int8 GEMM wants a [M, K] and b [N, K] int8, got {a.dtype} {tuple(a.shape)} "
-                         f"and {b.dtype} {tuple(b.shape)}")
+        raise ValueError(f"int8 GEMM wants a [M, K] and b [N, K] int8, got {a.dtype} "
+                         f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if out is None else out
     block_m, block_n, block_k = _blocks(M)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
