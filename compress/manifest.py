@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import compress
-from compress.models import sha256_file
+from compress.run_folder import sha256_file
 
 
 def git_commit() -> str | None:

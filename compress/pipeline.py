@@ -26,7 +26,8 @@ from compress.eval.run_report import write_report
 from compress.hub import check_config, push_after_run
 from compress.manifest import write_manifest
 from compress.model_card import write_model_card
-from compress.models import atomic_dir, cache_dir, commit_dir, load_model
+from compress.run_folder import atomic_dir, commit_dir
+from compress.source import cache_dir, load_model
 
 log = logging.getLogger(__name__)
 

@@ -184,7 +184,7 @@ def make_system(name, args):
                     "bfloat16" if base.endswith("q16") else None, lean)
     if name == "hf-fp32":
         return HF(args.fp)
-    from compress.models import default_gguf
+    from compress.source import default_gguf
 
     return LlamaCpp(default_gguf(), args.threads)
 
@@ -246,7 +246,7 @@ class Worker:
 def disk_bytes(name: str, args) -> int:
     """The weights as stored: the run folder's safetensors files, or the GGUF file."""
     if name == "llama.cpp":
-        from compress.models import default_gguf
+        from compress.source import default_gguf
 
         return default_gguf().stat().st_size
     folder = Path(args.int4 if name.startswith("ours-int4") else args.fp)
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.fp is None:
-        from compress.models import convert_default_model
+        from compress.source import convert_default_model
 
         args.fp = str(convert_default_model())
     if args.worker:

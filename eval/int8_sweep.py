@@ -23,7 +23,7 @@ import torch
 from compress.adapters import get_adapter
 from compress.data import eval_windows, read_text
 from compress.eval.perplexity import evaluate
-from compress.models import cache_dir, convert_default_model, load_model
+from compress.source import cache_dir, convert_default_model, load_model
 from compress.quant.llm_int8 import quantize_model, quantize_rowwise
 from compress.quant.quantizer import fake_quantize
 

@@ -264,7 +264,7 @@ def main(argv=None):
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
-    from compress.models import load_model
+    from compress.source import load_model
 
     torch.set_num_threads(args.threads)
     model, tok, _ = load_model()

@@ -381,7 +381,7 @@ def test_user_errors_name_the_fix():
 def test_kv_quality_forward_matches_hf_model():
     """eval/kv_quality.py's small Llama forward, through the fp16 cache, reproduces HF's logits."""
     from compress.eval.kv_quality import forward
-    from compress.models import load_model
+    from compress.source import load_model
 
     model, _, _ = load_model()
     c = model.config

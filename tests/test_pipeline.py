@@ -59,7 +59,7 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     assert "| decode_tok_s |" in (out / "report.md").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == names - {"manifest.json"}
-    from compress.models import sha256_file
+    from compress.run_folder import sha256_file
 
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (out / name).stat().st_size
