@@ -49,6 +49,19 @@ def read_text(source: str, role: str = "data") -> str:
     return "\n\n".join(ds["text"])
 
 
+def wikitext_file(name: str) -> Path:
+    """``$COMPRESS_DATA_DIR/wikitext-2/NAME``, for scripts that default to WikiText-2."""
+    import os
+
+    root = os.environ.get("COMPRESS_DATA_DIR")
+    if not root:
+        raise CompressError(
+            f"COMPRESS_DATA_DIR is not set, so wikitext-2/{name} cannot be found. Set it to the "
+            f"folder that holds wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data)."
+        )
+    return Path(root) / "wikitext-2" / name
+
+
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Token ids of the whole text, as one 1-D tensor (the tokenizer adds BOS if it does)."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=True, verbose=False).input_ids

@@ -379,8 +379,8 @@ def test_user_errors_name_the_fix():
 
 @pytest.mark.slow
 def test_kv_quality_forward_matches_hf_model():
-    """eval/kv_quality.py's small Llama forward, through the fp16 cache, reproduces HF's logits."""
-    from compress.eval.kv_quality import forward
+    """eval/bench/kv_quality.py's small Llama forward, through the fp16 cache, reproduces HF's logits."""
+    from compress.eval.bench.kv_quality import forward
     from compress.source import load_model
 
     model, _, _ = load_model()
@@ -395,7 +395,7 @@ def test_kv_quality_forward_matches_hf_model():
 
 def test_kv_quality_parallel_equals_token_by_token():
     """kv_quality --parallel (one pass per cache) gives the figures of feeding tokens one at a time."""
-    from compress.eval.kv_quality import run, run_parallel
+    from compress.eval.bench.kv_quality import run, run_parallel
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model(seed=4)  # head_dim 32

@@ -24,9 +24,9 @@ The forward is a small Llama written here on the HF model's modules, so it runs 
 through ``compress.decoder.kv_cache``'s interface. Prints a table, writes ``kv_quality.json``
 and a plot of KL against bytes/token to ``--out``.
 
-    python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
-    python -m compress.eval.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
-    python -m compress.eval.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
+    python -m compress.eval.bench.kv_quality                       # defaults, about 10 minutes on 2 cores
+    python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
+    python -m compress.eval.bench.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
 """
 
 import argparse
@@ -39,11 +39,8 @@ import torch
 from tqdm import tqdm
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from compress.data import read_text, tokenize
+from compress.data import read_text, tokenize, wikitext_file
 from compress.decoder.kv_cache import make_cache
-
-DATA = "/work/shared/data/wikitext-2/wiki.test.raw"
-
 
 def heads(layer, x: torch.Tensor, D: int, cos, sin):
     """``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]`` of decoder ``layer`` on ``x [B, T, hidden]``, RoPE applied."""
@@ -260,16 +257,17 @@ def main(argv=None):
     ap.add_argument("--parallel", action="store_true",
                     help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
-    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--data", help="text file (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
     from compress.source import load_model
 
+    data = args.data or str(wikitext_file("wiki.test.raw"))  # checked before the model loads
     torch.set_num_threads(args.threads)
     model, tok, _ = load_model()
     model.eval()
-    ids = tokenize(tok, read_text(args.data))
+    ids = tokenize(tok, read_text(data))
     windows = ids[: args.windows * args.tokens].view(args.windows, args.tokens)
     rows = (run_parallel if args.parallel else run)(model, windows, configs(args), args.prefill)
     out = Path(args.out)
@@ -285,4 +283,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from compress.errors import CompressError
+
+    try:
+        main()
+    except CompressError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -1,0 +1,1 @@
+"""Benchmark and sweep scripts (``python -m compress.eval.bench.NAME``); the pipeline never imports them."""
