@@ -7,7 +7,6 @@ source, writes report and manifest, and only then renames the folder into
 place. An interrupted run leaves no run folder that looks complete.
 """
 
-import importlib
 import logging
 import resource
 import shutil
@@ -28,17 +27,9 @@ from compress.manifest import write_manifest
 from compress.model_card import write_model_card
 from compress.run_folder import atomic_dir, commit_dir
 from compress.source import cache_dir, load_model
+from compress.stages import get_stage
 
 log = logging.getLogger(__name__)
-
-# stage name -> "module:function"; imported on use so a recipe pays only for its stages
-STAGES = {
-    "rtn": "compress.quant.rtn:rtn",
-    "awq": "compress.quant.awq:awq",
-    "llm_int8": "compress.quant.llm_int8:llm_int8",
-    "prune": "compress.prune.stage:prune",
-    "distill": "compress.train.distill:distill",
-}
 
 
 @dataclass
@@ -57,13 +48,6 @@ class Context:
         c = self.cfg.calib
         text = read_text(self.cfg.data.calib.source, role="calib")
         return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
-
-
-def get_stage(name: str):
-    if name not in STAGES:
-        raise CompressError(f"unknown stage '{name}' in the recipe; known stages: {', '.join(STAGES)}.")
-    module, fn = STAGES[name].split(":")
-    return getattr(importlib.import_module(module), fn)
 
 
 def _weight_bytes(model) -> tuple[int, int]:

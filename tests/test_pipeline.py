@@ -64,7 +64,7 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (out / name).stat().st_size
         assert entry["sha256"] == sha256_file(out / name)
-    assert manifest["recipe"]["quant"]["bits"] == 4 and "rtn" in manifest["stages"]
+    assert manifest["recipe"]["rtn"]["bits"] == 4 and "rtn" in manifest["stages"]
 
 
 def test_packed_checkpoint_equals_fake_quant(tiny_dir, tmp_path, tokenizer):
@@ -141,7 +141,7 @@ def test_error_unsupported_architecture(tmp_path):
 
 def test_error_group_size_names_layer(tiny_dir, tmp_path):
     with pytest.raises(CompressError, match=r"group size 96 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
-        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "quant.group_size=96")
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=96")
 
 
 def test_error_missing_data_names_env(tiny_dir, tmp_path):
@@ -206,10 +206,10 @@ def test_interrupted_run_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_rtn_per_row_group(tiny_dir, tmp_path):
-    """quant.group_size=-1 saves one scale per row; the loaded layers decode to per-row RTN."""
+    """rtn.group_size=-1 saves one scale per row; the loaded layers decode to per-row RTN."""
     from transformers import AutoModelForCausalLM
 
-    run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "quant.group_size=-1")
+    run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "rtn.group_size=-1")
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
     assert qcfg["group_size"] == -1 and qcfg["bits"] == 8
     packed, _ = load_run(tmp_path / "run")

@@ -121,9 +121,9 @@ def curve(losses: list, points: int = 20) -> list:
 def distill(model, ctx):
     """Pipeline stage: distil the model (student) from ``model.path`` (teacher) on ``distill.data``."""
     from compress.data import read_text
+    from compress.prune.prune import param_total
     from compress.run_folder import weights_sha256
     from compress.source import load_model
-    from compress.prune.prune import param_total
 
     cfg, d = ctx.cfg, ctx.cfg.distill
     kind = d.get("loss", "kl")

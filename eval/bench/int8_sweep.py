@@ -7,7 +7,7 @@ windows of WikiText-2 *validation* text (never the test windows, so a threshold
 picked here is not tuned on the test figures), against the source's log-probs:
 
     weights-only   W_hat = SCB * W_i8 / 127 (per-row absmax), activations in fp32
-    rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 quant.group_size=-1)
+    rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 rtn.group_size=-1)
     t=a            LLM.int8 with threshold a (t=0: pure vector-wise int8)
 
 The gap between weights-only and t=a is what per-token activation int8 costs.
