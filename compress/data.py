@@ -23,18 +23,24 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or source.endswith(_SUFFIXES) or "\\" in source
 
 
+def check_source(source: str, role: str = "data") -> None:
+    """Refuse a source that names a local file which is not there (datasets ids pass)."""
+    if _looks_like_path(str(source)) and not Path(str(source)).expanduser().is_file():
+        unset = "COMPRESS_DATA_DIR-unset" in str(source)  # the data config's value without the variable
+        raise CompressError(
+            f"{role} file '{source}' not found{' (COMPRESS_DATA_DIR is not set)' if unset else ''}. Set COMPRESS_DATA_DIR to the folder that holds "
+            f"wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or set "
+            f"data.{role}.source to a local text file or a datasets id such as "
+            f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
+        )
+
+
 def read_text(source: str, role: str = "data") -> str:
     """Whole text of a source, with CRLF line endings normalised to ``\\n``."""
     p = Path(str(source)).expanduser()
     if p.is_file():
         return p.read_text(encoding="utf-8").replace("\r\n", "\n")
-    if _looks_like_path(str(source)):
-        raise CompressError(
-            f"{role} file '{source}' not found. Set COMPRESS_DATA_DIR to the folder that holds "
-            f"wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or set "
-            f"data.{role}.source to a local text file or a datasets id such as "
-            f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
-        )
+    check_source(source, role)
     repo, config, split = (str(source).split(":") + [None, None])[:3]
     try:
         import datasets

@@ -18,11 +18,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from compress.checkpoint import load_run, save_checkpoint
+from compress.config import validate
 from compress.data import calib_samples, eval_windows, read_text
-from compress.errors import CompressError
+from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
-from compress.hub import check_config, push_after_run
+from compress.hub import push_after_run
 from compress.manifest import write_manifest
 from compress.model_card import write_model_card
 from compress.run_folder import atomic_dir, commit_dir
@@ -42,9 +43,12 @@ class Context:
     record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
     run_dir: Path | None = None  # the final run folder (resumable stages keep checkpoints beside it)
     files: dict = field(default_factory=dict)  # extra files for the run folder: {relative name: path to copy}
+    calib_tokens: torch.Tensor | None = None  # given calibration tokens instead of cfg.data.calib.source
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
+        if self.calib_tokens is not None:
+            return self.calib_tokens
         c = self.cfg.calib
         text = read_text(self.cfg.data.calib.source, role="calib")
         return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
@@ -69,14 +73,20 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Run a recipe into ``run_dir``; returns the report."""
+    """Run a recipe into ``run_dir``; returns the report.
+
+    Ctrl-C raises ``Interrupted`` (a KeyboardInterrupt) naming the temporary folder it removed.
+    """
     run_dir = Path(run_dir)
+    validate(cfg)
     _check_run_dir(run_dir)
     try:
         return _run(cfg, run_dir)
-    except BaseException:
+    except BaseException as e:
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted() from None  # before the temporary folder existed
         raise
 
 
@@ -93,20 +103,8 @@ def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
         return {"decode_error": str(e)}
 
 
-def check_decode(dcfg) -> None:
-    """Refuse a ``decode`` group the decoder cannot run, before any stage does work."""
-    from compress.decoder.generate import KV_KINDS
-
-    if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "
-                            f"dtype float32, bfloat16 or float16 (or decode.enabled=false).")
-
-
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
-    check_config(cfg.get("hub"))
-    if cfg.decode.enabled:
-        check_decode(cfg.decode)
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
@@ -157,8 +155,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         write_model_card(tmp, report, recipe, {"name": source.name, "path": source.path})
         write_manifest(tmp, recipe, source, timings, bool(m.trust_remote_code))
         commit_dir(tmp, run_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted(tmp) from None
         raise
     log.info("run folder: %s", run_dir)
     push_after_run(run_dir, cfg.get("hub"))

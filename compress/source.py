@@ -77,26 +77,56 @@ def convert_default_model() -> Path:
     return final
 
 
+def check_path(path: str) -> dict | None:
+    """Refuse a ``model.path`` that cannot be a source, without loading anything.
+
+    Returns the local config.json (the default model's once converted), None for a hub id.
+    A quantized folder (config.json has ``quantization_config``) is refused: methods start from
+    full-precision weights. A pruned or converted run folder (plain config) is a valid source.
+    """
+    if path == DEFAULT_MODEL:
+        cached = cache_dir() / DEFAULT_MODEL / "config.json"
+        if cached.is_file():
+            return json.loads(cached.read_text())
+        default_gguf()  # the package that ships it must be installed
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+            raise CompressError(
+                f"model path '{path}' does not exist. Set model.path to an existing HF folder, "
+                f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the default "
+                f"'{DEFAULT_MODEL}'."
+            )
+        return None  # a hub id
+    if not (p / "config.json").is_file():
+        raise CompressError(
+            f"model folder '{path}' has no config.json, so it is not a Hugging Face checkpoint. "
+            f"Point model.path at a folder written by save_pretrained, or at a hub id."
+        )
+    config = json.loads((p / "config.json").read_text())
+    qcfg = config.get("quantization_config")
+    if qcfg:
+        made_from = ""
+        if (p / "manifest.json").is_file():
+            made_from = json.loads((p / "manifest.json").read_text()).get("source", {}).get("path")
+            made_from = f" (this folder was made from '{made_from}')" if made_from else ""
+        raise CompressError(
+            f"model folder '{path}' is already quantized (quant_method '{qcfg.get('quant_method')}'"
+            f"{', %s bits' % qcfg['bits'] if 'bits' in qcfg else ''}); compress quantizes and prunes "
+            f"full-precision weights. Set model.path to the source model instead{made_from}. "
+            f"To run or evaluate this folder, use `python -m compress.decoder {path} --prompt ...`."
+        )
+    return config
+
+
 def resolve_path(path: str) -> tuple[Path | str, str]:
     """Return (local folder or hub id, source sha256-able description)."""
+    check_path(path)
     if path == DEFAULT_MODEL:
         return convert_default_model(), DEFAULT_MODEL
     p = Path(path).expanduser()
-    if p.exists():
-        if not (p / "config.json").exists():
-            raise CompressError(
-                f"model folder '{path}' has no config.json, so it is not a Hugging Face checkpoint. "
-                f"Point model.path at a folder written by save_pretrained, or at a hub id."
-            )
-        return p, str(p)
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
-    if looks_local:
-        raise CompressError(
-            f"model path '{path}' does not exist. Set model.path to an existing HF folder, "
-            f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the default "
-            f"'{DEFAULT_MODEL}'."
-        )
-    return path, path
+    return (p, str(p)) if p.exists() else (path, path)
 
 
 def source_sha(folder: Path | str) -> str:
