@@ -125,6 +125,45 @@ def test_error_unknown_model_config():
         rewrite_argv(["recipe=fp", "model=llama-9t"])
 
 
+def refuse_model_load(monkeypatch):
+    """Make the pipeline's model loading fail the test: the error must come before any work."""
+    import compress.pipeline as pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config error")
+
+    monkeypatch.setattr(pipeline, "load_model", refuse)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    refuse_model_load(monkeypatch)
+
+
+def test_error_quantized_model_path(tiny_dir, tmp_path, monkeypatch):
+    run_recipe("rtn_int4", tiny_dir, tmp_path / "q", "decode.enabled=false")
+    refuse_model_load(monkeypatch)
+    with pytest.raises(CompressError, match=rf"'{tmp_path}/q' is already quantized \(quant_method 'awq', 4 "
+                       rf"bits\).*source model instead \(this folder was made from '{tiny_dir}'\)"):
+        run_recipe("awq_int4", tmp_path / "q", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipes_compose_on_a_run_folder(tiny_dir, tmp_path):
+    """An unquantized run folder (fp here; pruned ones alike) is a source: rtn_int4 runs on it and
+    its weights are RTN of the folder's weights."""
+    from transformers import AutoModelForCausalLM
+
+    run_recipe("fp", tiny_dir, tmp_path / "fp", "decode.enabled=false")
+    report = run_recipe("rtn_int4", tmp_path / "fp", tmp_path / "q", "decode.enabled=false")
+    assert report["bits"] == 4
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert manifest["source"]["path"] == str(tmp_path / "fp")
+    w = AutoModelForCausalLM.from_pretrained(tmp_path / "fp").model.layers[0].mlp.up_proj.weight.data
+    layer = load_run(tmp_path / "q")[0].model.layers[0].mlp.up_proj
+    assert torch.equal(layer.dequantize(), quantize(w, 4, 128).dequantize())
+
+
 def test_error_missing_model_path(tmp_path):
     with pytest.raises(CompressError, match="does not exist.*model.path"):
         run(compose("fp", [f"model.path={tmp_path}/absent"]), tmp_path / "run")
@@ -139,14 +178,26 @@ def test_error_unsupported_architecture(tmp_path):
         run(compose("fp", [f"model.path={tmp_path}/gpt2"]), tmp_path / "run")
 
 
-def test_error_group_size_names_layer(tiny_dir, tmp_path):
-    with pytest.raises(CompressError, match=r"group size 96 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
+    """Checked from config.json before the model loads: 256 divides no 128-wide layer."""
+    with pytest.raises(CompressError, match=r"group size 256 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=256")
+    with pytest.raises(CompressError, match=r"rtn.group_size=96: .*-1.*power of two"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=96")
+    with pytest.raises(CompressError, match=r"awq.bits=9: .*from 2 to 8"):
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", "awq.bits=9")
+    assert not (tmp_path / "run").exists()
 
 
-def test_error_missing_data_names_env(tiny_dir, tmp_path):
+def test_error_missing_data_names_env(tiny_dir, tmp_path, no_model_load):
     with pytest.raises(CompressError, match="COMPRESS_DATA_DIR"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", f"data.eval.source={tmp_path}/none/wiki.test.raw")
+    with pytest.raises(CompressError, match="calib file .*not found"):  # AWQ calibrates, RTN does not
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", f"data.calib.source={tmp_path}/none/wiki.valid.tokens")
+    run_recipe_env = compose("fp", [f"model.path={tiny_dir}"])
+    run_recipe_env.data.eval.source = "./COMPRESS_DATA_DIR-unset/wikitext-2/wiki.test.raw"  # variable unset
+    with pytest.raises(CompressError, match=r"not found \(COMPRESS_DATA_DIR is not set\)"):
+        run(run_recipe_env, tmp_path / "run")
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp*"))
 
 
