@@ -50,7 +50,7 @@ def rewrite_argv(argv: list[str]) -> list[str]:
             recipe = arg.split("=", 1)[1]
             continue
         out.append(arg)
-        if "=" in arg and not arg.startswith("-"):
+        if ("=" in arg or arg.startswith("~")) and not arg.startswith("-"):
             overrides.append(arg)
     if recipe is None:
         raise CompressError("no recipe given: add recipe=NAME (`python -m compress --help` lists them).")

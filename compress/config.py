@@ -44,6 +44,12 @@ def check_recipe(recipe: str) -> None:
                             f"(files in recipes/). Run e.g. `python -m compress recipe=awq_int4`.")
 
 
+def _stage_names() -> list[str]:
+    from compress.stages import STAGES
+
+    return list(STAGES)
+
+
 def _compose(recipe: str, overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -143,6 +149,9 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
         if ref is _ABSENT:
             near = did_you_mean(key, known)
             hint = f"; did you mean {' or '.join(near)}?" if near else "."
+            group = key.partition(".")[0]
+            if group in _stage_names() and group not in cfg.stages:
+                hint += f" Recipe {recipe} runs the stages {list(cfg.stages)}; {group}.* is read by the {group} stage."
             raise CompressError(f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
                                 f"recipe={recipe} --cfg job` prints every key.")
         if o.is_delete() or o.is_sweep_override():
