@@ -216,11 +216,40 @@ def validate(cfg: DictConfig) -> None:
     if config is not None:
         from transformers import AutoConfig
 
-        from compress.adapters import get_adapter
+        in_features = layer_in_features(AutoConfig.for_model(**config))
+    check_stage_settings(cfg, in_features)
 
-        hf = AutoConfig.for_model(**config)
-        adapter = get_adapter(hf)
-        in_features = {f"{adapter.layers}.0.{p} [{o}x{i}]": i for p, (o, i) in adapter.linear_shapes(hf).items()}
+    check_source(cfg.data.eval.source, role="eval")
+    if needs_calibration(cfg):
+        check_source(cfg.data.calib.source, role="calib")
+    if "distill" in cfg.stages and cfg.distill.get("data"):
+        check_source(cfg.distill.data, role="distill")
+
+    if cfg.decode.enabled:
+        check_decode(cfg.decode)
+    from compress.hub import check_config
+
+    check_config(cfg.get("hub"))
+
+
+def layer_in_features(hf_config) -> dict[str, int]:
+    """``{'model.layers.0.self_attn.q_proj [OUTxIN]': IN, ...}``: the first layer's projections."""
+    from compress.adapters import get_adapter
+
+    adapter = get_adapter(hf_config)
+    shapes = adapter.linear_shapes(hf_config)
+    return {f"{adapter.layers}.0.{p} [{o}x{i}]": i for p, (o, i) in shapes.items()}
+
+
+def needs_calibration(cfg) -> bool:
+    """Whether a stage of the recipe reads calibration text."""
+    int8 = cfg.get("llm_int8") or {}
+    int8_calib = "llm_int8" in cfg.stages and int8.get("outlier_stats", True) and int8.get("threshold", 6.0) != 0
+    return int8_calib or bool({"awq", "prune", "distill"} & set(cfg.stages))
+
+
+def check_stage_settings(cfg, in_features: dict[str, int]) -> None:
+    """The quantization stages' bits, group sizes (against ``in_features``) and threshold."""
     for stage in QUANT_STAGES:
         if stage in cfg.stages:
             bits = cfg[stage].bits
@@ -235,20 +264,6 @@ def validate(cfg: DictConfig) -> None:
         from compress.quant.llm_int8 import check_threshold
 
         check_threshold(cfg.llm_int8.get("threshold", 6.0))
-
-    check_source(cfg.data.eval.source, role="eval")
-    int8_calib = "llm_int8" in cfg.stages and cfg.llm_int8.get("outlier_stats", True) \
-        and cfg.llm_int8.get("threshold", 6.0) > 0
-    if int8_calib or {"awq", "prune", "distill"} & set(cfg.stages):
-        check_source(cfg.data.calib.source, role="calib")
-    if "distill" in cfg.stages and cfg.distill.get("data"):
-        check_source(cfg.distill.data, role="distill")
-
-    if cfg.decode.enabled:
-        check_decode(cfg.decode)
-    from compress.hub import check_config
-
-    check_config(cfg.get("hub"))
 
 
 def check_decode(dcfg) -> None:
