@@ -13,7 +13,7 @@ from compress.adapters import get_adapter
 from compress.checkpoint import load_run
 from compress.errors import CompressError
 from compress.quant.quantizer import quantize as rtn_reference
-from tests.conftest import ROOT, TINY_OVERRIDES, make_tiny_model
+from tests.conftest import ROOT, make_tiny_model
 
 TINY = {"eval": {"windows": 2, "seqlen": 64}, "calib": {"samples": 4, "seqlen": 64}}
 
