@@ -18,7 +18,10 @@ from compress.errors import CompressError, Interrupted
 log = logging.getLogger("compress")
 
 COMMON_KEYS = (
-    ("model.path=FOLDER_OR_HUB_ID", "the source (default smollm2-135m: SmolLM2-135M-Instruct, embedded)"),
+    (
+        "model.path=FOLDER_OR_HUB_ID",
+        "the source (default smollm2-135m: SmolLM2-135M-Instruct, embedded)",
+    ),
     ("eval.windows=N", "perplexity windows of eval.seqlen=2048 tokens (default 40; null = all)"),
     ("calib.samples=N", "calibration samples of calib.seqlen=512 tokens (default 128)"),
     ("STAGE.bits, STAGE.group_size", "a method's knobs live in the group named after its stage:"),
@@ -34,11 +37,14 @@ def usage() -> str:
     width = max(map(len, available()))
     recipes = "\n".join(f"  {name:<{width}}  {summary(name)}" for name in available())
     keys = "\n".join(f"  {k:<36}{v}" for k, v in COMMON_KEYS)
-    return (f"usage: python -m compress recipe=NAME [KEY=VALUE ...] [--cfg job]\n\n"
-            f"Compress a model with a recipe and write a run folder: checkpoint, manifest, report.\n\n"
-            f"recipes (recipes/NAME.yaml):\n{recipes}\n\ncommon keys:\n{keys}\n\n"
-            f"The calibration and evaluation text is read from $COMPRESS_DATA_DIR/wikitext-2/.\n\n"
-            f"example:\n  COMPRESS_DATA_DIR=../shared/data python -m compress recipe=awq_int4 eval.windows=4\n")
+    return (
+        f"usage: python -m compress recipe=NAME [KEY=VALUE ...] [--cfg job]\n\n"
+        f"Compress a model with a recipe and write a run folder: checkpoint, manifest, report.\n\n"
+        f"recipes (recipes/NAME.yaml):\n{recipes}\n\ncommon keys:\n{keys}\n\n"
+        f"The calibration and evaluation text is read from $COMPRESS_DATA_DIR/wikitext-2/.\n\n"
+        "example:\n"
+        "  COMPRESS_DATA_DIR=../shared/data python -m compress recipe=awq_int4 eval.windows=4\n"
+    )
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
@@ -53,7 +59,9 @@ def rewrite_argv(argv: list[str]) -> list[str]:
         if ("=" in arg or arg.startswith("~")) and not arg.startswith("-"):
             overrides.append(arg)
     if recipe is None:
-        raise CompressError("no recipe given: add recipe=NAME (`python -m compress --help` lists them).")
+        raise CompressError(
+            "no recipe given: add recipe=NAME (`python -m compress --help` lists them)."
+        )
     check_overrides(recipe, overrides)
     if any(a.startswith("--cfg") or a == "-c" for a in out) and "--resolve" not in out:
         out.append("--resolve")  # print the resolved recipe

@@ -74,7 +74,11 @@ def run(recipe: str, *overrides: str, model=None, out=None, **settings) -> RunRe
     if model is not None:
         extra.append(f"model.path={override_value(str(model))}")
     cfg = compose(recipe, extra)
-    out = Path(out) if out is not None else Path("outputs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.name}"
+    out = (
+        Path(out)
+        if out is not None
+        else Path("outputs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.name}"
+    )
     report = run_pipeline(cfg, out)
     return RunResult(path=out, report=report)
 
@@ -90,8 +94,9 @@ class RTNConfig:
     stage: ClassVar[str] = "rtn"
 
     def overrides(self) -> list[str]:
-        return overrides_of({"rtn": {"bits": self.bits, "group_size": self.group_size,
-                                     "symmetric": self.symmetric}})
+        return overrides_of(
+            {"rtn": {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}}
+        )
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,15 @@ class AWQConfig:
     stage: ClassVar[str] = "awq"
 
     def overrides(self) -> list[str]:
-        calib = {k: v for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen)) if v}
-        return overrides_of({"awq": {"bits": self.bits, "group_size": self.group_size, **self.options},
-                             **({"calib": calib} if calib else {})})
+        calib = {
+            k: v for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen)) if v
+        }
+        return overrides_of(
+            {
+                "awq": {"bits": self.bits, "group_size": self.group_size, **self.options},
+                **({"calib": calib} if calib else {}),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,9 @@ class Int8Config:
     stage: ClassVar[str] = "llm_int8"
 
     def overrides(self) -> list[str]:
-        return overrides_of({"llm_int8": {"threshold": self.threshold, "outlier_stats": self.outlier_stats}})
+        return overrides_of(
+            {"llm_int8": {"threshold": self.threshold, "outlier_stats": self.outlier_stats}}
+        )
 
 
 def quantize(model, config, tokenizer=None, calibration=None):
@@ -143,10 +156,14 @@ def quantize(model, config, tokenizer=None, calibration=None):
     from compress.stages import get_stage
 
     if not hasattr(config, "overrides"):
-        raise CompressError(f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}.")
+        raise CompressError(
+            f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
+        )
     if getattr(model.config, "quantization_config", None):
-        raise CompressError("this model is already quantized (model.config.quantization_config is set); "
-                            "quantize the full-precision model instead.")
+        raise CompressError(
+            "this model is already quantized (model.config.quantization_config is set); "
+            "quantize the full-precision model instead."
+        )
     extra = config.overrides()
     tokens = calibration if isinstance(calibration, torch.Tensor) else None
     if calibration is not None and tokens is None:
@@ -155,9 +172,11 @@ def quantize(model, config, tokenizer=None, calibration=None):
     check_stage_settings(cfg, layer_in_features(model.config))
     if needs_calibration(cfg) and tokens is None:
         if tokenizer is None:
-            raise CompressError(f"{type(config).__name__} calibrates on text: pass tokenizer=... (with "
-                                f"calibration=TEXT_FILE, or the default data.calib.source), or "
-                                f"calibration=token ids [samples, seqlen].")
+            raise CompressError(
+                f"{type(config).__name__} calibrates on text: pass tokenizer=... (with "
+                f"calibration=TEXT_FILE, or the default data.calib.source), or "
+                f"calibration=token ids [samples, seqlen]."
+            )
         check_source(cfg.data.calib.source, role="calib")
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)

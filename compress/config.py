@@ -20,7 +20,7 @@ _ABSENT = object()
 
 
 def available(group: str | None = None) -> list[str]:
-    """Recipe names (``group=None``) or the config names of a group folder (``model``, ``data``...)."""
+    """Recipe names (``group=None``), or the config names of a group folder (``model``...)."""
     folder = RECIPES / group if group else RECIPES
     return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "base")
 
@@ -40,8 +40,10 @@ def summary(recipe: str) -> str:
 
 def check_recipe(recipe: str) -> None:
     if recipe not in available():
-        raise CompressError(f"unknown recipe '{recipe}'. Available recipes: {', '.join(available())} "
-                            f"(files in recipes/). Run e.g. `python -m compress recipe=awq_int4`.")
+        raise CompressError(
+            f"unknown recipe '{recipe}'. Available recipes: {', '.join(available())} "
+            f"(files in recipes/). Run e.g. `python -m compress recipe=awq_int4`."
+        )
 
 
 def _stage_names() -> list[str]:
@@ -81,8 +83,14 @@ def did_you_mean(key: str, known: list[str]) -> list[str]:
     return list(dict.fromkeys(difflib.get_close_matches(key, same_leaf, n=2, cutoff=0) + close))[:3]
 
 
-_KINDS = ((bool, "true or false"), (int, "an integer"), (float, "a number"), (str, "a string"),
-          ((list, ListConfig), "a list [a,b]"), ((dict, DictConfig), "a group of keys"))
+_KINDS = (
+    (bool, "true or false"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    ((list, ListConfig), "a list [a,b]"),
+    ((dict, DictConfig), "a group of keys"),
+)
 
 
 def _kind(value) -> str:
@@ -127,8 +135,10 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
         try:
             parsed += parser.parse_overrides([line])
         except OverrideParseException as e:
-            raise CompressError(f"cannot read the override '{line}': {str(e).splitlines()[0]}. Write "
-                                f"KEY=VALUE (a list: KEY=[a,b]; quotes around text with spaces).") from None
+            raise CompressError(
+                f"cannot read the override '{line}': {str(e).splitlines()[0]}. Write "
+                f"KEY=VALUE (a list: KEY=[a,b]; quotes around text with spaces)."
+            ) from None
     group_names = groups()
     selections = [o.input_line for o in parsed if o.key_or_group in group_names]
     for o in parsed:
@@ -136,14 +146,21 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
             if o.value() not in available(o.key_or_group):
                 group = o.key_or_group
                 raise CompressError(
-                    f"unknown {group} config '{o.value()}'. Available: {', '.join(available(group))} "
-                    f"(files in recipes/{group}/). To use another model, keep the default config and "
-                    f"set model.path=FOLDER_OR_HUB_ID.")
+                    f"unknown {group} config '{o.value()}'. Available: "
+                    f"{', '.join(available(group))} (files in recipes/{group}/). "
+                    f"To use another model, keep the default config and "
+                    f"set model.path=FOLDER_OR_HUB_ID."
+                )
     cfg = _compose(recipe, selections)
     known = _keys(cfg)
     for o in parsed:
         key = o.key_or_group
-        if key in group_names or key.startswith(("hydra.", "hydra/")) or o.is_add() or o.is_force_add():
+        if (
+            key in group_names
+            or key.startswith(("hydra.", "hydra/"))
+            or o.is_add()
+            or o.is_force_add()
+        ):
             continue
         ref = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
         if ref is _ABSENT:
@@ -151,9 +168,12 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
             hint = f"; did you mean {' or '.join(near)}?" if near else "."
             group = key.partition(".")[0]
             if group in _stage_names() and group not in cfg.stages:
-                hint += f" Recipe {recipe} runs the stages {list(cfg.stages)}; {group}.* is read by the {group} stage."
-            raise CompressError(f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
-                                f"recipe={recipe} --cfg job` prints every key.")
+                hint += (f" Recipe {recipe} runs the stages {list(cfg.stages)}; "
+                         f"{group}.* is read by the {group} stage.")
+            raise CompressError(
+                f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
+                f"recipe={recipe} --cfg job` prints every key."
+            )
         if o.is_delete() or o.is_sweep_override():
             continue
         if isinstance(ref, (DictConfig, ListConfig)):
@@ -161,8 +181,10 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
         value = o.value()
         if not _fits(value, ref):
             shown = _spell(ref)
-            raise CompressError(f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={shown}), "
-                                f"not {_kind(value)} {value!r}.")
+            raise CompressError(
+                f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={shown}), "
+                f"not {_kind(value)} {value!r}."
+            )
 
 
 def compose(recipe: str, overrides=()) -> DictConfig:
@@ -176,8 +198,9 @@ def _positive_int(cfg, key: str, null_ok: bool = False) -> None:
     if value is None and null_ok:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CompressError(f"{key}={value!r}: {key} takes a positive integer"
-                            f"{' or null' if null_ok else ''}.")
+        raise CompressError(
+            f"{key}={value!r}: {key} takes a positive integer{' or null' if null_ok else ''}."
+        )
 
 
 def check_group_size(group_size, in_features: dict[str, int], key: str) -> None:
@@ -189,10 +212,16 @@ def check_group_size(group_size, in_features: dict[str, int], key: str) -> None:
         if group_size == "auto" and in_features:
             auto_group_size(list(in_features.values()))
         return
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 \
-            or group_size & (group_size - 1):
-        raise CompressError(f"{key}={group_size!r}: the group size is auto (128, else 64, else 32), -1 "
-                            f"(one scale per output row) or a power of two such as 32, 64 or 128.")
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 2
+        or group_size & (group_size - 1)
+    ):
+        raise CompressError(
+            f"{key}={group_size!r}: the group size is auto (128, else 64, else 32), -1 "
+            f"(one scale per output row) or a power of two such as 32, 64 or 128."
+        )
     for name, k in in_features.items():
         check_layer(name, k, group_size)
 
@@ -244,7 +273,11 @@ def layer_in_features(hf_config) -> dict[str, int]:
 def needs_calibration(cfg) -> bool:
     """Whether a stage of the recipe reads calibration text."""
     int8 = cfg.get("llm_int8") or {}
-    int8_calib = "llm_int8" in cfg.stages and int8.get("outlier_stats", True) and int8.get("threshold", 6.0) != 0
+    int8_calib = (
+        "llm_int8" in cfg.stages
+        and int8.get("outlier_stats", True)
+        and int8.get("threshold", 6.0) != 0
+    )
     return int8_calib or bool({"awq", "prune", "distill"} & set(cfg.stages))
 
 
@@ -254,7 +287,9 @@ def check_stage_settings(cfg, in_features: dict[str, int]) -> None:
         if stage in cfg.stages:
             bits = cfg[stage].bits
             if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-                raise CompressError(f"{stage}.bits={bits!r}: the bit width is an integer from 2 to 8.")
+                raise CompressError(
+                    f"{stage}.bits={bits!r}: the bit width is an integer from 2 to 8."
+                )
             check_group_size(cfg[stage].group_size, in_features, f"{stage}.group_size")
     if "awq" in cfg.stages:
         from compress.quant.awq import check_grouped
@@ -271,5 +306,7 @@ def check_decode(dcfg) -> None:
     from compress.decoder.generate import KV_KINDS
 
     if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
-                            f"and dtype float32, bfloat16 or float16 (or decode.enabled=false).")
+        raise CompressError(
+            f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
+            f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
+        )

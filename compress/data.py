@@ -26,11 +26,12 @@ def _looks_like_path(source: str) -> bool:
 def check_source(source: str, role: str = "data") -> None:
     """Refuse a source that names a local file which is not there (datasets ids pass)."""
     if _looks_like_path(str(source)) and not Path(str(source)).expanduser().is_file():
-        unset = "COMPRESS_DATA_DIR-unset" in str(source)  # the data config's value without the variable
+        unset = "COMPRESS_DATA_DIR-unset" in str(source)  # the data config without the variable
+        why = " (COMPRESS_DATA_DIR is not set)" if unset else ""
         raise CompressError(
-            f"{role} file '{source}' not found{' (COMPRESS_DATA_DIR is not set)' if unset else ''}. Set COMPRESS_DATA_DIR to the folder that holds "
-            f"wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or set "
-            f"data.{role}.source to a local text file or a datasets id such as "
+            f"{role} file '{source}' not found{why}. Set COMPRESS_DATA_DIR to the folder that "
+            f"holds wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or "
+            f"set data.{role}.source to a local text file or a datasets id such as "
             f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
         )
 
@@ -63,7 +64,8 @@ def wikitext_file(name: str) -> Path:
     if not root:
         raise CompressError(
             f"COMPRESS_DATA_DIR is not set, so wikitext-2/{name} cannot be found. Set it to the "
-            f"folder that holds wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data)."
+            f"folder that holds wikitext-2/ (in this repo's checkout: "
+            f"COMPRESS_DATA_DIR=../shared/data)."
         )
     return Path(root) / "wikitext-2" / name
 

@@ -43,7 +43,7 @@ class Context:
     record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
     run_dir: Path | None = None  # the final run folder (resumable stages keep checkpoints beside it)
     files: dict = field(default_factory=dict)  # extra files for the run folder: {relative name: path to copy}
-    calib_tokens: torch.Tensor | None = None  # given calibration tokens instead of cfg.data.calib.source
+    calib_tokens: torch.Tensor | None = None  # given tokens instead of cfg.data.calib.source
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""

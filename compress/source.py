@@ -111,11 +111,12 @@ def check_path(path: str) -> dict | None:
         if (p / "manifest.json").is_file():
             made_from = json.loads((p / "manifest.json").read_text()).get("source", {}).get("path")
             made_from = f" (this folder was made from '{made_from}')" if made_from else ""
+        bits = f", {qcfg['bits']} bits" if "bits" in qcfg else ""
         raise CompressError(
-            f"model folder '{path}' is already quantized (quant_method '{qcfg.get('quant_method')}'"
-            f"{', %s bits' % qcfg['bits'] if 'bits' in qcfg else ''}); compress quantizes and prunes "
-            f"full-precision weights. Set model.path to the source model instead{made_from}. "
-            f"To run or evaluate this folder, use `python -m compress.decoder {path} --prompt ...`."
+            f"model folder '{path}' is already quantized (quant_method "
+            f"'{qcfg.get('quant_method')}'{bits}); compress quantizes and prunes full-precision "
+            f"weights. Set model.path to the source model instead{made_from}. To run this "
+            f"folder, use `python -m compress.decoder {path} --prompt ...`."
         )
     return config
 

@@ -20,5 +20,7 @@ STAGES = {"rtn": rtn, "awq": awq, "llm_int8": llm_int8, "prune": prune, "distill
 def get_stage(name: str):
     """The function of stage ``name``."""
     if name not in STAGES:
-        raise CompressError(f"unknown stage '{name}' in the recipe; known stages: {', '.join(STAGES)}.")
+        raise CompressError(
+            f"unknown stage '{name}' in the recipe; known stages: {', '.join(STAGES)}."
+        )
     return STAGES[name]

@@ -15,8 +15,14 @@ from tests.conftest import DATA, ROOT, TINY_OVERRIDES
 
 def cli(*args, env=None, timeout=120):
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "compress", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "compress", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
 
 
 def recipe_lines() -> dict[str, str]:
@@ -24,13 +30,17 @@ def recipe_lines() -> dict[str, str]:
     out = {}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         if path.stem != "base":
-            out[path.stem] = next(line for line in path.read_text().splitlines() if line.startswith("#"))[2:]
+            out[path.stem] = next(
+                line for line in path.read_text().splitlines() if line.startswith("#")
+            )[2:]
     return out
 
 
 def test_help_and_bare_invocation_print_usage():
     helped = cli("--help")
-    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m compress recipe=NAME")
+    assert helped.returncode == 0 and helped.stdout.startswith(
+        "usage: python -m compress recipe=NAME"
+    )
     lines = recipe_lines()
     assert len(lines) >= 9
     for name, line in lines.items():  # one line per recipe, from its YAML
@@ -39,7 +49,9 @@ def test_help_and_bare_invocation_print_usage():
     assert "Hydra" not in helped.stdout and "== Config ==" not in helped.stdout
 
     bare = cli()
-    assert bare.returncode == 2 and bare.stderr.strip() == helped.stdout.strip() and bare.stdout == ""
+    assert (
+        bare.returncode == 2 and bare.stderr.strip() == helped.stdout.strip() and bare.stdout == ""
+    )
 
 
 def test_no_run_without_recipe(tmp_path):
@@ -50,7 +62,9 @@ def test_no_run_without_recipe(tmp_path):
 
 def test_typo_gets_did_you_mean_before_the_model_loads(tiny_dir, tmp_path):
     t = time.time()
-    res = cli("recipe=fp", f"model.path={tiny_dir}", "eval.windowz=2", f"hydra.run.dir={tmp_path}/run")
+    res = cli(
+        "recipe=fp", f"model.path={tiny_dir}", "eval.windowz=2", f"hydra.run.dir={tmp_path}/run"
+    )
     assert res.returncode == 2
     assert "unknown key 'eval.windowz' in recipe fp; did you mean eval.windows?" in res.stderr
     assert "+eval" not in res.stderr + res.stdout and "Traceback" not in res.stderr
@@ -58,20 +72,43 @@ def test_typo_gets_did_you_mean_before_the_model_loads(tiny_dir, tmp_path):
     assert time.time() - t < 60  # no model load, no stage
 
 
-@pytest.mark.parametrize("args, message", [
-    (["recipe=awq_int4", "quant.group_size=128"], "unknown key 'quant.group_size' in recipe awq_int4; did you mean awq.group_size"),
-    (["recipe=rtn_int4", "quant.bits=3"], "did you mean rtn.bits"),  # RTN's group was `quant` before
-    (["recipe=fp", "eval.windows=abc"], "eval.windows=abc: eval.windows takes an integer (the recipe has eval.windows=40), not a string 'abc'"),
-    (["recipe=fp", "decode.enabled=maybe"], "decode.enabled takes true or false"),
-    (["recipe=fp", "eval.compare_source=1"], "eval.compare_source takes true or false"),
-    (["recipe=minitron_width", "prune.axes=hidden_size"], "prune.axes takes a list [a,b] (the recipe has prune.axes=[hidden_size,intermediate_size])"),
-    (["recipe=fp", "eval.windows=["], "cannot read the override 'eval.windows=['"),
-    (["recipe=fp", "~eval.windowz"], "unknown key 'eval.windowz'"),
-    (["recipe=rtn_int4", "llm_int8.threshold=1"], "unknown key 'llm_int8.threshold' in recipe rtn_int4. "
-     "Recipe rtn_int4 runs the stages ['rtn']; llm_int8.* is read by the llm_int8 stage."),
-    (["recipe=fp", "model=llama-9t"], "unknown model config 'llama-9t'. Available: smollm2-135m"),
-    (["recipe=awq_int9"], "unknown recipe 'awq_int9'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["recipe=awq_int4", "quant.group_size=128"],
+            "unknown key 'quant.group_size' in recipe awq_int4; did you mean awq.group_size",
+        ),
+        (
+            ["recipe=rtn_int4", "quant.bits=3"],
+            "did you mean rtn.bits",
+        ),  # RTN's group was `quant` before
+        (
+            ["recipe=fp", "eval.windows=abc"],
+            "eval.windows=abc: eval.windows takes an integer (the recipe has eval.windows=40), "
+            "not a string 'abc'",
+        ),
+        (["recipe=fp", "decode.enabled=maybe"], "decode.enabled takes true or false"),
+        (["recipe=fp", "eval.compare_source=1"], "eval.compare_source takes true or false"),
+        (
+            ["recipe=minitron_width", "prune.axes=hidden_size"],
+            "prune.axes takes a list [a,b] "
+            "(the recipe has prune.axes=[hidden_size,intermediate_size])",
+        ),
+        (["recipe=fp", "eval.windows=["], "cannot read the override 'eval.windows=['"),
+        (["recipe=fp", "~eval.windowz"], "unknown key 'eval.windowz'"),
+        (
+            ["recipe=rtn_int4", "llm_int8.threshold=1"],
+            "unknown key 'llm_int8.threshold' in recipe rtn_int4. "
+            "Recipe rtn_int4 runs the stages ['rtn']; llm_int8.* is read by the llm_int8 stage.",
+        ),
+        (
+            ["recipe=fp", "model=llama-9t"],
+            "unknown model config 'llama-9t'. Available: smollm2-135m",
+        ),
+        (["recipe=awq_int9"], "unknown recipe 'awq_int9'"),
+    ],
+)
 def test_override_errors(args, message):
     with pytest.raises(CompressError) as e:
         rewrite_argv(args)
@@ -79,8 +116,18 @@ def test_override_errors(args, message):
 
 
 def test_good_overrides_pass():
-    argv = rewrite_argv(["recipe=rtn_int4", "rtn.group_size=64", "eval.windows=null", "calib.samples=8",
-                         "hydra.run.dir=/x", "+extra.key=1", "--cfg", "job"])
+    argv = rewrite_argv(
+        [
+            "recipe=rtn_int4",
+            "rtn.group_size=64",
+            "eval.windows=null",
+            "calib.samples=8",
+            "hydra.run.dir=/x",
+            "+extra.key=1",
+            "--cfg",
+            "job",
+        ]
+    )
     assert argv[:2] == ["--config-name", "rtn_int4"] and argv[-1] == "--resolve"
     assert "rtn.group_size=64" in argv and "recipe=rtn_int4" not in argv
 
@@ -93,10 +140,20 @@ def test_cfg_job_prints_the_checked_recipe():
 def test_ctrl_c_removes_the_temporary_folder_and_exits_130(tiny_dir, tmp_path):
     """SIGINT while the checkpoint is being evaluated: one line, exit 130, no folder left."""
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "compress", "recipe=rtn_int4", f"model.path={tiny_dir}", *TINY_OVERRIDES,
-            "eval.windows=null", f"hydra.run.dir={out}"]  # every window: an evaluation long enough to hit
+    args = [
+        sys.executable,
+        "-m",
+        "compress",
+        "recipe=rtn_int4",
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        "eval.windows=null",
+        f"hydra.run.dir={out}",
+    ]  # every window: an evaluation long enough to hit
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
     deadline = time.time() + 120
     while not list(tmp_path.glob(".run.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -113,25 +170,45 @@ def test_ctrl_c_removes_the_temporary_folder_and_exits_130(tiny_dir, tmp_path):
 def test_ctrl_c_before_anything_is_written(tiny_dir, tmp_path):
     """SIGINT while the source loads: 'nothing was written', exit 130, Hydra's placeholder gone."""
     out = tmp_path / "run"
-    args = [sys.executable, "-c", "import time, compress.source as s; load = s.load_model; "
-            "s.load_model = lambda *a, **k: (print('loading', flush=True), time.sleep(60)); "
-            "import compress.pipeline as p; p.load_model = s.load_model; "
-            "import sys; sys.argv = ['compress', *sys.argv[1:]]; "
-            "from compress.__main__ import main; main()",
-            "recipe=fp", f"model.path={tiny_dir}", *TINY_OVERRIDES, f"hydra.run.dir={out}"]
+    args = [
+        sys.executable,
+        "-c",
+        "import time, compress.source as s; load = s.load_model; "
+        "s.load_model = lambda *a, **k: (print('loading', flush=True), time.sleep(60)); "
+        "import compress.pipeline as p; p.load_model = s.load_model; "
+        "import sys; sys.argv = ['compress', *sys.argv[1:]]; "
+        "from compress.__main__ import main; main()",
+        "recipe=fp",
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        f"hydra.run.dir={out}",
+    ]
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
     line = proc.stdout.readline()
     while line and "loading" not in line:
         line = proc.stdout.readline()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert (
+        proc.returncode == 130
+        and stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
 def test_decoder_missing_path_does_not_exist(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "compress.decoder", str(tmp_path / "absent"), "--prompt", "hi"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "compress.decoder", str(tmp_path / "absent"), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 2
-    assert f"run folder '{tmp_path / 'absent'}' does not exist" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        f"run folder '{tmp_path / 'absent'}' does not exist" in res.stderr
+        and "Traceback" not in res.stderr
+    )

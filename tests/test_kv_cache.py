@@ -379,7 +379,7 @@ def test_user_errors_name_the_fix():
 
 @pytest.mark.slow
 def test_kv_quality_forward_matches_hf_model():
-    """eval/bench/kv_quality.py's small Llama forward, through the fp16 cache, reproduces HF's logits."""
+    """eval/bench/kv_quality.py's Llama forward, through the fp16 cache, reproduces HF's logits."""
     from compress.eval.bench.kv_quality import forward
     from compress.source import load_model
 

@@ -21,7 +21,7 @@ def modules() -> dict[str, Path]:
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """``{module: modules of the package it imports}``; ``from a import b`` counts a.b if b is one."""
+    """``{module: package modules it imports}``; ``from a import b`` counts a.b if b is one."""
 
     def owner(name: str) -> str | None:
         while name and name not in mods:
@@ -84,10 +84,12 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_graph_reads_relative_and_lazy_imports(tmp_path):
     (tmp_path / "compress" / "sub").mkdir(parents=True)
-    files = {"compress": tmp_path / "compress" / "__init__.py",
-             "compress.sub": tmp_path / "compress" / "sub" / "__init__.py",
-             "compress.sub.a": tmp_path / "compress" / "sub" / "a.py",
-             "compress.b": tmp_path / "compress" / "b.py"}
+    files = {
+        "compress": tmp_path / "compress" / "__init__.py",
+        "compress.sub": tmp_path / "compress" / "sub" / "__init__.py",
+        "compress.sub.a": tmp_path / "compress" / "sub" / "a.py",
+        "compress.b": tmp_path / "compress" / "b.py",
+    }
     files["compress"].write_text("")
     files["compress.sub"].write_text("from . import a\n")
     files["compress.sub.a"].write_text("def f():\n    from ..b import g\n")

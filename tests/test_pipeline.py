@@ -143,8 +143,9 @@ def no_model_load(monkeypatch):
 def test_error_quantized_model_path(tiny_dir, tmp_path, monkeypatch):
     run_recipe("rtn_int4", tiny_dir, tmp_path / "q", "decode.enabled=false")
     refuse_model_load(monkeypatch)
-    with pytest.raises(CompressError, match=rf"'{tmp_path}/q' is already quantized \(quant_method 'awq', 4 "
-                       rf"bits\).*source model instead \(this folder was made from '{tiny_dir}'\)"):
+    with pytest.raises(CompressError, match=rf"'{tmp_path}/q' is already quantized \(quant_method "
+                       rf"'awq', 4 bits\).*source model instead \(this folder was made from "
+                       rf"'{tiny_dir}'\)"):
         run_recipe("awq_int4", tmp_path / "q", tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -159,9 +160,9 @@ def test_recipes_compose_on_a_run_folder(tiny_dir, tmp_path):
     assert report["bits"] == 4
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
     assert manifest["source"]["path"] == str(tmp_path / "fp")
-    w = AutoModelForCausalLM.from_pretrained(tmp_path / "fp").model.layers[0].mlp.up_proj.weight.data
+    w = AutoModelForCausalLM.from_pretrained(tmp_path / "fp").model.layers[0].mlp.up_proj.weight
     layer = load_run(tmp_path / "q")[0].model.layers[0].mlp.up_proj
-    assert torch.equal(layer.dequantize(), quantize(w, 4, 128).dequantize())
+    assert torch.equal(layer.dequantize(), quantize(w.data, 4, 128).dequantize())
 
 
 def test_error_missing_model_path(tmp_path):
@@ -180,7 +181,8 @@ def test_error_unsupported_architecture(tmp_path):
 
 def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
     """Checked from config.json before the model loads: 256 divides no 128-wide layer."""
-    with pytest.raises(CompressError, match=r"group size 256 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+    with pytest.raises(CompressError, match=r"group size 256 does not divide layer "
+                       r"'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=256")
     with pytest.raises(CompressError, match=r"rtn.group_size=96: .*-1.*power of two"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=96")
@@ -192,12 +194,12 @@ def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
 def test_error_missing_data_names_env(tiny_dir, tmp_path, no_model_load):
     with pytest.raises(CompressError, match="COMPRESS_DATA_DIR"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", f"data.eval.source={tmp_path}/none/wiki.test.raw")
-    with pytest.raises(CompressError, match="calib file .*not found"):  # AWQ calibrates, RTN does not
-        run_recipe("awq_int4", tiny_dir, tmp_path / "run", f"data.calib.source={tmp_path}/none/wiki.valid.tokens")
-    run_recipe_env = compose("fp", [f"model.path={tiny_dir}"])
-    run_recipe_env.data.eval.source = "./COMPRESS_DATA_DIR-unset/wikitext-2/wiki.test.raw"  # variable unset
+    with pytest.raises(CompressError, match="calib file .*not found"):  # AWQ calibrates
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", f"data.calib.source={tmp_path}/no.txt")
+    unset = compose("fp", [f"model.path={tiny_dir}"])
+    unset.data.eval.source = "./COMPRESS_DATA_DIR-unset/wikitext-2/wiki.test.raw"  # as data/*.yaml
     with pytest.raises(CompressError, match=r"not found \(COMPRESS_DATA_DIR is not set\)"):
-        run(run_recipe_env, tmp_path / "run")
+        run(unset, tmp_path / "run")
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp*"))
 
 

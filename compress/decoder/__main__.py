@@ -72,8 +72,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         if not Path(args.run).exists():
-            raise CompressError(f"run folder '{args.run}' does not exist. Pass a folder a recipe wrote "
-                                f"(outputs/...) or an HF Llama-family folder.")
+            raise CompressError(f"run folder '{args.run}' does not exist. Pass a folder a recipe "
+                                f"wrote (outputs/...) or an HF Llama-family folder.")
         run(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -181,8 +181,8 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
 def check_grouped(group_size) -> None:
     """AWQ searches per group: refuse -1 (one group per row)."""
     if group_size == -1:
-        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale and "
-                            "clip search work on groups. Use auto, 128, 64 or 32.")
+        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale "
+                            "and clip search work on groups. Use auto, 128, 64 or 32.")
 
 
 def awq(model: nn.Module, ctx) -> nn.Module:

@@ -257,7 +257,7 @@ def main(argv=None):
     ap.add_argument("--parallel", action="store_true",
                     help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
-    ap.add_argument("--data", help="text file (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
+    ap.add_argument("--data", help="text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
