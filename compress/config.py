@@ -52,35 +52,43 @@ def _stage_names() -> list[str]:
     return list(STAGES)
 
 
-def _compose(recipe: str, overrides: list[str]) -> DictConfig:
+def _compose(recipe: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
     try:
         with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-            return hydra_compose(config_name=recipe, overrides=list(overrides))
+            return hydra_compose(config_name=recipe, overrides=list(overrides),
+                                 return_hydra_config=with_hydra)
     except HydraException as e:  # what check_overrides could not foresee
         raise CompressError(f"recipe {recipe} with {' '.join(overrides)}: {e}") from None
 
 
-def _keys(node, prefix: str = "") -> list[str]:
-    """Every dotted key of a config (groups and leaves)."""
+def _leaves(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of a config that holds a value (not a group of keys)."""
     out = []
-    for k, v in node.items_ex(resolve=False) if isinstance(node, DictConfig) else []:
-        key = f"{prefix}{k}"
-        out.append(key)
-        if isinstance(v, DictConfig):
-            out += _keys(v, key + ".")
+    for k, v in node.items_ex(resolve=False):
+        if isinstance(v, DictConfig) and not v._is_none():
+            out += _leaves(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
     return out
 
 
 def did_you_mean(key: str, known: list[str]) -> list[str]:
-    """Known keys close to ``key``: those with the same last part first (quant.bits -> rtn.bits)."""
+    """Known keys close to ``key`` (difflib's ratio), a key with the same last part ranking higher
+    (quant.bits -> rtn.bits); the best and those almost as close."""
     leaf = key.rpartition(".")[2]
-    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    return list(dict.fromkeys(difflib.get_close_matches(key, same_leaf, n=2, cutoff=0) + close))[:3]
+
+    def score(k: str) -> float:
+        bonus = 0.2 if k.rpartition(".")[2] == leaf else 0.0
+        return difflib.SequenceMatcher(None, key, k).ratio() + bonus
+
+    ranked = sorted(((score(k), k) for k in known), reverse=True)
+    if not ranked or ranked[0][0] < 0.6:
+        return []
+    return [k for s, k in ranked[:3] if s >= ranked[0][0] - 0.1]
 
 
 _KINDS = (
@@ -151,19 +159,16 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
                     f"To use another model, keep the default config and "
                     f"set model.path=FOLDER_OR_HUB_ID."
                 )
-    cfg = _compose(recipe, selections)
-    known = _keys(cfg)
+    cfg = _compose(recipe, selections, with_hydra=True)
+    known = _leaves(cfg)
     for o in parsed:
         key = o.key_or_group
-        if (
-            key in group_names
-            or key.startswith(("hydra.", "hydra/"))
-            or o.is_add()
-            or o.is_force_add()
-        ):
+        if key in group_names or key.startswith("hydra/"):  # a group selection
             continue
         ref = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
-        if ref is _ABSENT:
+        if o.is_add() and ref is not _ABSENT:
+            raise CompressError(f"{o.input_line}: {key} is in the recipe already; write {key}=VALUE.")
+        if ref is _ABSENT:  # compress reads only the recipe's keys, so '+key' adds nothing it reads
             near = did_you_mean(key, known)
             hint = f"; did you mean {' or '.join(near)}?" if near else "."
             group = key.partition(".")[0]

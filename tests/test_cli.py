@@ -97,6 +97,9 @@ def test_typo_gets_did_you_mean_before_the_model_loads(tiny_dir, tmp_path):
         ),
         (["recipe=fp", "eval.windows=["], "cannot read the override 'eval.windows=['"),
         (["recipe=fp", "~eval.windowz"], "unknown key 'eval.windowz'"),
+        (["recipe=fp", "+eval.windowz=3"], "unknown key 'eval.windowz'"),
+        (["recipe=fp", "+eval.windows=3"], "eval.windows is in the recipe already"),
+        (["recipe=fp", "hydra.run.dirr=/x"], "did you mean hydra.run.dir?"),
         (
             ["recipe=rtn_int4", "llm_int8.threshold=1"],
             "unknown key 'llm_int8.threshold' in recipe rtn_int4. "
@@ -123,7 +126,7 @@ def test_good_overrides_pass():
             "eval.windows=null",
             "calib.samples=8",
             "hydra.run.dir=/x",
-            "+extra.key=1",
+            "++eval.seqlen=128",
             "--cfg",
             "job",
         ]
