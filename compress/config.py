@@ -59,8 +59,9 @@ def _compose(recipe: str, overrides: list[str], with_hydra: bool = False) -> Dic
 
     try:
         with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-            return hydra_compose(config_name=recipe, overrides=list(overrides),
-                                 return_hydra_config=with_hydra)
+            return hydra_compose(
+                config_name=recipe, overrides=list(overrides), return_hydra_config=with_hydra
+            )
     except HydraException as e:  # what check_overrides could not foresee
         raise CompressError(f"recipe {recipe} with {' '.join(overrides)}: {e}") from None
 
@@ -167,14 +168,18 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
             continue
         ref = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
         if o.is_add() and ref is not _ABSENT:
-            raise CompressError(f"{o.input_line}: {key} is in the recipe already; write {key}=VALUE.")
+            raise CompressError(
+                f"{o.input_line}: {key} is in the recipe already; write {key}=VALUE."
+            )
         if ref is _ABSENT:  # compress reads only the recipe's keys, so '+key' adds nothing it reads
             near = did_you_mean(key, known)
             hint = f"; did you mean {' or '.join(near)}?" if near else "."
             group = key.partition(".")[0]
             if group in _stage_names() and group not in cfg.stages:
-                hint += (f" Recipe {recipe} runs the stages {list(cfg.stages)}; "
-                         f"{group}.* is read by the {group} stage.")
+                hint += (
+                    f" Recipe {recipe} runs the stages {list(cfg.stages)}; "
+                    f"{group}.* is read by the {group} stage."
+                )
             raise CompressError(
                 f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
                 f"recipe={recipe} --cfg job` prints every key."
