@@ -140,8 +140,10 @@ def test_cfg_job_prints_the_checked_recipe():
     assert res.returncode == 0 and "group_size: 64" in res.stdout
 
 
-def test_ctrl_c_removes_the_temporary_folder_and_exits_130(tiny_dir, tmp_path):
-    """SIGINT while the checkpoint is being evaluated: one line, exit 130, no folder left."""
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
+    """SIGINT while the checkpoint is being evaluated: one line, exit 130, no folder left;
+    SIGTERM unwinds the same way (exit 143)."""
     out = tmp_path / "run"
     args = [
         sys.executable,
@@ -162,10 +164,11 @@ def test_ctrl_c_removes_the_temporary_folder_and_exits_130(tiny_dir, tmp_path):
         time.sleep(0.05)
     tmp = list(tmp_path.glob(".run.tmp-*"))
     assert tmp, "the run never wrote its temporary folder"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1] == f"interrupted; removed the temporary folder {tmp[0]}"
+    assert proc.returncode == code, stderr[-2000:]
+    if sig == signal.SIGINT:
+        assert stderr.strip().splitlines()[-1] == f"interrupted; removed the temporary folder {tmp[0]}"
     assert "Traceback" not in stderr
     assert list(tmp_path.iterdir()) == []
 
