@@ -1,3 +1,20 @@
-"""compress: model compression for LLMs, checkpoint -> stages -> run folder -> decoder -> report."""
+"""compress: model compression for LLMs, checkpoint -> stages -> run folder -> decoder -> report.
 
-__version__ = "0.1.0"
+The Python API (``compress/api.py``), imported on first use so ``import compress`` stays fast::
+
+    result = compress.run("awq_int4", model="FOLDER_OR_HUB_ID", eval={"windows": 4})
+    compress.quantize(model, compress.RTNConfig(bits=4, group_size=128))
+"""
+
+from compress.version import __version__
+
+_API = ("run", "quantize", "save", "RunResult", "RTNConfig", "AWQConfig", "Int8Config")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from compress import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'compress' has no attribute '{name}'")

@@ -44,6 +44,16 @@ class Adapter:
         return {path: layer.get_submodule(path) for role, path in self.linears
                 if role not in self.optional or _has(layer, path)}
 
+    def linear_shapes(self, config) -> dict[str, tuple[int, int]]:
+        """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
+        from an HF config (no weights needed)."""
+        hidden, inter = config.hidden_size, config.intermediate_size
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        shapes = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
+                  "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        return {path: shapes[role] for role, path in self.linears}
+
     def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
         """``{full module name: module}`` for every projection of every decoder layer."""
         out = {}

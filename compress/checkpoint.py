@@ -145,10 +145,18 @@ def read_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
 
 
+def check_finite(model: nn.Module, where: str) -> None:
+    """Refuse NaN or inf in any parameter or buffer, naming the tensor."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CompressError(
+                f"tensor '{name}' of {where} contains NaN or inf values. The checkpoint is "
+                f"damaged or was saved from a diverged run; re-export or re-download it."
+            )
+
+
 def load_run(folder) -> tuple[nn.Module, object]:
     """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``."""
-    from compress.models import check_finite
-
     folder = Path(folder)
     config, qcfg = read_config(folder)
     model = build_model(config, qcfg)

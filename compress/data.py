@@ -23,18 +23,25 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or source.endswith(_SUFFIXES) or "\\" in source
 
 
+def check_source(source: str, role: str = "data") -> None:
+    """Refuse a source that names a local file which is not there (datasets ids pass)."""
+    if _looks_like_path(str(source)) and not Path(str(source)).expanduser().is_file():
+        unset = "COMPRESS_DATA_DIR-unset" in str(source)  # the data config without the variable
+        why = " (COMPRESS_DATA_DIR is not set)" if unset else ""
+        raise CompressError(
+            f"{role} file '{source}' not found{why}. Set COMPRESS_DATA_DIR to the folder that "
+            f"holds wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or "
+            f"set data.{role}.source to a local text file or a datasets id such as "
+            f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
+        )
+
+
 def read_text(source: str, role: str = "data") -> str:
     """Whole text of a source, with CRLF line endings normalised to ``\\n``."""
     p = Path(str(source)).expanduser()
     if p.is_file():
         return p.read_text(encoding="utf-8").replace("\r\n", "\n")
-    if _looks_like_path(str(source)):
-        raise CompressError(
-            f"{role} file '{source}' not found. Set COMPRESS_DATA_DIR to the folder that holds "
-            f"wikitext-2/ (in this repo's checkout: COMPRESS_DATA_DIR=../shared/data), or set "
-            f"data.{role}.source to a local text file or a datasets id such as "
-            f"'Salesforce/wikitext:wikitext-2-raw-v1:test'."
-        )
+    check_source(source, role)
     repo, config, split = (str(source).split(":") + [None, None])[:3]
     try:
         import datasets
@@ -47,6 +54,20 @@ def read_text(source: str, role: str = "data") -> str:
             f"data.{role}.source to a local text file."
         ) from None
     return "\n\n".join(ds["text"])
+
+
+def wikitext_file(name: str) -> Path:
+    """``$COMPRESS_DATA_DIR/wikitext-2/NAME``, for scripts that default to WikiText-2."""
+    import os
+
+    root = os.environ.get("COMPRESS_DATA_DIR")
+    if not root:
+        raise CompressError(
+            f"COMPRESS_DATA_DIR is not set, so wikitext-2/{name} cannot be found. Set it to the "
+            f"folder that holds wikitext-2/ (in this repo's checkout: "
+            f"COMPRESS_DATA_DIR=../shared/data)."
+        )
+    return Path(root) / "wikitext-2" / name
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

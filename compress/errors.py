@@ -7,3 +7,17 @@ The CLI prints it without a traceback and exits with status 2.
 
 class CompressError(Exception):
     """A problem the user can fix: bad config, missing file, unsupported model."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after the pipeline cleaned up; ``removed`` is the temporary folder it
+    deleted, or None when nothing had been written."""
+
+    def __init__(self, removed=None):
+        super().__init__(removed)
+        self.removed = removed
+
+    def __str__(self) -> str:
+        if self.removed:
+            return f"interrupted; removed the temporary folder {self.removed}"
+        return "interrupted; nothing was written"

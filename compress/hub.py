@@ -56,7 +56,7 @@ def _git_blob_id(path: Path) -> str:
 
 def remote_matches(api, repo_id: str, revision: str | None, run_dir: Path, files: list[str]) -> list[str]:
     """The files whose content on the Hub (at ``revision``) equals the local file."""
-    from compress.models import sha256_file
+    from compress.run_folder import sha256_file
 
     remote = {f.path: f for f in api.get_paths_info(repo_id, files, revision=revision)}
     same = []

@@ -10,12 +10,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import compress
-from compress.models import sha256_file
+from compress.run_folder import sha256_file
+from compress.version import __version__
 
 
 def git_commit() -> str | None:
-    repo = Path(compress.__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40"],
                              capture_output=True, text=True, timeout=10)
@@ -32,7 +32,7 @@ def write_manifest(folder: Path, recipe: dict, source, stages: dict, trust_remot
     manifest = {
         "recipe": recipe,
         "source": {"name": source.name, "path": source.path, "sha256": source.sha256},
-        "version": compress.__version__,
+        "version": __version__,
         "git_commit": git_commit(),
         "files": files,
         "stages": stages,

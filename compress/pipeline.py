@@ -7,7 +7,6 @@ source, writes report and manifest, and only then renames the folder into
 place. An interrupted run leaves no run folder that looks complete.
 """
 
-import importlib
 import logging
 import resource
 import shutil
@@ -19,28 +18,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from compress.checkpoint import load_run, save_checkpoint
+from compress.config import validate
 from compress.data import calib_samples, eval_windows, read_text
-from compress.errors import CompressError
+from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
-from compress.hub import check_config, push_after_run
+from compress.hub import push_after_run
 from compress.manifest import write_manifest
 from compress.model_card import write_model_card
-from compress.models import atomic_dir, cache_dir, commit_dir, load_model
+from compress.run_folder import atomic_dir, commit_dir
+from compress.source import cache_dir, load_model
+from compress.stages import get_stage
 
 log = logging.getLogger(__name__)
-
-# stage name -> "module:function"; imported on use so a recipe pays only for its stages
-STAGES = {
-    "rtn": "compress.quant.rtn:rtn",
-    "awq": "compress.quant.awq:awq",
-    "llm_int8": "compress.quant.llm_int8:llm_int8",
-    "prune": "compress.prune.stage:prune",
-    "distill": "compress.train.distill:distill",
-    "gqa": "compress.attn.stage:gqa",
-    "cla": "compress.attn.stage:cla",
-    "mla": "compress.attn.stage:mla",
-}
 
 
 @dataclass
@@ -53,19 +43,15 @@ class Context:
     record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
     run_dir: Path | None = None  # the final run folder (resumable stages keep checkpoints beside it)
     files: dict = field(default_factory=dict)  # extra files for the run folder: {relative name: path to copy}
+    calib_tokens: torch.Tensor | None = None  # given tokens instead of cfg.data.calib.source
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
+        if self.calib_tokens is not None:
+            return self.calib_tokens
         c = self.cfg.calib
         text = read_text(self.cfg.data.calib.source, role="calib")
         return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
-
-
-def get_stage(name: str):
-    if name not in STAGES:
-        raise CompressError(f"unknown stage '{name}' in the recipe; known stages: {', '.join(STAGES)}.")
-    module, fn = STAGES[name].split(":")
-    return getattr(importlib.import_module(module), fn)
 
 
 def _weight_bytes(model) -> tuple[int, int]:
@@ -96,14 +82,20 @@ def _check_run_dir(run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Run a recipe into ``run_dir``; returns the report."""
+    """Run a recipe into ``run_dir``; returns the report.
+
+    Ctrl-C raises ``Interrupted`` (a KeyboardInterrupt) naming the temporary folder it removed.
+    """
     run_dir = Path(run_dir)
+    validate(cfg)
     _check_run_dir(run_dir)
     try:
         return _run(cfg, run_dir)
-    except BaseException:
+    except BaseException as e:
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted() from None  # before the temporary folder existed
         raise
 
 
@@ -120,21 +112,8 @@ def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
         return {"decode_error": str(e)}
 
 
-def check_decode(dcfg) -> None:
-    """Refuse a ``decode`` group the decoder cannot run, before any stage does work."""
-    from compress.decoder.kv import KV_KINDS
-
-    if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "
-                            f"dtype float32, bfloat16 or float16 (or decode.enabled=false).")
-
-
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
-    check_config(cfg.get("hub"))
-    if cfg.decode.enabled:
-        check_decode(cfg.decode)
-    eval_device(cfg.eval.get("device", "auto"))
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     m = cfg.model
@@ -186,8 +165,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         write_model_card(tmp, report, recipe, {"name": source.name, "path": source.path})
         write_manifest(tmp, recipe, source, timings, bool(m.trust_remote_code))
         commit_dir(tmp, run_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted(tmp) from None
         raise
     log.info("run folder: %s", run_dir)
     push_after_run(run_dir, cfg.get("hub"))

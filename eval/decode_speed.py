@@ -10,7 +10,7 @@ and run by ``compress.decoder`` (its own model and kernels, not transformers), b
 
 Settings come from the recipe's ``decode`` group (``recipes/base.yaml``); the prompt is the
 start of the first eval window. Absolute speeds on a shared machine are noisy: compare runs
-with ``eval/bench_decode.py``, which times systems side by side.
+with ``eval/bench/bench_decode.py``, which times systems side by side.
 """
 
 import torch

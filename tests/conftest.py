@@ -40,7 +40,7 @@ def make_tiny_model(seed: int = 0, **overrides):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from compress.models import convert_default_model
+    from compress.source import convert_default_model
 
     return AutoTokenizer.from_pretrained(convert_default_model())
 

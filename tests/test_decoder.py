@@ -410,7 +410,7 @@ def default_model():
     """(folder, our model, transformers' model, tokenizer) of the fp32 default model."""
     from transformers import AutoModelForCausalLM
 
-    from compress.models import convert_default_model
+    from compress.source import convert_default_model
 
     folder = convert_default_model()
     model, tok = load(folder)

@@ -13,7 +13,7 @@ from compress.errors import CompressError
 from compress.formats import LAYERS, Int8Linear, QuantLinear, quantized_layer
 
 METHOD_PACKAGES = ("compress.quant", "compress.prune", "compress.train", "compress.decoder",
-                   "compress.pipeline", "compress.models", "compress.checkpoint")
+                   "compress.pipeline", "compress.source", "compress.checkpoint")
 
 
 def modules_after(code: str) -> list[str]:

@@ -380,7 +380,7 @@ def test_user_errors_name_the_fix():
 def test_kv_quality_parallel_equals_token_by_token(tmp_path):
     """kv_quality --parallel (one pass per cache) gives the figures of feeding tokens one at a time."""
     from compress.decoder.model import load
-    from compress.eval.kv_quality import run, run_parallel
+    from compress.eval.bench.kv_quality import run, run_parallel
     from tests.conftest import make_tiny_model
 
     make_tiny_model(seed=4).save_pretrained(tmp_path)  # head_dim 32

@@ -59,12 +59,12 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     assert "| decode_tok_s |" in (out / "report.md").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == names - {"manifest.json"}
-    from compress.models import sha256_file
+    from compress.run_folder import sha256_file
 
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (out / name).stat().st_size
         assert entry["sha256"] == sha256_file(out / name)
-    assert manifest["recipe"]["quant"]["bits"] == 4 and "rtn" in manifest["stages"]
+    assert manifest["recipe"]["rtn"]["bits"] == 4 and "rtn" in manifest["stages"]
 
 
 def test_packed_checkpoint_equals_fake_quant(tiny_dir, tmp_path, tokenizer):
@@ -125,6 +125,46 @@ def test_error_unknown_model_config():
         rewrite_argv(["recipe=fp", "model=llama-9t"])
 
 
+def refuse_model_load(monkeypatch):
+    """Make the pipeline's model loading fail the test: the error must come before any work."""
+    import compress.pipeline as pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config error")
+
+    monkeypatch.setattr(pipeline, "load_model", refuse)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    refuse_model_load(monkeypatch)
+
+
+def test_error_quantized_model_path(tiny_dir, tmp_path, monkeypatch):
+    run_recipe("rtn_int4", tiny_dir, tmp_path / "q", "decode.enabled=false")
+    refuse_model_load(monkeypatch)
+    with pytest.raises(CompressError, match=rf"'{tmp_path}/q' is already quantized \(quant_method "
+                       rf"'awq', 4 bits\).*source model instead \(this folder was made from "
+                       rf"'{tiny_dir}'\)"):
+        run_recipe("awq_int4", tmp_path / "q", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipes_compose_on_a_run_folder(tiny_dir, tmp_path):
+    """An unquantized run folder (fp here; pruned ones alike) is a source: rtn_int4 runs on it and
+    its weights are RTN of the folder's weights."""
+    from transformers import AutoModelForCausalLM
+
+    run_recipe("fp", tiny_dir, tmp_path / "fp", "decode.enabled=false")
+    report = run_recipe("rtn_int4", tmp_path / "fp", tmp_path / "q", "decode.enabled=false")
+    assert report["bits"] == 4
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert manifest["source"]["path"] == str(tmp_path / "fp")
+    w = AutoModelForCausalLM.from_pretrained(tmp_path / "fp").model.layers[0].mlp.up_proj.weight
+    layer = load_run(tmp_path / "q")[0].model.layers[0].mlp.up_proj
+    assert torch.equal(layer.dequantize(), quantize(w.data, 4, 128).dequantize())
+
+
 def test_error_missing_model_path(tmp_path):
     with pytest.raises(CompressError, match="does not exist.*model.path"):
         run(compose("fp", [f"model.path={tmp_path}/absent"]), tmp_path / "run")
@@ -139,14 +179,27 @@ def test_error_unsupported_architecture(tmp_path):
         run(compose("fp", [f"model.path={tmp_path}/gpt2"]), tmp_path / "run")
 
 
-def test_error_group_size_names_layer(tiny_dir, tmp_path):
-    with pytest.raises(CompressError, match=r"group size 96 does not divide layer 'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
-        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "quant.group_size=96")
+def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
+    """Checked from config.json before the model loads: 256 divides no 128-wide layer."""
+    with pytest.raises(CompressError, match=r"group size 256 does not divide layer "
+                       r"'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=256")
+    with pytest.raises(CompressError, match=r"rtn.group_size=96: .*-1.*power of two"):
+        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=96")
+    with pytest.raises(CompressError, match=r"awq.bits=9: .*from 2 to 8"):
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", "awq.bits=9")
+    assert not (tmp_path / "run").exists()
 
 
-def test_error_missing_data_names_env(tiny_dir, tmp_path):
+def test_error_missing_data_names_env(tiny_dir, tmp_path, no_model_load):
     with pytest.raises(CompressError, match="COMPRESS_DATA_DIR"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", f"data.eval.source={tmp_path}/none/wiki.test.raw")
+    with pytest.raises(CompressError, match="calib file .*not found"):  # AWQ calibrates
+        run_recipe("awq_int4", tiny_dir, tmp_path / "run", f"data.calib.source={tmp_path}/no.txt")
+    unset = compose("fp", [f"model.path={tiny_dir}"])
+    unset.data.eval.source = "./COMPRESS_DATA_DIR-unset/wikitext-2/wiki.test.raw"  # as data/*.yaml
+    with pytest.raises(CompressError, match=r"not found \(COMPRESS_DATA_DIR is not set\)"):
+        run(unset, tmp_path / "run")
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp*"))
 
 
@@ -206,10 +259,10 @@ def test_interrupted_run_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_rtn_per_row_group(tiny_dir, tmp_path):
-    """quant.group_size=-1 saves one scale per row; the loaded layers decode to per-row RTN."""
+    """rtn.group_size=-1 saves one scale per row; the loaded layers decode to per-row RTN."""
     from transformers import AutoModelForCausalLM
 
-    run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "quant.group_size=-1")
+    run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "rtn.group_size=-1")
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
     assert qcfg["group_size"] == -1 and qcfg["bits"] == 8
     packed, _ = load_run(tmp_path / "run")

@@ -9,6 +9,7 @@ prints TTFT, prefill and decode tokens/s, peak memory and KV bytes per token to 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from compress.errors import CompressError
 
@@ -70,6 +71,9 @@ def kv_options(pairs: list[str]) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
+        if not Path(args.run).exists():
+            raise CompressError(f"run folder '{args.run}' does not exist. Pass a folder a recipe "
+                                f"wrote (outputs/...) or an HF Llama-family folder.")
         run(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -408,7 +408,7 @@ def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
     """
-    from compress.models import check_finite
+    from compress.checkpoint import check_finite
 
     folder = Path(folder)
     config, qcfg = read_config(folder)

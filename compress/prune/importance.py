@@ -205,7 +205,7 @@ def cached_importance(model: nn.Module, tokens_fn, settings: dict, cache: Path |
     ``settings`` (calibration source digest, samples, seqlen, seed) and the weights'
     sha256 form the key. With ``ppl_samples`` > 0, ``ppl_drop`` is added (and cached).
     """
-    from compress.models import weights_sha256
+    from compress.run_folder import weights_sha256
 
     settings = {**settings, "ppl_samples": int(ppl_samples)}
     path = None

@@ -31,10 +31,10 @@ from pathlib import Path
 
 from compress.data import calib_samples, read_text
 from compress.errors import CompressError
-from compress.models import cache_dir
 from compress.prune.importance import cached_importance, save_scores
 from compress.prune.prune import (AXES, check_sizes, keep_indices, layout_of, param_count, param_total,
                                   prune_model, resolve_target, sizes_of, solve_budget)
+from compress.source import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -178,14 +178,19 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
     return best_max
 
 
+def check_grouped(group_size) -> None:
+    """AWQ searches per group: refuse -1 (one group per row)."""
+    if group_size == -1:
+        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale "
+                            "and clip search work on groups. Use auto, 128, 64 or 32.")
+
+
 def awq(model: nn.Module, ctx) -> nn.Module:
     """Stage: AWQ with ``ctx.cfg.awq`` = {bits, group_size, duo_scaling, n_grid, search_samples, clip}."""
     cfg = ctx.cfg.awq
     adapter = get_adapter(model.config)
+    check_grouped(cfg.group_size)
     g = resolve_group_size(model, cfg.group_size)
-    if g == -1:
-        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale and "
-                            "clip search work on groups. Use auto, 128, 64 or 32.")
     bits, batch = int(cfg.bits), int(cfg.batch)
     tokens = ctx.calibration()
     x, kwargs = capture_inputs(model, adapter, tokens, batch)

@@ -41,8 +41,8 @@ def pack_model(model: nn.Module, bits: int, group_size: int, symmetric: bool = F
 
 
 def rtn(model: nn.Module, ctx) -> nn.Module:
-    """Stage: RTN with ``ctx.cfg.quant`` = {bits, group_size, symmetric}."""
-    q = ctx.cfg.quant
+    """Stage: RTN with ``ctx.cfg.rtn`` = {bits, group_size, symmetric}."""
+    q = ctx.cfg.rtn
     g = resolve_group_size(model, q.group_size)
     model = pack_model(model, q.bits, g, q.get("symmetric", False))
     ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False))

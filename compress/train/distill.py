@@ -121,8 +121,9 @@ def curve(losses: list, points: int = 20) -> list:
 def distill(model, ctx):
     """Pipeline stage: distil the model (student) from ``model.path`` (teacher) on ``distill.data``."""
     from compress.data import read_text
-    from compress.models import load_model, weights_sha256
     from compress.prune.prune import param_total
+    from compress.run_folder import weights_sha256
+    from compress.source import load_model
 
     cfg, d = ctx.cfg, ctx.cfg.distill
     kind = d.get("loss", "kl")
@@ -186,7 +187,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     from compress.checkpoint import save_checkpoint
     from compress.data import read_text
-    from compress.models import atomic_dir, commit_dir, load_model, weights_sha256
+    from compress.run_folder import atomic_dir, commit_dir, weights_sha256
+    from compress.source import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)

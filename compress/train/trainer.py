@@ -43,7 +43,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from compress.errors import CompressError
-from compress.models import commit_dir
+from compress.run_folder import commit_dir
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ measurements behind ``kernels/cpu.py``).
 
 CUDA (when present): the Triton kernels against torch's bf16 matmul.
 
-    python -m compress.eval.bench_linear [--quick] [--alternatives]
+    python -m compress.eval.bench.bench_linear [--quick] [--alternatives]
 """
 
 import argparse

@@ -25,25 +25,23 @@ the caches themselves, ``--parallel`` through :class:`HistoryMix`, a cache-shape
 gives each query its history. Prints a table, writes ``kv_quality.json`` and a plot of KL
 against bytes/token to ``--out``.
 
-    python -m compress.eval.kv_quality                       # defaults, about 10 minutes on 2 cores
-    python -m compress.eval.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
-    python -m compress.eval.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
+    python -m compress.eval.bench.kv_quality                       # defaults, about 10 minutes on 2 cores
+    python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
+    python -m compress.eval.bench.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
 """
 
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from compress.data import read_text, tokenize
+from compress.data import read_text, tokenize, wikitext_file
 from compress.decoder.kv import make_cache
 from compress.decoder.kv.base import Cache, hidden, masked_softmax
-from compress.errors import CompressError
 
 
 def configs(args) -> list[tuple[str, str, dict]]:
@@ -223,13 +221,6 @@ def bars(rows) -> list[str]:
     return lines
 
 
-def default_data() -> str:
-    if "COMPRESS_DATA_DIR" not in os.environ:
-        raise CompressError("no --data given and COMPRESS_DATA_DIR is not set: point --data at a text file, or "
-                            "set COMPRESS_DATA_DIR to the folder holding wikitext-2/.")
-    return str(Path(os.environ["COMPRESS_DATA_DIR"]) / "wikitext-2" / "wiki.test.raw")
-
-
 def rel_pair(s: str) -> tuple[float, float]:
     k, _, v = s.partition(":")
     return float(k), float(v or k)
@@ -248,16 +239,15 @@ def main(argv=None):
     ap.add_argument("--parallel", action="store_true",
                     help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
-    ap.add_argument("--data", default=None,
-                    help="a text file (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
+    ap.add_argument("--data", help="text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
     ap.add_argument("--model", default=None, help="a run folder or HF folder (default: the default model)")
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
     from compress.decoder.model import load
-    from compress.models import convert_default_model
+    from compress.source import convert_default_model
 
-    data = args.data or default_data()
+    data = args.data or str(wikitext_file("wiki.test.raw"))  # checked before the model loads
     torch.set_num_threads(args.threads)
     model, tok = load(args.model or convert_default_model())
     ids = tokenize(tok, read_text(data))
@@ -276,4 +266,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from compress.errors import CompressError
+
+    try:
+        main()
+    except CompressError as e:
+        raise SystemExit(f"error: {e}") from None

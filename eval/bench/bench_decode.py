@@ -1,6 +1,6 @@
 """Batch-1 decode and prefill speed, and peak memory, side by side in one run (DESIGN.md "Speed").
 
-    python -m compress.eval.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
+    python -m compress.eval.bench.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
         [--new 128] [--prompt-len 32] [--prefill-len 512] [--json OUT]
 
 Systems (``--systems`` picks some):
@@ -49,7 +49,6 @@ import torch
 
 OURS = ("ours-int4", "ours-int4-q16", "ours-int4-bf16", "ours-int4-bf16-lean", "ours-fp32", "ours-bf16")
 SYSTEMS = (*OURS, *(f"{s}+compile" for s in OURS), "hf-fp32", "llama.cpp")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def tensor_bytes(objs) -> int:
@@ -77,8 +76,7 @@ def model_bytes(model) -> int:
 
 def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
     """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without the data)."""
-    data = Path(os.environ.get("COMPRESS_DATA_DIR", REPO.parent / "shared" / "data"))
-    f = data / "wikitext-2" / "wiki.test.raw"
+    f = Path(os.environ.get("COMPRESS_DATA_DIR", ".")) / "wikitext-2" / "wiki.test.raw"
     text = f.read_text()[:40000] if f.is_file() else "The quick brown fox jumps over the lazy dog. " * 400
     return tokenizer(text).input_ids[offset:offset + n]
 
@@ -184,7 +182,7 @@ def make_system(name, args):
                     "bfloat16" if base.endswith("q16") else None, lean)
     if name == "hf-fp32":
         return HF(args.fp)
-    from compress.models import default_gguf
+    from compress.source import default_gguf
 
     return LlamaCpp(default_gguf(), args.threads)
 
@@ -220,7 +218,7 @@ def worker(spec: str, args) -> None:
 class Worker:
     def __init__(self, spec, argv):
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, "-m", "compress.eval.bench_decode", "--worker", spec, *argv],
+        self.proc = subprocess.Popen([sys.executable, "-m", "compress.eval.bench.bench_decode", "--worker", spec, *argv],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.read()  # loaded
 
@@ -246,7 +244,7 @@ class Worker:
 def disk_bytes(name: str, args) -> int:
     """The weights as stored: the run folder's safetensors files, or the GGUF file."""
     if name == "llama.cpp":
-        from compress.models import default_gguf
+        from compress.source import default_gguf
 
         return default_gguf().stat().st_size
     folder = Path(args.int4 if name.startswith("ours-int4") else args.fp)
@@ -313,7 +311,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.fp is None:
-        from compress.models import convert_default_model
+        from compress.source import convert_default_model
 
         args.fp = str(convert_default_model())
     if args.worker:

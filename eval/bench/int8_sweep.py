@@ -1,13 +1,13 @@
 """Where LLM.int8's error comes from: a threshold sweep on validation text, in one run.
 
-    python -m compress.eval.int8_sweep [--windows 8] [--seqlen 2048] [--thresholds 0 1 2 3 4 6]
+    python -m compress.eval.bench.int8_sweep [--windows 8] [--seqlen 2048] [--thresholds 0 1 2 3 4 6]
 
 Every setting quantizes the same fp32 model in memory and is scored on the same
 windows of WikiText-2 *validation* text (never the test windows, so a threshold
 picked here is not tuned on the test figures), against the source's log-probs:
 
     weights-only   W_hat = SCB * W_i8 / 127 (per-row absmax), activations in fp32
-    rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 quant.group_size=-1)
+    rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 rtn.group_size=-1)
     t=a            LLM.int8 with threshold a (t=0: pure vector-wise int8)
 
 The gap between weights-only and t=a is what per-token activation int8 costs.
@@ -15,18 +15,16 @@ The gap between weights-only and t=a is what per-token activation int8 costs.
 
 import argparse
 import copy
-import os
-from pathlib import Path
 
 import torch
 
 from compress.adapters import get_adapter
-from compress.data import eval_windows, read_text
+from compress.data import eval_windows, read_text, wikitext_file
 from compress.eval.perplexity import evaluate
 from compress.formats.int8_linear import quantize_rowwise
-from compress.models import cache_dir, convert_default_model, load_model
 from compress.quant.llm_int8 import quantize_model
 from compress.quant.quantizer import fake_quantize
+from compress.source import cache_dir, convert_default_model, load_model
 
 
 def weights_only(model):
@@ -50,8 +48,7 @@ def main(argv=None) -> None:
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--thresholds", type=float, nargs="+", default=[0, 1, 2, 3, 4, 6])
     args = p.parse_args(argv)
-    data = Path(os.environ.get("COMPRESS_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-    text = read_text(args.text or str(data / "wikitext-2" / "wiki.valid.tokens"), role="eval")
+    text = read_text(args.text or str(wikitext_file("wiki.valid.tokens")), role="eval")
     source, tok, info = load_model(args.model or str(convert_default_model()), "float32", False)
     windows = eval_windows(tok, text, args.seqlen, args.windows)
     cache = cache_dir() / "logprobs" if info.sha256 else None

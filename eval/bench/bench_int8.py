@@ -1,6 +1,6 @@
 """CPU timing of LLM.int8 linears: ours (``Int8Linear``), bitsandbytes' ``Linear8bitLt``, fp32 and bf16.
 
-    python -m compress.eval.bench_int8 [--threads N] [--reps 15] [--m 1 16 512] [--threshold 6.0]
+    python -m compress.eval.bench.bench_int8 [--threads N] [--reps 15] [--m 1 16 512] [--threshold 6.0]
 
 For each layer shape (the default model's 576x576, 576x1536, 1536x576 and the
 7B-sized 4096x4096, 4096x11008, written in x out) and each M (tokens per call),

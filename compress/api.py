@@ -1,0 +1,207 @@
+"""The Python API beside ``python -m compress``: run a recipe, or quantize a model in memory.
+
+``run(recipe, model=..., **overrides)`` is the CLI's run (same checks, same run folder)::
+
+    result = compress.run("awq_int4", model="FOLDER_OR_HUB_ID", eval={"windows": 4})
+    result.path, result.report["ppl"]
+
+``quantize(model, config)`` swaps an HF model's decoder linears in place, as torchao's
+``quantize_(model, config)`` does; ``save`` writes it as a run-folder checkpoint::
+
+    compress.quantize(model, compress.RTNConfig(bits=4, group_size=128))
+    compress.quantize(model, compress.AWQConfig(bits=4), tokenizer=tok)  # calibrates
+    compress.save(model, "outputs/my_int4", tokenizer=tok)
+
+A config's unset knobs take the values of the recipe it names (``recipes/NAME.yaml``).
+"""
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from compress.errors import CompressError
+
+
+@dataclass
+class RunResult:
+    """A completed run: its folder and its report (``report.json``)."""
+
+    path: Path
+    report: dict
+
+
+def override_value(value) -> str:
+    """A Python value as Hydra's override grammar spells it (strings quoted)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    # Hydra's quoted strings: backslashes escape only before a quote or the closing quote
+    text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, str(value)).replace("'", "\\'")
+    return f"'{text}'"
+
+
+def overrides_of(settings: dict, prefix: str = "") -> list[str]:
+    """``{"eval": {"windows": 2}}`` -> ``["eval.windows=2"]``: a dict value is a config group."""
+    out = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out += overrides_of(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={override_value(value)}")
+    return out
+
+
+def run(recipe: str, *overrides: str, model=None, out=None, **settings) -> RunResult:
+    """Run ``recipes/RECIPE.yaml`` on ``model`` (a folder or hub id; default: the recipe's) into
+    ``out`` (default ``outputs/DATE_TIME_RECIPE``).
+
+    ``overrides`` are CLI-style ``"KEY=VALUE"`` strings; ``settings`` are config keys or groups
+    (``eval={"windows": 4}``, ``seed=1``). Both are checked before the model loads.
+    """
+    from compress.config import compose
+    from compress.pipeline import run as run_pipeline
+
+    extra = [*overrides, *overrides_of(settings)]
+    if model is not None:
+        extra.append(f"model.path={override_value(str(model))}")
+    cfg = compose(recipe, extra)
+    out = (
+        Path(out)
+        if out is not None
+        else Path("outputs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.name}"
+    )
+    report = run_pipeline(cfg, out)
+    return RunResult(path=out, report=report)
+
+
+@dataclass(frozen=True)
+class RTNConfig:
+    """Round-to-nearest, group-wise with a zero point (``rtn.*``)."""
+
+    bits: int = 4
+    group_size: int | str = "auto"  # auto: 128, else 64, else 32; -1: one scale per output row
+    symmetric: bool = False
+    recipe: ClassVar[str] = "rtn_int4"
+    stage: ClassVar[str] = "rtn"
+
+    def overrides(self) -> list[str]:
+        return overrides_of(
+            {"rtn": {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}}
+        )
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """AWQ scale and clip search (``awq.*``), on ``calib_samples`` x ``calib_seqlen`` tokens."""
+
+    bits: int = 4
+    group_size: int | str = "auto"
+    calib_samples: int | None = None  # None: the recipe's (128 of 512 tokens)
+    calib_seqlen: int | None = None
+    options: dict = field(default_factory=dict)  # other awq.* keys: n_grid, clip, duo_scaling, ...
+    recipe: ClassVar[str] = "awq_int4"
+    stage: ClassVar[str] = "awq"
+
+    def overrides(self) -> list[str]:
+        calib = {
+            k: v for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen)) if v
+        }
+        return overrides_of(
+            {
+                "awq": {"bits": self.bits, "group_size": self.group_size, **self.options},
+                **({"calib": calib} if calib else {}),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """LLM.int8 (``llm_int8.*``): outlier input dims above ``threshold`` stay in full precision.
+
+    ``outlier_stats`` records the per-layer outlier table, which needs calibration text.
+    """
+
+    threshold: float = 6.0
+    outlier_stats: bool = False
+    recipe: ClassVar[str] = "llm_int8"
+    stage: ClassVar[str] = "llm_int8"
+
+    def overrides(self) -> list[str]:
+        return overrides_of(
+            {"llm_int8": {"threshold": self.threshold, "outlier_stats": self.outlier_stats}}
+        )
+
+
+def quantize(model, config, tokenizer=None, calibration=None):
+    """Quantize an HF model of the Llama family in place; returns it.
+
+    ``calibration`` (methods that calibrate): token ids ``[samples, seqlen]``, or a text source
+    (a file or datasets id) read with ``tokenizer``; default: the recipe's ``data.calib.source``.
+    ``model.config.quantization_config`` is set to what ``save`` writes into config.json.
+    """
+    import torch
+
+    from compress.config import check_stage_settings, compose, layer_in_features, needs_calibration
+    from compress.data import check_source
+    from compress.pipeline import Context
+    from compress.stages import get_stage
+
+    if not hasattr(config, "overrides"):
+        raise CompressError(
+            f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
+        )
+    if getattr(model.config, "quantization_config", None):
+        raise CompressError(
+            "this model is already quantized (model.config.quantization_config is set); "
+            "quantize the full-precision model instead."
+        )
+    extra = config.overrides()
+    tokens = calibration if isinstance(calibration, torch.Tensor) else None
+    if calibration is not None and tokens is None:
+        extra.append(f"data.calib.source={override_value(str(calibration))}")
+    cfg = compose(config.recipe, extra)
+    check_stage_settings(cfg, layer_in_features(model.config))
+    if needs_calibration(cfg) and tokens is None:
+        if tokenizer is None:
+            raise CompressError(
+                f"{type(config).__name__} calibrates on text: pass tokenizer=... (with "
+                f"calibration=TEXT_FILE, or the default data.calib.source), or "
+                f"calibration=token ids [samples, seqlen]."
+            )
+        check_source(cfg.data.calib.source, role="calib")
+    torch.manual_seed(cfg.seed)
+    ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)
+    model = get_stage(config.stage)(model, ctx)
+    model.config.quantization_config = ctx.quantization_config
+    return model.eval()
+
+
+def save(model, folder, tokenizer=None) -> Path:
+    """Write ``model`` (quantized by ``quantize`` or not) as a checkpoint folder that
+    ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read."""
+    from compress.checkpoint import save_checkpoint
+    from compress.run_folder import atomic_dir, commit_dir
+
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise CompressError(f"'{folder}' already exists and is not empty; pick another folder.")
+    qcfg = getattr(model.config, "quantization_config", None)
+    tmp = atomic_dir(folder)
+    try:
+        save_checkpoint(model, tokenizer, tmp, qcfg if isinstance(qcfg, dict) else None)
+        commit_dir(tmp, folder)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

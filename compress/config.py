@@ -1,0 +1,322 @@
+"""Recipes: find them, compose one with overrides, and check the result before any work.
+
+A recipe is ``recipes/NAME.yaml``, a Hydra primary config on top of ``recipes/base.yaml``.
+``check_overrides`` compares each ``KEY=VALUE`` with the composed recipe: an unknown key gets
+the nearest known ones (difflib), a value of the wrong kind names the key and the kind it
+takes. ``validate(cfg)`` then checks what the run will need (data files, the model path,
+group sizes, bit widths, the decoder and Hub settings) in milliseconds, before the model loads.
+"""
+
+import difflib
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from compress.errors import CompressError
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+QUANT_STAGES = ("rtn", "awq")  # stages with ``bits`` and ``group_size``
+_ABSENT = object()
+
+
+def available(group: str | None = None) -> list[str]:
+    """Recipe names (``group=None``), or the config names of a group folder (``model``...)."""
+    folder = RECIPES / group if group else RECIPES
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "base")
+
+
+def groups() -> list[str]:
+    """Config group folders under ``recipes/`` (selected with ``GROUP=NAME``)."""
+    return sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
+
+
+def summary(recipe: str) -> str:
+    """The first comment line of ``recipes/NAME.yaml``: what the recipe does, in one line."""
+    for line in (RECIPES / f"{recipe}.yaml").read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in available():
+        raise CompressError(
+            f"unknown recipe '{recipe}'. Available recipes: {', '.join(available())} "
+            f"(files in recipes/). Run e.g. `python -m compress recipe=awq_int4`."
+        )
+
+
+def _stage_names() -> list[str]:
+    from compress.stages import STAGES
+
+    return list(STAGES)
+
+
+def _compose(recipe: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+            return hydra_compose(
+                config_name=recipe, overrides=list(overrides), return_hydra_config=with_hydra
+            )
+    except HydraException as e:  # what check_overrides could not foresee
+        raise CompressError(f"recipe {recipe} with {' '.join(overrides)}: {e}") from None
+
+
+def _leaves(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of a config that holds a value (not a group of keys)."""
+    out = []
+    for k, v in node.items_ex(resolve=False):
+        if isinstance(v, DictConfig) and not v._is_none():
+            out += _leaves(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def did_you_mean(key: str, known: list[str]) -> list[str]:
+    """Known keys close to ``key`` (difflib's ratio), a key with the same last part ranking higher
+    (quant.bits -> rtn.bits); the best and those almost as close."""
+    leaf = key.rpartition(".")[2]
+
+    def score(k: str) -> float:
+        bonus = 0.2 if k.rpartition(".")[2] == leaf else 0.0
+        return difflib.SequenceMatcher(None, key, k).ratio() + bonus
+
+    ranked = sorted(((score(k), k) for k in known), reverse=True)
+    if not ranked or ranked[0][0] < 0.6:
+        return []
+    return [k for s, k in ranked[:3] if s >= ranked[0][0] - 0.1]
+
+
+_KINDS = (
+    (bool, "true or false"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    ((list, ListConfig), "a list [a,b]"),
+    ((dict, DictConfig), "a group of keys"),
+)
+
+
+def _kind(value) -> str:
+    return next(name for t, name in _KINDS if isinstance(value, t))
+
+
+def _spell(value) -> str:
+    """A value as an override writes it: true, null, [a,b]."""
+    if isinstance(value, list):
+        return "[" + ",".join(map(_spell, value)) + "]"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _fits(value, ref) -> bool:
+    """Whether an override's ``value`` may replace the recipe's ``ref`` (null always may)."""
+    if ref is None or value is None or (isinstance(value, str) and "${" in value):
+        return True
+    if isinstance(ref, bool) or isinstance(value, bool):
+        return isinstance(ref, bool) and isinstance(value, bool)
+    if isinstance(ref, int):
+        return isinstance(value, int)
+    if isinstance(ref, float):
+        return isinstance(value, (int, float))
+    if isinstance(ref, str):  # group_size: auto also takes 128
+        return isinstance(value, (str, int, float))
+    if isinstance(ref, (list, ListConfig)):
+        return isinstance(value, list)
+    return isinstance(value, dict)
+
+
+def check_overrides(recipe: str, overrides: list[str]) -> None:
+    """Refuse an override whose key the recipe lacks (with did-you-mean) or whose value is of the
+    wrong kind, and a group selection (``model=NAME``) with no such config."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    check_recipe(recipe)
+    parser, parsed = OverridesParser.create(), []
+    for line in overrides:
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as e:
+            raise CompressError(
+                f"cannot read the override '{line}': {str(e).splitlines()[0]}. Write "
+                f"KEY=VALUE (a list: KEY=[a,b]; quotes around text with spaces)."
+            ) from None
+    group_names = groups()
+    selections = [o.input_line for o in parsed if o.key_or_group in group_names]
+    for o in parsed:
+        if o.key_or_group in group_names:
+            if o.value() not in available(o.key_or_group):
+                group = o.key_or_group
+                raise CompressError(
+                    f"unknown {group} config '{o.value()}'. Available: "
+                    f"{', '.join(available(group))} (files in recipes/{group}/). "
+                    f"To use another model, keep the default config and "
+                    f"set model.path=FOLDER_OR_HUB_ID."
+                )
+    cfg = _compose(recipe, selections, with_hydra=True)
+    known = _leaves(cfg)
+    for o in parsed:
+        key = o.key_or_group
+        if key in group_names or key.startswith("hydra/"):  # a group selection
+            continue
+        ref = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
+        if o.is_add() and ref is not _ABSENT:
+            raise CompressError(
+                f"{o.input_line}: {key} is in the recipe already; write {key}=VALUE."
+            )
+        if ref is _ABSENT:  # compress reads only the recipe's keys, so '+key' adds nothing it reads
+            near = did_you_mean(key, known)
+            hint = f"; did you mean {' or '.join(near)}?" if near else "."
+            group = key.partition(".")[0]
+            if group in _stage_names() and group not in cfg.stages:
+                hint += (
+                    f" Recipe {recipe} runs the stages {list(cfg.stages)}; "
+                    f"{group}.* is read by the {group} stage."
+                )
+            raise CompressError(
+                f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
+                f"recipe={recipe} --cfg job` prints every key."
+            )
+        if o.is_delete() or o.is_sweep_override():
+            continue
+        if isinstance(ref, (DictConfig, ListConfig)):
+            ref = OmegaConf.to_container(ref, resolve=False)
+        value = o.value()
+        if not _fits(value, ref):
+            shown = _spell(ref)
+            raise CompressError(
+                f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={shown}), "
+                f"not {_kind(value)} {value!r}."
+            )
+
+
+def compose(recipe: str, overrides=()) -> DictConfig:
+    """The recipe's config with ``overrides`` (``KEY=VALUE`` strings), checked first."""
+    check_overrides(recipe, list(overrides))
+    return _compose(recipe, list(overrides))
+
+
+def _positive_int(cfg, key: str, null_ok: bool = False) -> None:
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None and null_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CompressError(
+            f"{key}={value!r}: {key} takes a positive integer{' or null' if null_ok else ''}."
+        )
+
+
+def check_group_size(group_size, in_features: dict[str, int], key: str) -> None:
+    """``auto``, -1 or a power of two that divides every quantized layer's in_features."""
+    from compress.quant.quantizer import auto_group_size
+    from compress.quant.quantizer import check_group_size as check_layer
+
+    if group_size in ("auto", None, -1):
+        if group_size == "auto" and in_features:
+            auto_group_size(list(in_features.values()))
+        return
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 2
+        or group_size & (group_size - 1)
+    ):
+        raise CompressError(
+            f"{key}={group_size!r}: the group size is auto (128, else 64, else 32), -1 "
+            f"(one scale per output row) or a power of two such as 32, 64 or 128."
+        )
+    for name, k in in_features.items():
+        check_layer(name, k, group_size)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Everything a run can check before loading the model: costs milliseconds."""
+    from compress.data import check_source
+    from compress.source import check_path
+    from compress.stages import get_stage
+
+    for name in cfg.stages:
+        get_stage(name)
+    for key in ("eval.seqlen", "calib.samples", "calib.seqlen"):
+        _positive_int(cfg, key)
+    _positive_int(cfg, "eval.windows", null_ok=True)
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise CompressError(f"model.dtype={cfg.model.dtype}: use float32, bfloat16 or float16.")
+
+    config = check_path(str(cfg.model.path))
+    in_features = {}
+    if config is not None:
+        from transformers import AutoConfig
+
+        in_features = layer_in_features(AutoConfig.for_model(**config))
+    check_stage_settings(cfg, in_features)
+
+    check_source(cfg.data.eval.source, role="eval")
+    if needs_calibration(cfg):
+        check_source(cfg.data.calib.source, role="calib")
+    if "distill" in cfg.stages and cfg.distill.get("data"):
+        check_source(cfg.distill.data, role="distill")
+
+    if cfg.decode.enabled:
+        check_decode(cfg.decode)
+    from compress.hub import check_config
+
+    check_config(cfg.get("hub"))
+
+
+def layer_in_features(hf_config) -> dict[str, int]:
+    """``{'model.layers.0.self_attn.q_proj [OUTxIN]': IN, ...}``: the first layer's projections."""
+    from compress.adapters import get_adapter
+
+    adapter = get_adapter(hf_config)
+    shapes = adapter.linear_shapes(hf_config)
+    return {f"{adapter.layers}.0.{p} [{o}x{i}]": i for p, (o, i) in shapes.items()}
+
+
+def needs_calibration(cfg) -> bool:
+    """Whether a stage of the recipe reads calibration text."""
+    int8 = cfg.get("llm_int8") or {}
+    int8_calib = (
+        "llm_int8" in cfg.stages
+        and int8.get("outlier_stats", True)
+        and int8.get("threshold", 6.0) != 0
+    )
+    return int8_calib or bool({"awq", "prune", "distill"} & set(cfg.stages))
+
+
+def check_stage_settings(cfg, in_features: dict[str, int]) -> None:
+    """The quantization stages' bits, group sizes (against ``in_features``) and threshold."""
+    for stage in QUANT_STAGES:
+        if stage in cfg.stages:
+            bits = cfg[stage].bits
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+                raise CompressError(
+                    f"{stage}.bits={bits!r}: the bit width is an integer from 2 to 8."
+                )
+            check_group_size(cfg[stage].group_size, in_features, f"{stage}.group_size")
+    if "awq" in cfg.stages:
+        from compress.quant.awq import check_grouped
+
+        check_grouped(cfg.awq.group_size)
+    if "llm_int8" in cfg.stages:
+        from compress.quant.llm_int8 import check_threshold
+
+        check_threshold(cfg.llm_int8.get("threshold", 6.0))
+
+
+def check_decode(dcfg) -> None:
+    """Refuse a ``decode`` group the decoder cannot run."""
+    from compress.decoder.kv import KV_KINDS
+
+    if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise CompressError(
+            f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
+            f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
+        )

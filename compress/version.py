@@ -1,0 +1,3 @@
+"""The package version, recorded in every run folder's manifest."""
+
+__version__ = "0.1.0"
