@@ -24,11 +24,21 @@ TOKEN = "hf_fake_secret_0123456789"
 
 
 @pytest.fixture
-def hub(monkeypatch):
+def online(monkeypatch):
+    """Offline mode off, whatever the shell exports: huggingface_hub read HF_HUB_OFFLINE at import."""
+    import huggingface_hub.constants as constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def hub(monkeypatch, online):
     """A fake Hub; the client sends the token from HF_TOKEN and uses plain LFS, not Xet."""
     import huggingface_hub.constants as constants
 
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_PROGRESS_BARS", True)
     with FakeHub() as server:
@@ -190,14 +200,12 @@ def test_pipeline_writes_card_and_pushes(hub, tiny_dir, tmp_path, monkeypatch):
     assert hub.repos["org/fp"]["branches"]["main"] == local_files(out)
 
 
-def test_xet_pipeline_path_with_regular_files(monkeypatch, run_dir):
+def test_xet_pipeline_path_with_regular_files(monkeypatch, online, run_dir):
     """With hf_xet installed, upload_folder takes its pipelined path; small regular files need no Xet server."""
     import huggingface_hub.constants as constants
 
-    if constants.HF_HUB_DISABLE_XET:
-        pytest.skip("HF_HUB_DISABLE_XET is set")
     pytest.importorskip("hf_xet")
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
     with FakeHub(lfs_suffixes=()) as hub:
         push(run_dir, "org/xet", endpoint=hub.endpoint)
         assert hub.repos["org/xet"]["branches"]["main"] == local_files(run_dir) and not hub.lfs
