@@ -56,9 +56,10 @@ def metrics_table(report: dict) -> list[str]:
     follow the run's."""
     lines = ["| metric | value |", "|---|---|"]
     delta = ppl_delta(report)
-    for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes", "linear_weight_bytes",
-                "params", "distill_tokens", "bits", "group_size", "decode_tok_s", "prefill_tok_s",
-                "kv_bytes_per_token", "decode_error", "peak_rss_bytes", "elapsed_s"):
+    for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes",
+                "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size", "decode_tok_s",
+                "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error", "peak_rss_bytes",
+                "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
         if key == "source_ppl" and delta:
