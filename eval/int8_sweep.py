@@ -10,11 +10,11 @@ picked here is not tuned on the test figures), against the source's log-probs:
     rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 quant.group_size=-1)
     t=a            LLM.int8 with threshold a (t=0: pure vector-wise int8)
 
-The gap between weights-only and t=a is what per-token activation int8 costs.
+The gap between weights-only and t=a is what per-token activation int8 costs. Each setting is
+scored by ``compress.quant.llm_int8.score``, as ``llm_int8.threshold=auto`` scores its candidates.
 """
 
 import argparse
-import copy
 import os
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from compress.adapters import get_adapter
 from compress.data import eval_windows, read_text
 from compress.eval.perplexity import evaluate
 from compress.models import cache_dir, convert_default_model, load_model
-from compress.quant.llm_int8 import quantize_model, quantize_rowwise
+from compress.quant.llm_int8 import quantize_model, quantize_rowwise, score
 from compress.quant.quantizer import fake_quantize
 
 
@@ -59,8 +59,7 @@ def main(argv=None) -> None:
     settings += [(f"t={a:g}", lambda m, a=a: quantize_model(m, a)) for a in args.thresholds]
     rows = []
     for name, make in settings:
-        f = evaluate(make(copy.deepcopy(source)), windows, source, desc=name, cache=cache, source_sha=info.sha256)
-        rows.append((name, f))
+        rows.append((name, score(source, windows, make, desc=name, cache=cache, source_sha=info.sha256)))
     fp = evaluate(source, windows, desc="fp32")["ppl"]
     print(f"\nWikiText-2 validation, {args.windows} windows of {args.seqlen}; fp32 ppl {fp:.3f}")
     print(f"{'setting':>14} {'ppl':>8} {'Δppl %':>8} {'KL':>10} {'top-1':>7}")

@@ -57,7 +57,8 @@ def metrics_table(report: dict) -> list[str]:
     lines = ["| metric | value |", "|---|---|"]
     delta = ppl_delta(report)
     for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes",
-                "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size", "decode_tok_s",
+                "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size",
+                "llm_int8_threshold", "llm_int8_threshold_reason", "decode_tok_s",
                 "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error", "peak_rss_bytes",
                 "elapsed_s"):
         if key in report:
