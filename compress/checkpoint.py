@@ -49,13 +49,14 @@ def guard_safetensors(where):
 
 
 def quantized_modules(model: nn.Module) -> list[str]:
-    """Names of the decoder linears a quantized layer has replaced (those that are no ``nn.Linear``)."""
+    """Names of the decoder linears a quantized layer has replaced (no longer ``nn.Linear``)."""
     return [name for name, m in get_adapter(model.config).all_linears(model).items()
             if not isinstance(m, nn.Linear)]
 
 
 def _unquantized(model: nn.Module, sd: dict) -> list[str]:
-    """Floating tensors of ``sd`` outside the quantized layers (their scales keep their format's dtype)."""
+    """Floating tensors of ``sd`` outside the quantized layers (whose scales keep their format's
+    dtype)."""
     prefixes = tuple(f"{name}." for name in quantized_modules(model))
     return [k for k, v in sd.items() if v.is_floating_point() and not k.startswith(prefixes)]
 
@@ -69,25 +70,28 @@ def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
     limit = torch.finfo(torch.float16).max
     for name in _unquantized(model, sd):
         if sd[name].numel() and sd[name].abs().max() > limit:
-            log.warning("tensor '%s' exceeds float16's range: unquantized tensors saved in bfloat16", name)
+            log.warning("tensor '%s' exceeds float16's range: unquantized tensors saved in "
+                        "bfloat16", name)
             return torch.bfloat16
     return torch.float16
 
 
-def state_dict_for_save(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def state_dict_for_save(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds; with ``dtype``, those outside quantized layers cast to it."""
     sd = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     cast = set(_unquantized(model, sd)) if dtype is not None else set()
-    return {k: (v.detach().to(dtype) if k in cast else v.detach()).contiguous() for k, v in sd.items()}
+    return {k: (v.detach().to(dtype) if k in cast else v.detach()).contiguous()
+            for k, v in sd.items()}
 
 
 def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_config: dict | None,
                     dtype: torch.dtype | None = None) -> None:
     """Write config.json, model.safetensors and the tokenizer into ``folder``.
 
-    ``dtype``: the unquantized tensors' dtype on disk (``unquantized_dtype``); None keeps the model's.
+    ``dtype``: the unquantized tensors' dtype on disk (``unquantized_dtype``); None keeps the
+    model's.
     """
     from safetensors.torch import save_file
 

@@ -57,9 +57,9 @@ def check_run_folder(run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def card_for_repo(run_dir: Path, repo_id: str):
-    """The folder to upload: ``run_dir``, or, when its README.md holds the card's placeholder repo id,
-    a temporary folder of links to its files whose README.md names ``repo_id``."""
-    from compress.model_card import PLACEHOLDER_REPO
+    """The folder to upload: ``run_dir``, or, when its README.md holds the card's placeholder
+    repo id, a temporary folder of links to its files whose README.md names ``repo_id``."""
+    from compress.model_card import PLACEHOLDER_NOTE, PLACEHOLDER_REPO
 
     card = run_dir / "README.md"
     if not card.is_file() or PLACEHOLDER_REPO not in (text := card.read_text()):
@@ -71,7 +71,8 @@ def card_for_repo(run_dir: Path, repo_id: str):
                 link = Path(tmp) / p.relative_to(run_dir)
                 link.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(p.resolve(), link)
-        (Path(tmp) / "README.md").write_text(text.replace(PLACEHOLDER_REPO, repo_id))
+        filled = text.replace(PLACEHOLDER_NOTE + "\n\n", "").replace(PLACEHOLDER_REPO, repo_id)
+        (Path(tmp) / "README.md").write_text(filled)
         yield Path(tmp)
 
 
@@ -135,8 +136,8 @@ def push(run_dir: Path, repo_id: str, *, private: bool = False, revision: str | 
         return _push(run_dir, sent, repo_id, private, revision, dry_run, HfApi(endpoint=endpoint))
 
 
-def _push(run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool,
-          api) -> str | None:
+def _push(run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str | None,
+          dry_run: bool, api) -> str | None:
     """``push``, uploading the folder ``sent`` (``card_for_repo`` of ``run_dir``)."""
     from huggingface_hub import get_token
 

@@ -19,6 +19,7 @@ import yaml
 from compress.eval.run_report import bit_width, metrics_table, protocol
 
 PLACEHOLDER_REPO = "ORG/NAME"
+PLACEHOLDER_NOTE = f"Replace `{PLACEHOLDER_REPO}` below with this repository's id."
 
 
 def source_info(source: dict) -> dict:
@@ -39,7 +40,8 @@ def source_info(source: dict) -> dict:
             meta["base_model"] = f"{hub_id.group(1)}/{hub_id.group(2)}"
         elif not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # loaded by hub id
             meta["base_model"] = name
-    return {k: meta[k] for k in ("base_model", "license", "gguf", "sha256", "package") if meta.get(k)}
+    keys = ("base_model", "license", "gguf", "sha256", "package")
+    return {k: meta[k] for k in keys if meta.get(k)}
 
 
 def provenance(info: dict) -> str | None:
@@ -48,7 +50,8 @@ def provenance(info: dict) -> str | None:
         return None
     kind = re.search(r"\.((?:I?Q\d\w*)|F16|BF16|F32)\.gguf$", info["gguf"], re.IGNORECASE)
     where = f" shipped in the `{info['package']}` package" if info.get("package") else ""
-    return (f"The source is `{info.get('base_model', 'the base model')}` dequantized to float32 from the "
+    base = info.get("base_model", "the base model")
+    return (f"The source is `{base}` dequantized to float32 from the "
             f"{kind.group(1) + ' ' if kind else ''}GGUF file `{info['gguf']}`{where}"
             + (f" (sha256 `{info['sha256']}`)" if info.get("sha256") else "")
             + ", not the original checkpoint: its figures are those of that GGUF's weights.")
@@ -84,7 +87,8 @@ def loaders(config: dict, stages: list) -> list[str]:
 def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
     qcfg = config.get("quantization_config") or {}
     bits = bit_width(report, config, recipe)
-    tags = ["compress", *recipe.get("stages", []), f"{bits}-bit" if bits else None]  # the methods that ran
+    # the methods that ran, not the format: an RTN run in AWQ's format is no AWQ run
+    tags = ["compress", *recipe.get("stages", []), f"{bits}-bit" if bits else None]
     meta = {k: v for k, v in source_info(source).items() if k in ("base_model", "license")}
     if qcfg and "base_model" in meta:
         meta["base_model_relation"] = "quantized"
@@ -97,7 +101,7 @@ def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
 def _how_to_load(repo_id: str, libs: list[str], method: str | None) -> list[str]:
     lines = ["## How to load", ""]
     if "transformers" in libs:
-        needs = {"awq": "an AWQ kernel package, as transformers asks",
+        needs = {"awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
                  "bitsandbytes": "`pip install bitsandbytes`"}.get(method)
         lines += ["With transformers" + (f" (needs {needs}):" if needs else ":"), "", "```python",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
@@ -130,14 +134,14 @@ def render(report: dict, config: dict, recipe: dict, source: dict, repo_id: str 
     if qcfg:
         lines += [f"On-disk format: `quantization_config` = `{json.dumps(qcfg)}`.", ""]
     if repo_id == PLACEHOLDER_REPO:
-        lines += [f"Replace `{PLACEHOLDER_REPO}` below with this repository's id.", ""]
+        lines += [PLACEHOLDER_NOTE, ""]
     lines += ["## Evaluation", "", protocol(report) + " Perplexity is exp(mean token NLL); KL is "
               "KL(source ‖ this model) in nats per token.", "", *metrics_table(report), "",
               "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
               "the source model's sha256 and the compress version.", "",
               *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method")), "",
-              "## Resolved recipe", "", "```yaml", yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(),
-              "```"]
+              "## Resolved recipe", "", "```yaml",
+              yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -126,10 +126,11 @@ def check_decode(dcfg) -> None:
     if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
         raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "
                             f"dtype float32, bfloat16 or float16 (or decode.enabled=false).")
-    threads = dcfg.get("threads", 1)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise CompressError(f"decode.threads={threads!r}: use a whole number of threads >= 1 (1 is fastest "
-                            f"for batch-1 decoding on a busy machine), or null for torch's default.")
+    n = dcfg.get("threads", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise CompressError(f"decode.threads={n!r}: use a whole number of threads >= 1 (1 is "
+                            f"fastest for batch-1 decoding on a busy machine), or null for "
+                            f"torch's default.")
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict:

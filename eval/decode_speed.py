@@ -51,9 +51,10 @@ def measure(folder, ids: list[int], cfg) -> dict:
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
         model, _ = load(folder, dtype=getattr(torch, cfg.dtype))
         prompt = ids[: cfg.prompt_tokens]
-        kw = dict(kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True)
+        kw = dict(kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile,
+                  ignore_eos=True)
         phase("warm-up, 2 tokens%s", " (compiling the decode step)" if cfg.compile else "")
-        generate(model, [prompt], 2, **kw)  # one prefill and one decode step: kernel forms, compiling
+        generate(model, [prompt], 2, **kw)  # a prefill and a decode step: kernel forms, compiling
         phase("decoding %d tokens after a %d-token prompt", cfg.new_tokens, len(prompt))
         r = generate(model, [prompt], cfg.new_tokens, **kw)
         phase("prefill of %d tokens", len(ids[: cfg.prefill_tokens]))

@@ -59,7 +59,8 @@ def main(argv=None) -> None:
     settings += [(f"t={a:g}", lambda m, a=a: quantize_model(m, a)) for a in args.thresholds]
     rows = []
     for name, make in settings:
-        rows.append((name, score(source, windows, make, desc=name, cache=cache, source_sha=info.sha256)))
+        f = score(source, windows, make, desc=name, cache=cache, source_sha=info.sha256)
+        rows.append((name, f))
     fp = evaluate(source, windows, desc="fp32")["ppl"]
     print(f"\nWikiText-2 validation, {args.windows} windows of {args.seqlen}; fp32 ppl {fp:.3f}")
     print(f"{'setting':>14} {'ppl':>8} {'Δppl %':>8} {'KL':>10} {'top-1':>7}")

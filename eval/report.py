@@ -97,8 +97,8 @@ NOT_COMPRESSION = ("export", "eval", "decode")  # the pipeline's own steps in re
 
 
 def compression_seconds(run: dict) -> float | None:
-    """Seconds the recipe's stages took (``report["stages"]`` of the stages the recipe names; without
-    a manifest, every entry but export, eval and decode): not the export, eval and decode."""
+    """Seconds the recipe's stages took: ``report["stages"]`` of the stages the recipe names
+    (without a manifest, every entry but the pipeline's export, eval and decode)."""
     timings = run["report"].get("stages")
     if not isinstance(timings, dict):
         return None
@@ -216,8 +216,8 @@ def write_comparison(root: Path) -> Path:
     lines = [f"# Comparison of {len(runs)} run{'s' if len(runs) != 1 else ''}", "",
              "Perplexity: WikiText-2 raw test, non-overlapping windows (column *eval windows × tokens*); KL and "
              "top-1 agreement against the uncompressed source on the same windows. Weight bytes: every saved "
-             "tensor. Compression time: the recipe's stages; run time: the whole run, with loading, "
-             f"export, eval and the decoder. {MISSING}: not measured in that run.", ""]
+             "tensor. Compression time: the recipe's stages; run time: the whole run, with "
+             f"loading, export, eval and the decoder. {MISSING}: not measured in that run.", ""]
     protocols = {(r["report"].get("model"), _protocol(r)) for r in runs}
     if len(protocols) > 1:
         lines += ["**Note:** these runs differ in model or eval windows; compare perplexity only between runs "

@@ -59,8 +59,8 @@ def metrics_table(report: dict) -> list[str]:
     for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes",
                 "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size",
                 "llm_int8_threshold", "llm_int8_threshold_reason", "decode_tok_s",
-                "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error", "peak_rss_bytes",
-                "elapsed_s"):
+                "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error",
+                "peak_rss_bytes", "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
         if key == "source_ppl" and delta:

@@ -31,7 +31,7 @@ def own_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("COMPRESS_DATA_DIR", str(DATA))
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-hf-token"))  # nor a stored login
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no stored login
 
 
 def tiny_config(**overrides):

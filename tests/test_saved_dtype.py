@@ -26,7 +26,7 @@ def rel_err(a, b):
 
 
 def round_unquantized(model, dtype=torch.float16):
-    """The in-memory model with every tensor outside the quantized layers rounded through ``dtype``."""
+    """The in-memory model, every tensor outside the quantized layers rounded through ``dtype``."""
     quantized = {n for n, m in get_adapter(model.config).all_linears(model).items()
                  if not isinstance(m, torch.nn.Linear)}
     with torch.no_grad():
@@ -44,7 +44,8 @@ def file_bytes(path):
 
 def test_rtn_int4_folder_is_fp16_outside_the_quantized_linears(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    report = run(compose("rtn_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.enabled=false"]), out)
+    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.enabled=false"]
+    report = run(compose("rtn_int4", over), out)
     t = load_file(str(out / "model.safetensors"))
     for name, v in t.items():
         if name.rsplit(".", 1)[-1] in ("qweight", "qzeros"):
@@ -106,7 +107,8 @@ def test_awq_saved_model_is_the_in_memory_one_with_fp16_norms(tiny_dir, tmp_path
 
 def test_llm_int8_keeps_scb_in_fp32(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    run(compose("llm_int8", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.enabled=false"]), out)
+    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.enabled=false"]
+    run(compose("llm_int8", over), out)
     t = load_file(str(out / "model.safetensors"))
     p = "model.layers.0.mlp.down_proj."
     assert t[p + "weight"].dtype == torch.int8 and t[p + "SCB"].dtype == torch.float32

@@ -271,37 +271,39 @@ def score(model: nn.Module, windows: torch.Tensor, make, compare: bool = True, d
 
 def check_candidates(candidates, tolerance) -> tuple[list[float], float]:
     """``auto``'s settings, validated: candidates largest first, and the tolerance."""
-    number = lambda a: isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)  # noqa: E731
+    def number(a) -> bool:
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+
     if not candidates or not all(number(a) and a > 0 for a in candidates):
-        raise CompressError(f"llm_int8.auto_candidates={candidates!r}: give a list of thresholds > 0, "
-                            f"e.g. [8.0, 6.0, 4.0, 3.0, 2.0, 1.0].")
-    ok = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
-    if not ok or not 0 < tolerance < 1:
-        raise CompressError(f"llm_int8.auto_tolerance={tolerance!r}: give the allowed relative perplexity "
-                            f"increase over the source, a number in (0, 1), e.g. 0.005 for 0.5%.")
+        raise CompressError(f"llm_int8.auto_candidates={candidates!r}: give a list of thresholds "
+                            f"> 0, e.g. [8.0, 6.0, 4.0, 3.0, 2.0, 1.0].")
+    if not number(tolerance) or not 0 < tolerance < 1:
+        raise CompressError(f"llm_int8.auto_tolerance={tolerance!r}: give the allowed relative "
+                            f"perplexity increase over the source, a number in (0, 1), e.g. 0.005 "
+                            f"for 0.5%.")
     return sorted({float(a) for a in candidates}, reverse=True), float(tolerance)
 
 
 def choose_threshold(model: nn.Module, windows: torch.Tensor, candidates, tolerance: float = 0.005):
-    """``(threshold, reason, record)``: the largest candidate whose perplexity on ``windows`` is within
-    ``tolerance`` of ``model``'s (see the module docstring), why, and the perplexities tried."""
+    """``(threshold, reason, record)``: the largest candidate whose perplexity on ``windows`` is
+    within ``tolerance`` of ``model``'s (see the module docstring), why, and the perplexities
+    tried."""
     candidates, tolerance = check_candidates(candidates, tolerance)
     source = score(model, windows, lambda m: m, compare=False, desc="llm_int8 auto: source")["ppl"]
+    where = f"{len(windows)} calibration windows of {windows.shape[1]} tokens"
     tried = {}
     for a in candidates:
         tried[a] = score(model, windows, lambda m, a=a: quantize_model(m, a), compare=False,
                          desc=f"llm_int8 auto: t={a:g}")["ppl"]
         if tried[a] <= (1 + tolerance) * source:
             chosen = a
-            reason = (f"largest of {candidates} whose ppl on {len(windows)} calibration windows of "
-                      f"{windows.shape[1]} tokens ({tried[a]:.4f}) is within {tolerance:.2%} of the "
-                      f"source's ({source:.4f})")
+            reason = (f"largest of {candidates} whose ppl on {where} ({tried[a]:.4f}) is within "
+                      f"{tolerance:.2%} of the source's ({source:.4f})")
             break
     else:
         chosen = min(tried, key=tried.get)
         reason = (f"no candidate of {candidates} is within {tolerance:.2%} of the source's ppl "
-                  f"({source:.4f}) on {len(windows)} calibration windows of {windows.shape[1]} tokens; "
-                  f"kept the lowest ppl ({tried[chosen]:.4f})")
+                  f"({source:.4f}) on {where}; kept the lowest ppl ({tried[chosen]:.4f})")
     record = {"source_ppl": source, "tolerance": tolerance,
               "ppl": {f"{a:g}": p for a, p in tried.items()}}
     return chosen, reason, record
@@ -313,12 +315,14 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
     cfg = ctx.cfg.get("llm_int8") or {}
     threshold = cfg.get("threshold", 6.0)
     if isinstance(threshold, str) and threshold != "auto":
-        raise CompressError(f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is LLM.int8's "
-                            f"default, 0 turns the decomposition off) or auto (measured on calibration text).")
+        raise CompressError(f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is "
+                            f"LLM.int8's default, 0 turns the decomposition off) or auto "
+                            f"(measured on calibration text).")
     if threshold == "auto":
         candidates, tolerance = check_candidates(list(cfg.get("auto_candidates") or []),
                                                  cfg.get("auto_tolerance", 0.005))
-        threshold, reason, record = choose_threshold(model, ctx.calibration(), candidates, tolerance)
+        threshold, reason, record = choose_threshold(model, ctx.calibration(), candidates,
+                                                     tolerance)
         ctx.record["llm_int8_auto"] = record
     else:
         threshold, reason = check_threshold(threshold), "set in the recipe (llm_int8.threshold)"
