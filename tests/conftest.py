@@ -24,7 +24,8 @@ os.environ["COMPRESS_DATA_DIR"] = str(DATA)  # for subprocesses and modules read
 @pytest.fixture(autouse=True)
 def own_environment(monkeypatch, tmp_path):
     """Every test starts from the same environment, whatever the shell exports: the data folder
-    above, no Hub token (a test that needs one sets it). Hub tests turn offline mode off themselves
+    above, no Hub token (a test that needs one sets it), and torch's thread count as the session
+    found it (restored after each test). Hub tests turn offline mode off themselves
     (``tests/test_hub.py``)."""
     import huggingface_hub.constants as constants
 
@@ -32,6 +33,9 @@ def own_environment(monkeypatch, tmp_path):
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no stored login
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides):

@@ -113,3 +113,9 @@ def test_llm_int8_keeps_scb_in_fp32(tiny_dir, tmp_path):
     p = "model.layers.0.mlp.down_proj."
     assert t[p + "weight"].dtype == torch.int8 and t[p + "SCB"].dtype == torch.float32
     assert t["model.embed_tokens.weight"].dtype == torch.float16
+    # transformers (bitsandbytes) loads the fp16 folder as it is and computes what ours does
+    hf = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    assert hf.model.embed_tokens.weight.dtype == torch.float16
+    ours, _ = load_run(out)
+    tokens = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(4))
+    assert rel_err(logits(hf, tokens), logits(ours, tokens)) < 3e-2  # int8 activations, fp16 vs fp32
