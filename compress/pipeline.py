@@ -126,11 +126,9 @@ def check_decode(dcfg) -> None:
     if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
         raise CompressError(f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} and "
                             f"dtype float32, bfloat16 or float16 (or decode.enabled=false).")
-    n = dcfg.get("threads", 1)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise CompressError(f"decode.threads={n!r}: use a whole number of threads >= 1 (1 is "
-                            f"fastest for batch-1 decoding on a busy machine), or null for "
-                            f"torch's default.")
+    from compress.eval.decode_speed import check_threads
+
+    check_threads(dcfg.get("threads", 1))
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict:

@@ -22,7 +22,17 @@ import time
 
 import torch
 
+from compress.errors import CompressError
+
 log = logging.getLogger(__name__)
+
+
+def check_threads(n) -> None:
+    """``decode.threads``: a whole number >= 1, or None (torch's default)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise CompressError(f"decode.threads={n!r}: use a whole number of threads >= 1 (1 is "
+                            f"fastest for batch-1 decoding on a busy machine), or null for "
+                            f"torch's default.")
 
 
 @contextlib.contextmanager

@@ -309,15 +309,25 @@ def choose_threshold(model: nn.Module, windows: torch.Tensor, candidates, tolera
     return chosen, reason, record
 
 
-def llm_int8(model: nn.Module, ctx) -> nn.Module:
-    """Stage: LLM.int8 with ``ctx.cfg.llm_int8`` = {threshold (a number or auto), outlier_stats,
-    auto_candidates, auto_tolerance}."""
-    cfg = ctx.cfg.get("llm_int8") or {}
-    threshold = cfg.get("threshold", 6.0)
+def check_settings(cfg) -> float | str:
+    """The ``llm_int8`` group's threshold, validated: a number >= 0, or ``auto`` with valid
+    ``auto_candidates`` and ``auto_tolerance``. Cheap: for config checks before any work."""
+    threshold = (cfg or {}).get("threshold", 6.0)
     if isinstance(threshold, str) and threshold != "auto":
         raise CompressError(f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is "
                             f"LLM.int8's default, 0 turns the decomposition off) or auto "
                             f"(measured on calibration text).")
+    if threshold == "auto":
+        check_candidates(list(cfg.get("auto_candidates") or []), cfg.get("auto_tolerance", 0.005))
+        return threshold
+    return check_threshold(threshold)
+
+
+def llm_int8(model: nn.Module, ctx) -> nn.Module:
+    """Stage: LLM.int8 with ``ctx.cfg.llm_int8`` = {threshold (a number or auto), outlier_stats,
+    auto_candidates, auto_tolerance}."""
+    cfg = ctx.cfg.get("llm_int8") or {}
+    threshold = check_settings(cfg)
     if threshold == "auto":
         candidates, tolerance = check_candidates(list(cfg.get("auto_candidates") or []),
                                                  cfg.get("auto_tolerance", 0.005))
@@ -325,7 +335,7 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
                                                      tolerance)
         ctx.record["llm_int8_auto"] = record
     else:
-        threshold, reason = check_threshold(threshold), "set in the recipe (llm_int8.threshold)"
+        reason = "set in the recipe (llm_int8.threshold)"
     ctx.record["llm_int8_threshold"], ctx.record["llm_int8_threshold_reason"] = threshold, reason
     if threshold > 0 and cfg.get("outlier_stats", True):
         table = outlier_stats(model, ctx.calibration(), threshold)
