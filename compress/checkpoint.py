@@ -11,10 +11,16 @@ linears on load (``compress.formats.LAYERS``): "awq" (INT4, AutoAWQ GEMM) and
 "compress" (other widths) load as ``QuantLinear``; "bitsandbytes" as ``Int8Linear``.
 Layers whose names contain an entry of ``modules_to_not_convert`` (bitsandbytes:
 ``llm_int8_skip_modules``) stay ``nn.Linear``.
+In a quantized checkpoint, every tensor outside the quantized layers (embedding, norms,
+unquantized linears) is saved in float16, as AutoAWQ saves them, or in the source's dtype
+when that is 16-bit (bfloat16 stays bfloat16); config.json's ``dtype`` says which. A tensor
+beyond float16's range sends them all to bfloat16 instead. Loading for evaluation widens
+them to float32 exactly, so the figures are those of the saved file.
 """
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -25,6 +31,7 @@ from compress.errors import CompressError
 from compress.formats import quantized_layer
 
 WEIGHTS = "model.safetensors"
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -41,15 +48,51 @@ def guard_safetensors(where):
         ) from None
 
 
-def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
+def quantized_modules(model: nn.Module) -> list[str]:
+    """Names of the decoder linears a quantized layer has replaced (no longer ``nn.Linear``)."""
+    return [name for name, m in get_adapter(model.config).all_linears(model).items()
+            if not isinstance(m, nn.Linear)]
+
+
+def _unquantized(model: nn.Module, sd: dict) -> list[str]:
+    """Floating tensors of ``sd`` outside the quantized layers (whose scales keep their format's
+    dtype)."""
+    prefixes = tuple(f"{name}." for name in quantized_modules(model))
+    return [k for k, v in sd.items() if v.is_floating_point() and not k.startswith(prefixes)]
+
+
+def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
+    """The dtype of a quantized checkpoint's unquantized tensors: the source's when it is 16-bit,
+    else float16 (AutoAWQ's), or bfloat16 when some tensor does not fit float16's range."""
+    if str(source_dtype).removeprefix("torch.") in ("float16", "bfloat16"):
+        return getattr(torch, str(source_dtype).removeprefix("torch."))
+    sd = model.state_dict()
+    limit = torch.finfo(torch.float16).max
+    for name in _unquantized(model, sd):
+        if sd[name].numel() and sd[name].abs().max() > limit:
+            log.warning("tensor '%s' exceeds float16's range: unquantized tensors saved in "
+                        "bfloat16", name)
+            return torch.bfloat16
+    return torch.float16
+
+
+def state_dict_for_save(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds; with ``dtype``, those outside quantized layers cast to it."""
     sd = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
-    return {k: v.detach().contiguous() for k, v in sd.items()}
+    cast = set(_unquantized(model, sd)) if dtype is not None else set()
+    return {k: (v.detach().to(dtype) if k in cast else v.detach()).contiguous()
+            for k, v in sd.items()}
 
 
-def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_config: dict | None) -> None:
-    """Write config.json, model.safetensors and the tokenizer into ``folder``."""
+def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_config: dict | None,
+                    dtype: torch.dtype | None = None) -> None:
+    """Write config.json, model.safetensors and the tokenizer into ``folder``.
+
+    ``dtype``: the unquantized tensors' dtype on disk (``unquantized_dtype``); None keeps the
+    model's.
+    """
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -57,8 +100,10 @@ def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_conf
     config.pop("quantization_config", None)
     if quantization_config:
         config["quantization_config"] = quantization_config
+    if dtype is not None:  # "torch_dtype" for readers older than transformers 5
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_file(state_dict_for_save(model, dtype), str(folder / WEIGHTS), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 

@@ -123,8 +123,8 @@ def _fits(value, ref) -> bool:
         return isinstance(ref, bool) and isinstance(value, bool)
     if isinstance(ref, int):
         return isinstance(value, int)
-    if isinstance(ref, float):
-        return isinstance(value, (int, float))
+    if isinstance(ref, float):  # llm_int8.threshold also takes auto
+        return isinstance(value, (int, float)) or value == "auto"
     if isinstance(ref, str):  # group_size: auto also takes 128
         return isinstance(value, (str, int, float))
     if isinstance(ref, (list, ListConfig)):
@@ -306,9 +306,9 @@ def check_stage_settings(cfg, in_features: dict[str, int]) -> None:
 
         check_grouped(cfg.awq.group_size)
     if "llm_int8" in cfg.stages:
-        from compress.quant.llm_int8 import check_threshold
+        from compress.quant.llm_int8 import check_settings
 
-        check_threshold(cfg.llm_int8.get("threshold", 6.0))
+        check_settings(cfg.llm_int8)
 
 
 def check_decode(dcfg) -> None:
@@ -320,3 +320,6 @@ def check_decode(dcfg) -> None:
             f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
             f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
         )
+    from compress.eval.decode_speed import check_threads
+
+    check_threads(dcfg.get("threads", 1))

@@ -9,15 +9,22 @@ sends large files through Xet or LFS and commits at the end. The token comes fro
 ``HF_TOKEN`` or the stored login (``hf auth login``) and is never logged. ``HF_ENDPOINT``
 or ``--endpoint`` points at another Hub. A push only reads the run folder.
 
+A model card written without a repo id holds ``ORG/NAME``: the push sends it with the repo id
+filled in (from a temporary folder of links to the run folder's files, so the run folder stays
+as it is); every other file is sent as it is.
+
 When a step fails, the error says which one, and what the Hub now holds of the run folder
 (checked file by file, by sha256 or git blob id), or that nothing is confirmed uploaded.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from compress.errors import CompressError
@@ -48,6 +55,27 @@ def check_run_folder(run_dir: Path) -> None:
                                 f"{entry['bytes']:,} bytes). Re-run the recipe rather than pushing a damaged folder.")
 
 
+@contextlib.contextmanager
+def card_for_repo(run_dir: Path, repo_id: str):
+    """The folder to upload: ``run_dir``, or, when its README.md holds the card's placeholder
+    repo id, a temporary folder of links to its files whose README.md names ``repo_id``."""
+    from compress.model_card import PLACEHOLDER_NOTE, PLACEHOLDER_REPO
+
+    card = run_dir / "README.md"
+    if not card.is_file() or PLACEHOLDER_REPO not in (text := card.read_text()):
+        yield run_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="compress-push-") as tmp:
+        for p in run_dir.rglob("*"):
+            if p.is_file() and p != card:
+                link = Path(tmp) / p.relative_to(run_dir)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(p.resolve(), link)
+        filled = text.replace(PLACEHOLDER_NOTE + "\n\n", "").replace(PLACEHOLDER_REPO, repo_id)
+        (Path(tmp) / "README.md").write_text(filled)
+        yield Path(tmp)
+
+
 def _git_blob_id(path: Path) -> str:
     h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     h.update(path.read_bytes())
@@ -69,14 +97,15 @@ def remote_matches(api, repo_id: str, revision: str | None, run_dir: Path, files
 
 
 def _failure(step: str, error: Exception, api, repo_id: str, revision: str | None, run_dir: Path,
-             files: list[str], token: str | None) -> CompressError:
-    """A CompressError naming the failed step and what the Hub holds of the run folder."""
+             files: list[str], token: str | None, sent: Path | None = None) -> CompressError:
+    """A CompressError naming the failed step and what the Hub holds of the run folder
+    (compared with ``sent``, the folder the push uploads; default ``run_dir``)."""
     where = f"{repo_id}@{revision or 'main'}"
     if step == "create the repository":
         held = "Nothing was uploaded."
     else:
         try:
-            same = remote_matches(api, repo_id, revision, run_dir, files)
+            same = remote_matches(api, repo_id, revision, sent or run_dir, files)
             missing = [f for f in files if f not in same]
             held = (f"{where} now holds {len(same)} of the {len(files)} files of the run folder"
                     + (f" ({', '.join(same)})" if same else "")
@@ -99,12 +128,20 @@ def _failure(step: str, error: Exception, api, repo_id: str, revision: str | Non
 def push(run_dir: Path, repo_id: str, *, private: bool = False, revision: str | None = None,
          dry_run: bool = False, endpoint: str | None = None) -> str | None:
     """Upload the run folder as one ``upload_folder`` call; returns the commit URL (None for a dry run)."""
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi
 
     run_dir = Path(run_dir)
     check_run_folder(run_dir)
-    plan = upload_plan(run_dir)
-    api = HfApi(endpoint=endpoint)
+    with card_for_repo(run_dir, repo_id) as sent:
+        return _push(run_dir, sent, repo_id, private, revision, dry_run, HfApi(endpoint=endpoint))
+
+
+def _push(run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str | None,
+          dry_run: bool, api) -> str | None:
+    """``push``, uploading the folder ``sent`` (``card_for_repo`` of ``run_dir``)."""
+    from huggingface_hub import get_token
+
+    plan = upload_plan(sent)
     target = f"{api.endpoint}/{repo_id} ({'private' if private else 'public'}, revision {revision or 'main'})"
     if dry_run:
         print(f"dry run: would upload {len(plan)} files, {sum(s for _, s in plan):,} bytes, to {target}")
@@ -128,12 +165,12 @@ def push(run_dir: Path, repo_id: str, *, private: bool = False, revision: str | 
             step = f"create the branch '{revision}'"
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         step = "upload and commit the files"
-        info = api.upload_folder(repo_id=repo_id, folder_path=run_dir, revision=revision,
+        info = api.upload_folder(repo_id=repo_id, folder_path=sent, revision=revision,
                                  commit_message=f"compress run {run_dir.name}")
     except CompressError:
         raise
     except Exception as e:
-        raise _failure(step, e, api, repo_id, revision, run_dir, files, token) from e
+        raise _failure(step, e, api, repo_id, revision, run_dir, files, token, sent) from e
     log.info("pushed %s: %s", run_dir, info.commit_url)
     return info.commit_url
 

@@ -2,10 +2,12 @@
 
 YAML front matter: base_model, base_model_relation (quantized runs), library_name,
 license (carried over from the source where known), pipeline_tag, tags (compress,
-the method, the bit width). Body: what was done with the resolved recipe, the eval
-table with its protocol, and how to load the model: with transformers or vLLM where
-the format allows it (AutoAWQ INT4, bitsandbytes int8, plain checkpoints), always
-with ``compress.decoder``. The pipeline writes it before the manifest, so it is hashed.
+the stages that ran, the bit width). Body: what was done, where the source came from
+(the default model is dequantized from a GGUF), the eval table with its protocol, how to
+load the model (with transformers or vLLM where the format allows it: AutoAWQ INT4,
+bitsandbytes int8, plain checkpoints; always with ``compress.decoder``) and the resolved
+recipe without local paths. The pipeline writes it before the manifest, so it is hashed;
+a card written without a repo id holds ``ORG/NAME``, which the push fills in.
 """
 
 import json
@@ -17,10 +19,12 @@ import yaml
 from compress.eval.run_report import bit_width, metrics_table, protocol
 
 PLACEHOLDER_REPO = "ORG/NAME"
+PLACEHOLDER_NOTE = f"Replace `{PLACEHOLDER_REPO}` below with this repository's id."
 
 
 def source_info(source: dict) -> dict:
-    """``base_model`` and ``license`` of the source model, where they can be known."""
+    """``base_model`` and ``license`` of the source model where they can be known, and for a
+    converted GGUF its ``gguf`` file name, ``sha256`` and ``package``."""
     folder, name = Path(source.get("path") or ""), source.get("name") or ""
     if (folder / "source.json").is_file():  # the default model's cache folder
         meta = json.loads((folder / "source.json").read_text())
@@ -36,7 +40,40 @@ def source_info(source: dict) -> dict:
             meta["base_model"] = f"{hub_id.group(1)}/{hub_id.group(2)}"
         elif not folder.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # loaded by hub id
             meta["base_model"] = name
-    return {k: meta[k] for k in ("base_model", "license") if meta.get(k)}
+    keys = ("base_model", "license", "gguf", "sha256", "package")
+    return {k: meta[k] for k in keys if meta.get(k)}
+
+
+def provenance(info: dict) -> str | None:
+    """One sentence on a source converted from a GGUF file (the default model's source.json)."""
+    if not info.get("gguf"):
+        return None
+    kind = re.search(r"\.((?:I?Q\d\w*)|F16|BF16|F32)\.gguf$", info["gguf"], re.IGNORECASE)
+    where = f" shipped in the `{info['package']}` package" if info.get("package") else ""
+    base = info.get("base_model", "the base model")
+    return (f"The source is `{base}` dequantized to float32 from the "
+            f"{kind.group(1) + ' ' if kind else ''}GGUF file `{info['gguf']}`{where}"
+            + (f" (sha256 `{info['sha256']}`)" if info.get("sha256") else "")
+            + ", not the original checkpoint: its figures are those of that GGUF's weights.")
+
+
+def public_recipe(recipe: dict) -> dict:
+    """The resolved recipe without local paths: no ``hydra`` group, and every string that is a
+    local path (absolute, ``~``, ``./``, ``../``, or a relative path that exists here) replaced by
+    ``<local>/`` and its file name."""
+    def local(v: str) -> bool:
+        return v.startswith(("/", "~", "./", "../")) or ("/" in v and Path(v).exists())
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if k != "hydra"}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        if isinstance(v, str) and local(v):
+            return f"<local>/{Path(v).name}"
+        return v
+
+    return clean(recipe)
 
 
 def loaders(config: dict, stages: list) -> list[str]:
@@ -54,8 +91,9 @@ def loaders(config: dict, stages: list) -> list[str]:
 def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
     qcfg = config.get("quantization_config") or {}
     bits = bit_width(report, config, recipe)
-    tags = ["compress", *recipe.get("stages", []), qcfg.get("quant_method"), f"{bits}-bit" if bits else None]
-    meta = source_info(source)
+    # the methods that ran, not the format: an RTN run in AWQ's format is no AWQ run
+    tags = ["compress", *recipe.get("stages", []), f"{bits}-bit" if bits else None]
+    meta = {k: v for k, v in source_info(source).items() if k in ("base_model", "license")}
     if qcfg and "base_model" in meta:
         meta["base_model_relation"] = "quantized"
     meta["library_name"] = "transformers" if loaders(config, recipe.get("stages", [])) else "compress"
@@ -67,7 +105,7 @@ def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
 def _how_to_load(repo_id: str, libs: list[str], method: str | None) -> list[str]:
     lines = ["## How to load", ""]
     if "transformers" in libs:
-        needs = {"awq": "an AWQ kernel package, as transformers asks",
+        needs = {"awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
                  "bitsandbytes": "`pip install bitsandbytes`"}.get(method)
         lines += ["With transformers" + (f" (needs {needs}):" if needs else ":"), "", "```python",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
@@ -95,16 +133,19 @@ def render(report: dict, config: dict, recipe: dict, source: dict, repo_id: str 
             f"(stages: {', '.join(stages) or 'none, the uncompressed baseline'}).")
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
              f"# {report['recipe']}: {base}", "", done, ""]
+    if origin := provenance(source_info(source)):
+        lines += [origin, ""]
     if qcfg:
         lines += [f"On-disk format: `quantization_config` = `{json.dumps(qcfg)}`.", ""]
     if repo_id == PLACEHOLDER_REPO:
-        lines += [f"Replace `{PLACEHOLDER_REPO}` below with this repository's id.", ""]
+        lines += [PLACEHOLDER_NOTE, ""]
     lines += ["## Evaluation", "", protocol(report) + " Perplexity is exp(mean token NLL); KL is "
               "KL(source ‖ this model) in nats per token.", "", *metrics_table(report), "",
               "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
               "the source model's sha256 and the compress version.", "",
               *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method")), "",
-              "## Resolved recipe", "", "```yaml", yaml.safe_dump(recipe, sort_keys=False).rstrip(), "```"]
+              "## Resolved recipe", "", "```yaml",
+              yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 

