@@ -187,8 +187,9 @@ def quantize(model, config, tokenizer=None, calibration=None):
 
 def save(model, folder, tokenizer=None) -> Path:
     """Write ``model`` (quantized by ``quantize`` or not) as a checkpoint folder that
-    ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read."""
-    from compress.checkpoint import save_checkpoint
+    ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read; a quantized model's
+    unquantized tensors are saved as a recipe run saves them (``checkpoint.unquantized_dtype``)."""
+    from compress.checkpoint import save_checkpoint, unquantized_dtype
     from compress.run_folder import atomic_dir, commit_dir
 
     folder = Path(folder)
@@ -197,7 +198,9 @@ def save(model, folder, tokenizer=None) -> Path:
     qcfg = getattr(model.config, "quantization_config", None)
     tmp = atomic_dir(folder)
     try:
-        save_checkpoint(model, tokenizer, tmp, qcfg if isinstance(qcfg, dict) else None)
+        qcfg = qcfg if isinstance(qcfg, dict) else None
+        dtype = unquantized_dtype(model, getattr(model.config, "dtype", None)) if qcfg else None
+        save_checkpoint(model, tokenizer, tmp, qcfg, dtype)  # unquantized tensors as a recipe run saves them
         commit_dir(tmp, folder)
     except BaseException:
         import shutil

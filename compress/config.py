@@ -14,7 +14,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compress.errors import CompressError
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# recipes/ ships inside the installed package as compress/recipes (pyproject's package-dir);
+# a checkout or editable install reads the top-level folder
+_PACKAGED = Path(__file__).resolve().parent / "recipes"
+RECIPES = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
 QUANT_STAGES = ("rtn", "awq")  # stages with ``bits`` and ``group_size``
 _ABSENT = object()
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+if not torch.cuda.is_available():  # Triton decides at import whether to interpret: before any test imports a kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _data_dir() -> Path:

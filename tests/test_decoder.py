@@ -301,7 +301,7 @@ def test_cli_json_and_errors(tiny, capsys):
     assert out["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     with pytest.raises(SystemExit) as e:
         cli([str(folder.parent / "nowhere"), "--prompt", "x"])
-    assert e.value.code == 2 and "config.json" in capsys.readouterr().err
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli([str(folder), "--prompt", ""])
     assert e.value.code == 2 and "empty" in capsys.readouterr().err

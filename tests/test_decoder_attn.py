@@ -82,3 +82,22 @@ def test_latent_attention_refuses_compressed_caches(tmp_path):
     ours, _ = load(folder)
     with pytest.raises(CompressError, match="fp16 or full"):
         generate(ours, [[5, 6, 7]], 4, kv="kivi")
+
+
+@pytest.mark.parametrize("kind", ["cla", "mla"])
+def test_kv_quality_parallel_pass_runs_converted_models(kind, tmp_path):
+    """kv_quality --models: the one-pass view of an fp16 cache gives a converted model's logits as
+    its real fp16 cache does, with the same bytes (cross-layer slots read twice, a latent key)."""
+    from compress.eval.bench.kv_quality import HistoryMix
+
+    hf, files = convert(kind)
+    folder = save(hf, tmp_path, tiny_tokenizer())
+    for name, src in files.items():
+        shutil.copyfile(src, folder / name)
+    ours, _ = load(folder)
+    ids = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+    mix = HistoryMix("fp16", {}, torch.zeros(40, dtype=torch.long), 2, ours.kv_layout())
+    cache = new_cache(ours, "fp16", 2, 40)
+    with torch.no_grad():
+        assert rel_err(ours(ids, mix), ours(ids, cache)) < 1e-5
+    assert mix.held == cache.nbytes()

@@ -53,7 +53,7 @@ def test_pip_failure_is_one_clear_error(tmp_path):
 def test_default_gguf_without_the_package_reads_the_cache(tmp_path, monkeypatch):
     import importlib.util
 
-    from compress.models import default_gguf
+    from compress.source import default_gguf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -28,6 +28,10 @@ against bytes/token to ``--out``.
     python -m compress.eval.bench.kv_quality                       # defaults, about 10 minutes on 2 cores
     python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536 --packkv 0.04:0.1 0.03:0.08
     python -m compress.eval.bench.kv_quality --tokens 1536 --packkv 0.1:0.2 0.05:0.1 0.03:0.1 0.025:0.1 0.025:0.05
+    python -m compress.eval.bench.kv_quality --parallel --tokens 1536 --models outputs/gqa outputs/cla outputs/mla
+
+``--models`` puts other models with the same tokenizer (attention conversions) on the same plot:
+each decoded teacher-forced with its own fp16 cache, KL against the source's fp16-cache decoding.
 """
 
 import argparse
@@ -42,6 +46,7 @@ from tqdm import tqdm
 from compress.data import read_text, tokenize, wikitext_file
 from compress.decoder.kv import make_cache
 from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.errors import CompressError
 
 
 def configs(args) -> list[tuple[str, str, dict]]:
@@ -110,27 +115,30 @@ class HistoryMix(Cache):
     keys older than ``C[t]`` and the fp16 window's values after.
     """
 
-    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, n_layers: int, n_kv_heads: int,
-                 head_dim: int):
+    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, layout: dict):
         T = len(C)
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, T, torch.float32, torch.device("cpu"))
+        layout = dict(layout)
+        shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
+        super().__init__(shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout)
         self.kind, self.opts = kind, {**opts, "keep_perm": True} if kind == "packkv" else opts
+        self.extra = {k: v for k, v in layout.items() if v is not None}  # a latent key's v_dim, scale
         self.old = torch.arange(T)[None, :] < C[:, None]   # [Tq, Tk]: key in query t's compressed history
         self.kv, self.held = {}, 0
 
     def append(self, layer, k, v, pos=None):
         T = k.shape[2]
-        cache = make_cache(self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.opts)
-        cache.append(0, k[:, :, :T - 1], v[:, :, :T - 1])
-        cache.append(0, k[:, :, T - 1:], v[:, :, T - 1:])  # now holds what decoding leaves at the end
+        cache = make_cache(self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.extra, **self.opts)
+        cache.append(0, k[:, :, :T - 1], None if v is None else v[:, :, :T - 1])
+        cache.append(0, k[:, :, T - 1:], None if v is None else v[:, :, T - 1:])  # what decoding leaves
         self.held += cache.nbytes() - (cache.perm[0, :, :cache.k[0].n].nbytes if self.kind == "packkv" else 0)
         hist = cache.history(0) if self.kind != "fp16" else None
-        self.kv[layer] = (k.half().float(), v.half().float(), hist)  # the fp16 window's values
+        k16 = k.half().float()  # the fp16 window's values
+        self.kv[layer] = (k16, k16[..., :self.v_dim] if v is None else v.half().float(), hist)
         self.lens[layer] = T
 
     def attend(self, layer, q, pos=None, start=None):
         q4, tq = self.queries(q)
-        k16, v16, hist = self.kv.pop(layer)
+        k16, v16, hist = self.kv[layer]  # cross-layer attention reads a slot more than once
         g = q4.shape[2] // tq
         old = self.old.repeat(g, 1)                        # [g*Tq, Tk], queries laid out as q4's
         s = q4 @ k16.transpose(-1, -2)
@@ -148,20 +156,21 @@ class HistoryMix(Cache):
 
 def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     """The figures of :func:`run`, from one forward per cache."""
-    c = model.config
     B, T = windows.shape
     target = windows[:, prefill:, None]
     rows, ref = [], None
-    for label, kind, opts in tqdm(cfgs, desc="kv_quality --parallel", unit="cache"):
+    for label, kind, opts, *other in tqdm(cfgs, desc="kv_quality --parallel", unit="cache"):
         t0 = time.perf_counter()
+        m = other[0] if other else model  # another model (an attention conversion) with its fp16 cache
         C = history_lengths(kind, opts, T, prefill, model.head_dim)
-        mix = HistoryMix(kind, opts, C, B, c.num_hidden_layers, c.num_key_value_heads, model.head_dim)
+        mix = HistoryMix(kind, opts, C, B, m.kv_layout())
         with torch.no_grad():
-            logits = model(windows, mix)[:, prefill - 1:T - 1]
+            logits = m(windows, mix)[:, prefill - 1:T - 1]
         logp, held = torch.log_softmax(logits.float(), -1), mix.held
         ref = logp if ref is None else ref
         n = B * (T - prefill)
-        rows.append({"label": label, "kind": kind, "opts": opts, "bytes_per_token": held / (B * T),
+        rows.append({"label": label, "kind": kind if not other else "model", "opts": opts,
+                     "bytes_per_token": held / (B * T),
                      "kl": (ref.exp() * (ref - logp)).sum().item() / n,
                      "ppl": math.exp(-logp.gather(-1, target).sum().item() / n),
                      "seconds": time.perf_counter() - t0, "context": T})
@@ -185,6 +194,10 @@ def plot(rows, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=line.get_color(), mfc="none")
             for x, y, label in pts:
                 ax.annotate(label.split("-", 1)[1], (x, y), fontsize=6)
+    for r in rows:  # other models (attention conversions), each with its fp16 cache
+        if r["kind"] == "model":
+            ax.plot(r["bytes_per_token"], r["kl"], "^", color="black")
+            ax.annotate(r["label"], (r["bytes_per_token"], r["kl"]), fontsize=6)
     fp16 = next(r["bytes_per_token"] for r in rows if r["kind"] == "fp16")
     ax.axvline(fp16, color="gray", ls="--", label="fp16 cache")
     ax.set_xlabel("KV bytes per token (all layers, metadata and fp16 window included)")
@@ -241,6 +254,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
     ap.add_argument("--data", help="text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
     ap.add_argument("--model", default=None, help="a run folder or HF folder (default: the default model)")
+    ap.add_argument("--models", nargs="*", default=[],
+                    help="other folders with the same tokenizer (e.g. attention conversions of --model), "
+                         "each decoded with its own fp16 cache; KL against --model's fp16 cache (--parallel)")
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
@@ -249,10 +265,17 @@ def main(argv=None):
 
     data = args.data or str(wikitext_file("wiki.test.raw"))  # checked before the model loads
     torch.set_num_threads(args.threads)
+    if args.models and not args.parallel:
+        raise CompressError("--models compares other models through --parallel; add --parallel.")
     model, tok = load(args.model or convert_default_model())
+    others = [(Path(m).name, "fp16", {}, load(m)[0]) for m in args.models]
+    for (label, *_, m) in others:
+        if m.config.vocab_size != model.config.vocab_size:
+            raise CompressError(f"--models {label}: vocabulary of {m.config.vocab_size} tokens, "
+                                f"--model has {model.config.vocab_size}; give folders with the same tokenizer.")
     ids = tokenize(tok, read_text(data))
     windows = ids[: args.windows * args.tokens].view(args.windows, args.tokens)
-    rows = (run_parallel if args.parallel else run)(model, windows, configs(args), args.prefill)
+    rows = (run_parallel if args.parallel else run)(model, windows, configs(args) + others, args.prefill)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_quality.json").write_text(json.dumps({"args": vars(args), "rows": rows, "bars": bars(rows)},
@@ -266,8 +289,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from compress.errors import CompressError
-
     try:
         main()
     except CompressError as e:
