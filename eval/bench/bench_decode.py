@@ -16,6 +16,8 @@ Systems (``--systems`` picks some):
     ours-bf16       the same, weights and activations in bfloat16
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
     llama.cpp       llama-cpp-python on the default model's own GGUF Q4_1, n_threads = --threads (2)
+    NAME[KV]        compress.decoder (fp32, eager) on ``--folders NAME=PATH`` with each ``--kvs`` cache:
+                    any run folder, attention-converted ones too, beside the default model's
 
 Each system runs in two worker processes, one timing decode and then one timing prefill,
 so that each has its own peak RSS (prefill's larger activations and kernels do not count
@@ -77,29 +79,30 @@ def model_bytes(model) -> int:
 def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
     """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without the data)."""
     f = Path(os.environ.get("COMPRESS_DATA_DIR", ".")) / "wikitext-2" / "wiki.test.raw"
-    text = f.read_text()[:40000] if f.is_file() else "The quick brown fox jumps over the lazy dog. " * 400
+    text = f.read_text()[:50000 + 6 * (n + offset)] if f.is_file() else "The quick brown fox jumps over the lazy dog. " * (400 + n // 8)
     return tokenizer(text).input_ids[offset:offset + n]
 
 
 # ---- workers: one system each, driven over stdin/stdout ----------------------------------------
 
 class Ours:
-    def __init__(self, folder, dtype, compile, qdtype=None, lean=False):
+    def __init__(self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16"):
         from compress.decoder.model import load
 
         self.model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean)
-        self.compile = compile
+        self.compile, self.kv = compile, kv
 
     def decode(self, ids, new):
         from compress.decoder.generate import generate
 
-        r = generate(self.model, [ids], new, compile=self.compile, ignore_eos=True)
+        r = generate(self.model, [ids], new, compile=self.compile, ignore_eos=True, kv=self.kv)
+        self.kv_bytes_per_token = r.kv_bytes_per_token
         return r.decode_tok_s, r.tokens[0]
 
     def prefill(self, ids):
         from compress.decoder.generate import generate
 
-        return generate(self.model, [ids], 1, ignore_eos=True).prefill_tok_s
+        return generate(self.model, [ids], 1, ignore_eos=True, kv=self.kv).prefill_tok_s
 
     def weight_bytes(self):
         return model_bytes(self.model)
@@ -173,7 +176,18 @@ class LlamaCpp:
         return Path(self.gguf).stat().st_size  # mmapped file: weights as stored
 
 
+def folder_system(name: str, args):
+    """``(folder, kv)`` of a ``NAME[KV]`` system from ``--folders``, or None."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    base, kv = name[:-1].split("[")
+    return dict(f.split("=", 1) for f in args.folders)[base], kv
+
+
 def make_system(name, args):
+    if folder_system(name, args):
+        folder, kv = folder_system(name, args)
+        return Ours(folder, "float32", False, kv=kv)
     if name.startswith("ours-"):
         base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
         base, lean = base.removesuffix("-lean"), base.endswith("-lean")
@@ -210,6 +224,7 @@ def worker(spec: str, args) -> None:
             release_freed_memory()
             peak_memory_reset()
         print(json.dumps({"tok_s": tok_s, "peak_mem_bytes": peak_memory(), "memory_bytes": system.weight_bytes(),
+                          "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
                           "text": tok.decode(tokens)}), file=out, flush=True)
 
 
@@ -247,7 +262,8 @@ def disk_bytes(name: str, args) -> int:
         from compress.source import default_gguf
 
         return default_gguf().stat().st_size
-    folder = Path(args.int4 if name.startswith("ours-int4") else args.fp)
+    named = folder_system(name, args)
+    folder = Path(named[0] if named else args.int4 if name.startswith("ours-int4") else args.fp)
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
@@ -255,15 +271,16 @@ def table(results: dict) -> list[str]:
     hf = results.get("hf-fp32", {}).get("decode_tok_s")
     cpp = results.get("llama.cpp", {}).get("decode_tok_s")
     lines = ["| system | decode tok/s | prefill tok/s | peak MiB (decode) | in memory MiB | on disk MiB "
-             "| decode vs hf-fp32 | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+             "| KV B/token | decode vs hf-fp32 | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "decode_tok_s" not in r:
-            lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | |")
+            lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | | |")
             continue
         d = r["decode_tok_s"]
         lines.append(f"| {name} | {d:.1f} | {r.get('prefill_tok_s', float('nan')):.0f} | "
                      f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['memory_bytes'] / 2**20:.0f} | "
-                     f"{r['disk_bytes'] / 2**20:.0f} | {d / hf if hf else float('nan'):.2f}x | "
+                     f"{r['disk_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_token') or float('nan'):.0f} | "
+                     f"{d / hf if hf else float('nan'):.2f}x | "
                      f"{d / cpp if cpp else float('nan'):.2f}x |")
     return lines
 
@@ -296,7 +313,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
     p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=[s for s in SYSTEMS if "q16" not in s])
+    p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=None,
+                   help="default: all but the q16 rows; none when --folders is given")
+    p.add_argument("--folders", nargs="*", default=[], metavar="NAME=PATH",
+                   help="run folders (e.g. attention conversions) decoded fp32 with each --kvs cache")
+    p.add_argument("--kvs", nargs="*", default=["fp16"], help="KV caches for --folders (fp16 kivi packkv)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -316,9 +337,15 @@ def main(argv=None) -> None:
         args.fp = str(convert_default_model())
     if args.worker:
         return worker(args.worker, args)
+    if args.systems is None:
+        args.systems = [] if args.folders else [s for s in SYSTEMS if "q16" not in s]
+    bad = [f for f in args.folders if "=" not in f or not Path(f.split("=", 1)[1]).is_dir()]
+    if bad:
+        sys.exit(f"error: --folders takes NAME=PATH with PATH a run folder; not {bad}")
+    args.systems += [f"{f.split('=', 1)[0]}[{kv}]" for f in args.folders for kv in args.kvs]
     if any(s.startswith("ours-int4") for s in args.systems) and not args.int4:
         sys.exit("error: --int4 RUN_FOLDER is needed for ours-int4 (or leave it out of --systems)")
-    passthrough = _strip(argv, {"--systems", "--json"}) + ["--fp", args.fp]
+    passthrough = _strip(argv, {"--systems", "--json"}) + ["--fp", args.fp, "--systems"]
     load_before = os.getloadavg()[0]
     results = {name: {"disk_bytes": disk_bytes(name, args)} for name in args.systems}
     rounds = {}
@@ -351,6 +378,7 @@ def main(argv=None) -> None:
             if task == "decode":
                 results[name]["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in rs)
                 results[name]["memory_bytes"], results[name]["text"] = rs[-1]["memory_bytes"], rs[-1]["text"]
+                results[name]["kv_bytes_per_token"] = rs[-1]["kv_bytes_per_token"]
                 results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
     print(f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
           f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
