@@ -32,16 +32,21 @@ def convert(kind: str):
     return out, folder_files(out.config.model_type)
 
 
+def converted(kind: str, folder):
+    """(the converted HF model, our decoder's model of its saved folder)."""
+    hf, files = convert(kind)
+    save(hf, folder, tiny_tokenizer())
+    for name, src in files.items():
+        shutil.copyfile(src, folder / name)
+    return hf, load(folder)[0]
+
+
 @pytest.mark.parametrize("kind", ["gqa", "cla", "mla", "mla-full"])
 def test_decoder_matches_transformers_on_converted(kind, tmp_path):
     """Prefill then one token at a time (the absorbed latent path for mla) against transformers'
     logits over the whole sequence (mla: K/V expanded from the latent), and the cache holds
     exactly the kind's bytes per token."""
-    hf, files = convert(kind)
-    folder = save(hf, tmp_path, tiny_tokenizer())
-    for name, src in files.items():
-        shutil.copyfile(src, folder / name)
-    ours, _ = load(folder)
+    hf, ours = converted(kind, tmp_path)
     ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -62,11 +67,7 @@ def test_decoder_matches_transformers_on_converted(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["cla", "mla"])
 def test_compiled_step_on_converted(kind, tmp_path):
     """The compiled decode step runs the same attention kinds: identical greedy tokens."""
-    hf, files = convert(kind)
-    folder = save(hf, tmp_path, tiny_tokenizer())
-    for name, src in files.items():
-        shutil.copyfile(src, folder / name)
-    ours, _ = load(folder)
+    hf, ours = converted(kind, tmp_path)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     eager = generate(ours, prompts, 12, kv="full")
     assert generate(ours, prompts, 12, kv="full", compile=True).tokens == eager.tokens
@@ -75,11 +76,7 @@ def test_compiled_step_on_converted(kind, tmp_path):
 def test_latent_attention_refuses_compressed_caches(tmp_path):
     from compress.errors import CompressError
 
-    hf, files = convert("mla")
-    folder = save(hf, tmp_path, tiny_tokenizer())
-    for name, src in files.items():
-        shutil.copyfile(src, folder / name)
-    ours, _ = load(folder)
+    hf, ours = converted("mla", tmp_path)
     with pytest.raises(CompressError, match="fp16 or full"):
         generate(ours, [[5, 6, 7]], 4, kv="kivi")
 
@@ -90,11 +87,7 @@ def test_kv_quality_parallel_pass_runs_converted_models(kind, tmp_path):
     its real fp16 cache does, with the same bytes (cross-layer slots read twice, a latent key)."""
     from compress.eval.bench.kv_quality import HistoryMix
 
-    hf, files = convert(kind)
-    folder = save(hf, tmp_path, tiny_tokenizer())
-    for name, src in files.items():
-        shutil.copyfile(src, folder / name)
-    ours, _ = load(folder)
+    hf, ours = converted(kind, tmp_path)
     ids = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(3))
     mix = HistoryMix("fp16", {}, torch.zeros(40, dtype=torch.long), 2, ours.kv_layout())
     cache = new_cache(ours, "fp16", 2, 40)
