@@ -62,7 +62,7 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        need = self.blocks.blocks_for(len(seq.tokens) + seq.params.max_tokens)
+        need = self.blocks.blocks_for(len(seq.tokens) + seq.params.max_tokens - 1)  # last one not fed
         if need > self.blocks.num_blocks:
             raise CompressError(f"a request of {len(seq.tokens)} prompt tokens and up to "
                                 f"{seq.params.max_tokens} new ones needs {need} KV blocks, and the "
