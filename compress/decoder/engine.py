@@ -50,7 +50,8 @@ class Engine:
         self.steps = 0
 
     def check(self, prompt: list[int], params: Params) -> None:
-        """Raise ``CompressError`` for a request this engine cannot serve (before queuing it)."""
+        """Raise ``CompressError`` for a request this engine cannot serve (before queuing it; reads
+        no state that steps change, so another thread may call it)."""
         if not prompt:
             raise CompressError("a prompt is empty; give at least one token of text to continue.")
         if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
@@ -64,6 +65,7 @@ class Engine:
                                 f"together they exceed the model's context of {self.max_len} tokens. "
                                 f"Shorten the prompt or lower max_tokens.")
         cache_size(self.model, len(prompt), params.max_tokens, None)  # sliding-window check
+        self.scheduler.fits(len(prompt), params.max_tokens)
 
     def add(self, prompt: list[int], params: Params | None = None, seq_id=None) -> Sequence:
         params = params or Params()

@@ -61,12 +61,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        need = self.blocks.blocks_for(len(seq.tokens) + seq.params.max_tokens - 1)  # last one not fed
+    def fits(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise unless a request could ever run: all its K/V (the last token is not fed) in the pool."""
+        need = self.blocks.blocks_for(n_prompt + max_tokens - 1)
         if need > self.blocks.num_blocks:
-            raise CompressError(f"a request of {len(seq.tokens)} prompt tokens and up to "
-                                f"{seq.params.max_tokens} new ones needs {need} KV blocks, and the "
-                                f"pool has {self.blocks.num_blocks}: shorten it or give more blocks.")
+            raise CompressError(f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
+                                f"ones needs {need} KV blocks, and the pool has "
+                                f"{self.blocks.num_blocks}: shorten it or give more blocks.")
+
+    def add(self, seq: Sequence) -> None:
+        self.fits(len(seq.tokens), seq.params.max_tokens)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
