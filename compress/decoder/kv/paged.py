@@ -7,7 +7,7 @@ a sequence with block table ``t`` lives in slot ``t[p // block_size] * block_siz
 A step of the engine (``compress.decoder.engine``) runs the ONE model forward on a padded batch
 ``idx [B, T]``, each row's new tokens right-aligned. Rows sit on a shared virtual timeline, as
 left padding does in ``generate``: column ``j`` is virtual slot ``pos[j] = V + j`` and row b's
-position 0 is virtual slot ``start[b]``, so the model's RoPE position ``pos[j] - start[b]`` is
+position 0 is virtual slot ``start[b]``, so the model's position ``pos[j] - start[b]`` is
 the token's true position. :meth:`PagedCache.bind` gives the cache the step's slot mapping
 (pool slot of every column, -1 for padding), block tables and context lengths, then
 
