@@ -36,8 +36,9 @@ class Event:
 class Engine:
     def __init__(self, model, tokenizer=None, num_blocks: int = 1024, block_size: int = 16,
                  max_seqs: int = 32, max_step_tokens: int = 512, kv: str = "fp16",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, runahead=None, runahead_min_tokens: int = 256):
         self.model, self.tokenizer = model, tokenizer
+        self.runahead, self.runahead_min_tokens = runahead, runahead_min_tokens
         self.cache = new_paged_cache(model, num_blocks, block_size, kv)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
@@ -48,6 +49,7 @@ class Engine:
         self.ids = itertools.count()
         self.generated = 0  # tokens sampled, all requests
         self.steps = 0
+        self.runahead_prefills = 0
 
     def check(self, prompt: list[int], params: Params) -> None:
         """Raise ``CompressError`` for a request this engine cannot serve (before queuing it; reads
@@ -106,6 +108,8 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Event]:
         """Run one scheduled step; finished sequences are retired and their blocks freed."""
+        if self.runahead is not None and (seq := self.scheduler.admit_whole(self.runahead_min_tokens)):
+            return [self.prefill_runahead(seq)]
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -124,6 +128,25 @@ class Engine:
             token = greedy[b] if s.temperature <= 0 else sample(logits[b:b + 1], s, seq.generator).item()
             events.append(self.take(seq, token))
         return events
+
+    def prefill_runahead(self, seq: Sequence) -> Event:
+        """Prefill all of ``seq`` over the KV-Runahead ranks, copy its K/V into its blocks and
+        sample its next token."""
+        logits, full = self.runahead.prefill(seq.tokens)
+        bs, T = self.blocks.block_size, len(seq.tokens)
+        p = torch.arange(T)
+        slots = (torch.tensor(seq.block_table)[p // bs] * bs + p % bs).to(self.device)
+        for layer in range(self.cache.n_layers):
+            self.cache.k[layer][slots] = full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+            if not self.cache.v_dim:
+                self.cache.v[layer][slots] = full.v[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+        seq.computed = T
+        self.blocks.register(seq)
+        self.steps += 1
+        self.runahead_prefills += 1
+        s = seq.params.sampling
+        token = logits.argmax().item() if s.temperature <= 0 else sample(logits[None], s, seq.generator).item()
+        return self.take(seq, token)
 
     def take(self, seq: Sequence, token: int) -> Event:
         """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or max_tokens."""
@@ -158,4 +181,5 @@ class Engine:
         return dict(waiting=len(sch.waiting), running=len(sch.running), free_blocks=bm.num_free,
                     total_blocks=bm.num_blocks, block_size=bm.block_size,
                     prefix_hit_tokens=bm.hit_tokens, preemptions=sch.preemptions,
-                    generated_tokens=self.generated, steps=self.steps)
+                    generated_tokens=self.generated, steps=self.steps,
+                    runahead_prefills=self.runahead_prefills)

@@ -90,6 +90,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def admit_whole(self, min_tokens: int) -> Sequence | None:
+        """Admit the head of the queue with blocks for all its tokens, if it has ``min_tokens`` or
+        more and they fit (for a prefill run outside the step: ``compress.decoder.runahead``)."""
+        if not self.waiting or len(self.running) >= self.max_seqs:
+            return None
+        seq = self.waiting[0]
+        if len(seq.tokens) < min_tokens or not self.blocks.can_grow(seq, len(seq.tokens)):
+            return None
+        self.blocks.grow(seq, len(seq.tokens))
+        self.running.append(self.waiting.popleft())
+        return seq
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """``[(sequence, tokens to feed)]`` for the next step; empty when there is no work."""
         for _ in range(len(self.running) + 2):
