@@ -54,7 +54,7 @@ def test_two_ranks_give_the_single_process_prefill(tmp_path):
             for layer in range(model.config.num_hidden_layers):
                 assert rel_err(cache.k[layer], ref_cache.k[layer]) < 1e-5
                 assert rel_err(cache.v[layer], ref_cache.v[layer]) < 1e-5
-        prompts = [ids, ids[:20], ids[5:70]]
+        prompts = [ids, ids[5:70], ids[:20]]  # a long prompt at the queue's head goes to the ranks
         engine = Engine(model, num_blocks=64, block_size=4, runahead=pool, runahead_min_tokens=30)
         seqs = engine.generate(prompts, Params(max_tokens=8, ignore_eos=True))
         assert [s.output for s in seqs] == [generate(model, [p], 8, ignore_eos=True).tokens[0] for p in prompts]
