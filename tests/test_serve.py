@@ -231,10 +231,12 @@ def test_disconnecting_clients_free_their_blocks(server, slow_engine):
 
 @pytest.mark.slow
 def test_cli_serves(folder):
-    """``python -m compress.serve RUN --port P`` in a subprocess answers on 127.0.0.1."""
+    """``python -m compress.serve RUN --port P --prefill-ranks 2`` in a subprocess answers on
+    127.0.0.1, a long prompt prefilled by KV-Runahead over two processes."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "compress.serve", str(folder), "--port", str(port),
-                             "--num-blocks", "64", "--log-level", "warning"],
+                             "--num-blocks", "64", "--log-level", "warning", "--prefill-ranks", "2",
+                             "--runahead-min-tokens", "16", "--kv", "full"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -248,7 +250,12 @@ def test_cli_serves(folder):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         name = client.models.list().data[0].id
         assert name == folder.name
-        assert client.completions.create(model=name, prompt="the lazy", max_tokens=5).choices[0].text is not None
+        model, tok = load(folder)
+        prompt = "over the lazy dog, the quick brown fox jumps; the fox, the dog"
+        text = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        # exact K/V, summed in another order: equal unless the greedy choice is a near-tie
+        assert text == generate(model, [tok(prompt).input_ids], 8, tok, kv="full").texts[0]
+        assert metrics(f"http://127.0.0.1:{port}")["compress_runahead_prefills_total"] == 1
     finally:
         proc.terminate()
         proc.wait(30)

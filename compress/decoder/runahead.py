@@ -109,11 +109,11 @@ def run_chunk(model, ids: torch.Tensor, bounds: list[int], rank: int, group=None
     return logits, cache.inner
 
 
-def _helper(rank: int, world: int, port: int, folder: str, dtype: str, threads: int) -> None:
+def _helper(rank: int, world: int, port: int, folder: str, dtype: str, qdtype, threads: int) -> None:
     from compress.decoder.model import load
 
     torch.set_num_threads(threads)
-    model, _ = load(folder, dtype=getattr(torch, dtype))
+    model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=getattr(torch, qdtype) if qdtype else None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         while True:
@@ -136,11 +136,11 @@ def free_port() -> int:
 
 
 class RunaheadPrefill:
-    """N-process prefill of ``model`` (loaded from ``folder`` with ``dtype`` in the helpers too);
-    this process is the last rank. ``balance``: "cost" (the module's model) or "even"."""
+    """N-process prefill of ``model`` (loaded from ``folder`` with ``dtype`` and ``qdtype`` in the
+    helpers too); this process is the last rank. ``balance``: "cost" (the module's model) or "even"."""
 
-    def __init__(self, model, folder, ranks: int, dtype: str = "float32", threads: int = 1,
-                 balance: str = "cost"):
+    def __init__(self, model, folder, ranks: int, dtype: str = "float32", qdtype: str | None = None,
+                 threads: int = 1, balance: str = "cost"):
         if ranks < 2:
             raise CompressError(f"KV-Runahead splits the prefill over 2 or more ranks, got {ranks}.")
         if balance not in ("cost", "even"):
@@ -150,7 +150,7 @@ class RunaheadPrefill:
                                 "already initialized.")
         self.model, self.ranks, self.balance = model, ranks, balance
         port, ctx = free_port(), torch.multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_helper, args=(r, ranks, port, os.fspath(folder), dtype, threads),
+        self.procs = [ctx.Process(target=_helper, args=(r, ranks, port, os.fspath(folder), dtype, qdtype, threads),
                                   daemon=True) for r in range(ranks - 1)]
         for p in self.procs:
             p.start()

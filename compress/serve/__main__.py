@@ -33,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--prefill-ranks", type=int, default=1, help="KV-Runahead: prefill long prompts over "
+                   "this many processes (gloo), this one the last")
+    p.add_argument("--runahead-min-tokens", type=int, default=256,
+                   help="prompts this long or longer go to the prefill ranks")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -66,14 +70,25 @@ def serve(args) -> None:
                       qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
     if tok is None:
         raise CompressError(f"'{args.run}' has no tokenizer files; the server needs one to read text.")
-    engine = Engine(model, tok, num_blocks=args.num_blocks, block_size=args.block_size,
-                    max_seqs=args.max_seqs, max_step_tokens=args.max_step_tokens, kv=args.kv,
-                    prefix_caching=not args.no_prefix_caching)
-    name = args.served_model_name or Path(args.run).resolve().name
-    app = create_app(Worker(engine), tok, name)
-    logging.getLogger("compress.serve").info("serving '%s' on http://%s:%d (%d KV blocks of %d tokens)",
-                                             name, args.host, args.port, args.num_blocks, args.block_size)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    runahead = None
+    if args.prefill_ranks > 1:
+        from compress.decoder.runahead import RunaheadPrefill
+
+        runahead = RunaheadPrefill(model, args.run, args.prefill_ranks, args.dtype, args.qdtype,
+                                   threads=args.threads or 1)
+    try:
+        engine = Engine(model, tok, num_blocks=args.num_blocks, block_size=args.block_size,
+                        max_seqs=args.max_seqs, max_step_tokens=args.max_step_tokens, kv=args.kv,
+                        prefix_caching=not args.no_prefix_caching, runahead=runahead,
+                        runahead_min_tokens=args.runahead_min_tokens)
+        name = args.served_model_name or Path(args.run).resolve().name
+        app = create_app(Worker(engine), tok, name)
+        logging.getLogger("compress.serve").info("serving '%s' on http://%s:%d (%d KV blocks of %d tokens)",
+                                                 name, args.host, args.port, args.num_blocks, args.block_size)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if runahead is not None:
+            runahead.close()
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
                 ("compress_prefix_cache_hit_tokens_total", s["prefix_hit_tokens"]),
                 ("compress_preemptions_total", s["preemptions"]),
                 ("compress_generated_tokens_total", s["generated_tokens"]),
+                ("compress_runahead_prefills_total", s["runahead_prefills"]),
                 ("compress_generation_tokens_per_second", round(s["tokens_per_s"], 3))]
         return PlainTextResponse("".join(f"{k} {v}\n" for k, v in rows))
 
