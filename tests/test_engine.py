@@ -44,13 +44,14 @@ def test_batched_greedy_equals_each_alone(tiny, kv):
     alone = [generate(model, [p], 20, kv=kv, ignore_eos=True).tokens[0] for p in prompts]
     engine = Engine(model, num_blocks=16, block_size=4, max_seqs=8, max_step_tokens=8, kv=kv)
     params = Params(max_tokens=20, ignore_eos=True)
-    seqs = []
+    seqs, events = [], []
     for p in prompts:  # one arrival per step
         seqs.append(engine.add(p, params))
-        engine.step()
+        events += engine.step()
     while engine.has_work():
-        engine.step()
+        events += engine.step()
     assert [s.output for s in seqs] == alone
+    assert any(e.token is None and not e.finished for e in events)  # a prompt took several steps
     assert all(s.finish_reason == "length" for s in seqs)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0

@@ -145,6 +145,9 @@ class RunaheadPrefill:
             raise CompressError(f"KV-Runahead splits the prefill over 2 or more ranks, got {ranks}.")
         if balance not in ("cost", "even"):
             raise CompressError(f"KV-Runahead balance is 'cost' or 'even', not '{balance}'.")
+        if model.lm_head.weight.device.type != "cpu":
+            raise CompressError("KV-Runahead hands K/V between processes over gloo, on the CPU; "
+                                "load the model on the CPU (NCCL for GPUs is not implemented).")
         if dist.is_initialized():
             raise CompressError("KV-Runahead needs this process's default process group, which is "
                                 "already initialized.")
@@ -172,6 +175,9 @@ class RunaheadPrefill:
         return logits[0, -1], cache
 
     def close(self) -> None:
+        if model.lm_head.weight.device.type != "cpu":
+            raise CompressError("KV-Runahead hands K/V between processes over gloo, on the CPU; "
+                                "load the model on the CPU (NCCL for GPUs is not implemented).")
         if dist.is_initialized():
             dist.broadcast(torch.zeros(1, dtype=torch.long), self.ranks - 1)
             dist.destroy_process_group()

@@ -76,7 +76,9 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if worker.thread.is_alive() else "stopped"}
+        if not worker.thread.is_alive():
+            return JSONResponse({"status": "stopped"}, 503)
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
