@@ -24,8 +24,10 @@ def tiny(tmp_path_factory):
 
 def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 300, (int(k),), generator=g).tolist()
-            for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [
+        torch.randint(2, 300, (int(k),), generator=g).tolist()
+        for k in torch.randint(lo, hi, (n,), generator=g)
+    ]
 
 
 def no_leaks(engine: Engine) -> None:
@@ -116,11 +118,15 @@ def test_seeded_sampling_eos_and_stop_strings_as_generate(tiny):
     while engine.has_work():
         texts += [e.text for e in engine.step() if e.seq is seq]
     want = generate(model, [prompts[0]], 30, tok, stop=(stop,))
-    assert seq.output == want.tokens[0] and "".join(texts) == want.texts[0] and seq.finish_reason == "stop"
+    assert (
+        seq.output == want.tokens[0]
+        and "".join(texts) == want.texts[0]
+        and seq.finish_reason == "stop"
+    )
     eos = ref.tokens[0][3]  # make a greedy token the end of sequence
     engine.eos = {eos}
     seq = engine.generate([prompts[0]], Params(max_tokens=30))[0]
-    assert seq.output == ref.tokens[0][:ref.tokens[0].index(eos)] and seq.finish_reason == "stop"
+    assert seq.output == ref.tokens[0][: ref.tokens[0].index(eos)] and seq.finish_reason == "stop"
     no_leaks(engine)
 
 
@@ -153,10 +159,17 @@ def test_quantized_folders(kind, tmp_path):
     model, _ = load(save(qmodel, tmp_path, quantization_config=qcfg))
     prompts = random_prompts(5, seed=4)
     one = kind == "int8"
-    engine = Engine(model, num_blocks=24, block_size=4, max_seqs=1 if one else 8,
-                    max_step_tokens=64 if one else 16)
+    engine = Engine(
+        model,
+        num_blocks=24,
+        block_size=4,
+        max_seqs=1 if one else 8,
+        max_step_tokens=64 if one else 16,
+    )
     seqs = engine.generate(prompts, Params(max_tokens=10, ignore_eos=True))
-    assert [s.output for s in seqs] == [generate(model, [p], 10, ignore_eos=True).tokens[0] for p in prompts]
+    assert [s.output for s in seqs] == [
+        generate(model, [p], 10, ignore_eos=True).tokens[0] for p in prompts
+    ]
     no_leaks(engine)
 
 
@@ -172,19 +185,23 @@ def test_latent_attention_folder(tmp_path):
     prompts = random_prompts(4, seed=5)
     engine = Engine(model, num_blocks=24, block_size=4, max_step_tokens=16, kv="full")
     seqs = engine.generate(prompts, Params(max_tokens=8, ignore_eos=True))
-    assert [s.output for s in seqs] == [generate(model, [p], 8, kv="full", ignore_eos=True).tokens[0]
-                                        for p in prompts]
+    assert [s.output for s in seqs] == [
+        generate(model, [p], 8, kv="full", ignore_eos=True).tokens[0] for p in prompts
+    ]
     no_leaks(engine)
 
 
 def test_bad_requests(tiny):
     model, tok = tiny
     engine = Engine(model, num_blocks=4, block_size=4)
-    for prompt, params, match in [([], Params(), "empty"), ([5], Params(max_tokens=0), "at least 1"),
-                                  ([5] * 120, Params(max_tokens=20), "context"),
-                                  ([5] * 10, Params(max_tokens=8), "KV blocks"),
-                                  ([5, 300], Params(), "vocabulary"),
-                                  ([5], Params(stop=("x",)), "tokenizer")]:
+    for prompt, params, match in [
+        ([], Params(), "empty"),
+        ([5], Params(max_tokens=0), "at least 1"),
+        ([5] * 120, Params(max_tokens=20), "context"),
+        ([5] * 10, Params(max_tokens=8), "KV blocks"),
+        ([5, 300], Params(), "vocabulary"),
+        ([5], Params(stop=("x",)), "tokenizer"),
+    ]:
         with pytest.raises(CompressError, match=match):
             engine.add(prompt, params)
     with pytest.raises(CompressError, match="paged KIVI"):

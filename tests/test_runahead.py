@@ -24,7 +24,9 @@ def test_balanced_bounds_equalize_the_cost_model():
         assert b[0] == 0 and b[-1] == T and all(x < y for x, y in zip(b, b[1:]))
         costs = [cost(s, e) for s, e in zip(b, b[1:])]
         if T > 5:
-            assert [y - x for x, y in zip(b, b[1:])] == sorted((y - x for x, y in zip(b, b[1:])), reverse=True)
+            assert [y - x for x, y in zip(b, b[1:])] == sorted(
+                (y - x for x, y in zip(b, b[1:])), reverse=True
+            )
             one = lin + att * T  # the most one token can cost
             assert max(costs) - min(costs) <= 2 * one
     assert balanced_bounds(100, 4) == [0, 25, 50, 75, 100]  # no attention term: even chunks
@@ -57,7 +59,9 @@ def test_two_ranks_give_the_single_process_prefill(tmp_path):
         prompts = [ids, ids[5:70], ids[:20]]  # a long prompt at the queue's head goes to the ranks
         engine = Engine(model, num_blocks=64, block_size=4, runahead=pool, runahead_min_tokens=30)
         seqs = engine.generate(prompts, Params(max_tokens=8, ignore_eos=True))
-        assert [s.output for s in seqs] == [generate(model, [p], 8, ignore_eos=True).tokens[0] for p in prompts]
+        assert [s.output for s in seqs] == [
+            generate(model, [p], 8, ignore_eos=True).tokens[0] for p in prompts
+        ]
         assert engine.stats()["free_blocks"] == 64 and engine.stats()["runahead_prefills"] == 2
     finally:
         pool.close()

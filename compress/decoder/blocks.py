@@ -30,7 +30,11 @@ class BlockManager:
     and ``block_hashes`` (the chained hashes of their registered full blocks)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.num_blocks, self.block_size, self.prefix_caching = (
+            num_blocks,
+            block_size,
+            prefix_caching,
+        )
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
@@ -66,7 +70,7 @@ class BlockManager:
             return
         prev, bs = b"", self.block_size
         for i in range((len(seq.tokens) - 1) // bs):
-            h = chain_hash(prev, seq.tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, seq.tokens[i * bs : (i + 1) * bs])
             block = self.by_hash.get(h)
             if block is None:
                 break
@@ -94,7 +98,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.computed // bs):
             prev = seq.block_hashes[-1] if seq.block_hashes else b""
-            h = chain_hash(prev, seq.tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, seq.tokens[i * bs : (i + 1) * bs])
             block = seq.block_table[i]
             if h not in self.by_hash:  # else another sequence computed the same prefix already
                 self.by_hash[h] = block

@@ -3,7 +3,7 @@
     engine = Engine(model, tokenizer, num_blocks=1024)
     seq = engine.add(prompt_ids, Params(max_tokens=64))
     while engine.has_work():
-        for event in engine.step(): ...        # (sequence, new token or None, text that became final)
+        for event in engine.step(): ...   # sequence, new token or None, text now final
 
 Each step runs the decoder's one forward over the sequences the scheduler picked
 (``compress.decoder.scheduler``), as a padded batch laid out for the paged cache
@@ -34,16 +34,30 @@ class Event:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, num_blocks: int = 1024, block_size: int = 16,
-                 max_seqs: int = 32, max_step_tokens: int = 512, kv: str = "fp16",
-                 prefix_caching: bool = True, runahead=None, runahead_min_tokens: int = 256):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_seqs: int = 32,
+        max_step_tokens: int = 512,
+        kv: str = "fp16",
+        prefix_caching: bool = True,
+        runahead=None,
+        runahead_min_tokens: int = 256,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.runahead, self.runahead_min_tokens = runahead, runahead_min_tokens
         self.cache = new_paged_cache(model, num_blocks, block_size, kv)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
         self.eos = eos_ids_of(model, tokenizer)
-        self.pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        self.pad = (
+            tokenizer.pad_token_id
+            if tokenizer is not None and tokenizer.pad_token_id is not None
+            else 0
+        )
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.device = model.lm_head.weight.device
         self.ids = itertools.count()
@@ -57,15 +71,19 @@ class Engine:
         if not prompt:
             raise CompressError("a prompt is empty; give at least one token of text to continue.")
         if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise CompressError(f"a prompt token id is outside the vocabulary [0, {self.model.config.vocab_size}).")
+            raise CompressError(
+                f"a prompt token id is outside the vocabulary [0, {self.model.config.vocab_size})."
+            )
         if params.max_tokens < 1:
             raise CompressError(f"max_tokens must be at least 1 (got {params.max_tokens}).")
         if params.stop and self.tokenizer is None:
             raise CompressError("stop strings need a tokenizer, and this run folder has none.")
         if len(prompt) + params.max_tokens > self.max_len:
-            raise CompressError(f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
-                                f"together they exceed the model's context of {self.max_len} tokens. "
-                                f"Shorten the prompt or lower max_tokens.")
+            raise CompressError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {self.max_len} tokens. "
+                f"Shorten the prompt or lower max_tokens."
+            )
         cache_size(self.model, len(prompt), params.max_tokens, None)  # sliding-window check
         self.scheduler.fits(len(prompt), params.max_tokens)
 
@@ -96,19 +114,25 @@ class Engine:
         start, lens = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
         for b, (s, n) in enumerate(batch):
             c = s.computed
-            idx[b, T - n:] = torch.tensor(s.tokens[c:c + n])
+            idx[b, T - n :] = torch.tensor(s.tokens[c : c + n])
             table = torch.tensor(s.block_table)
-            tables[b, :len(table)] = table
+            tables[b, : len(table)] = table
             p = torch.arange(c, c + n)
-            slots[b, T - n:] = table[p // bs] * bs + p % bs
+            slots[b, T - n :] = table[p // bs] * bs + p % bs
             start[b], lens[b] = V + T - n - c, c + n
         self.cache.bind(slots, tables, lens, start)
-        return idx.to(self.device), torch.arange(V, V + T, device=self.device), start.to(self.device)
+        return (
+            idx.to(self.device),
+            torch.arange(V, V + T, device=self.device),
+            start.to(self.device),
+        )
 
     @torch.no_grad()
     def step(self) -> list[Event]:
         """Run one scheduled step; finished sequences are retired and their blocks freed."""
-        if self.runahead is not None and (seq := self.scheduler.admit_whole(self.runahead_min_tokens)):
+        if self.runahead is not None and (
+            seq := self.scheduler.admit_whole(self.runahead_min_tokens)
+        ):
             return [self.prefill_runahead(seq)]
         batch = self.scheduler.schedule()
         if not batch:
@@ -125,7 +149,11 @@ class Engine:
                 events.append(Event(seq, None, "", False))  # a prompt chunk
                 continue
             s = seq.params.sampling
-            token = greedy[b] if s.temperature <= 0 else sample(logits[b:b + 1], s, seq.generator).item()
+            token = (
+                greedy[b]
+                if s.temperature <= 0
+                else sample(logits[b : b + 1], s, seq.generator).item()
+            )
             events.append(self.take(seq, token))
         return events
 
@@ -137,19 +165,28 @@ class Engine:
         p = torch.arange(T)
         slots = (torch.tensor(seq.block_table)[p // bs] * bs + p % bs).to(self.device)
         for layer in range(self.cache.n_layers):
-            self.cache.k[layer][slots] = full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+            self.cache.k[layer][slots] = (
+                full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+            )
             if not self.cache.v_dim:
-                self.cache.v[layer][slots] = full.v[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+                self.cache.v[layer][slots] = (
+                    full.v[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+                )
         seq.computed = T
         self.blocks.register(seq)
         self.steps += 1
         self.runahead_prefills += 1
         s = seq.params.sampling
-        token = logits.argmax().item() if s.temperature <= 0 else sample(logits[None], s, seq.generator).item()
+        token = (
+            logits.argmax().item()
+            if s.temperature <= 0
+            else sample(logits[None], s, seq.generator).item()
+        )
         return self.take(seq, token)
 
     def take(self, seq: Sequence, token: int) -> Event:
-        """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or max_tokens."""
+        """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or
+        max_tokens."""
         self.generated += 1
         text = ""
         if token in self.eos and not seq.params.ignore_eos:
@@ -178,8 +215,15 @@ class Engine:
     def stats(self) -> dict:
         """Queue length, running sequences, block counts, prefix-cache hits, preemptions."""
         sch, bm = self.scheduler, self.blocks
-        return dict(waiting=len(sch.waiting), running=len(sch.running), free_blocks=bm.num_free,
-                    total_blocks=bm.num_blocks, block_size=bm.block_size,
-                    prefix_hit_tokens=bm.hit_tokens, preemptions=sch.preemptions,
-                    generated_tokens=self.generated, steps=self.steps,
-                    runahead_prefills=self.runahead_prefills)
+        return dict(
+            waiting=len(sch.waiting),
+            running=len(sch.running),
+            free_blocks=bm.num_free,
+            total_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            prefix_hit_tokens=bm.hit_tokens,
+            preemptions=sch.preemptions,
+            generated_tokens=self.generated,
+            steps=self.steps,
+            runahead_prefills=self.runahead_prefills,
+        )

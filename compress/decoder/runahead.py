@@ -43,8 +43,10 @@ def balanced_bounds(T: int, ranks: int, lin: float = 1.0, att: float = 0.0) -> l
     """``[0, b_1, ..., T]``: chunks of equal cost under the module docstring's model (``att`` 0:
     even chunks); each chunk at least one token."""
     if not 1 <= ranks <= T:
-        raise CompressError(f"KV-Runahead needs between 1 and {T} (the prompt's tokens) prefill ranks, "
-                            f"got {ranks}.")
+        raise CompressError(
+            f"KV-Runahead needs between 1 and {T} (the prompt's tokens) prefill ranks, "
+            f"got {ranks}."
+        )
 
     def cost(s, e):
         return lin * (e - s) + att * (e - s) * (s + e + 1) / 2
@@ -78,14 +80,20 @@ class RunaheadCache:
         s, e = self.bounds[self.rank], self.bounds[self.rank + 1]
         if self.rank > 0:
             kp = torch.empty(k.shape[0], k.shape[1], s, k.shape[3], dtype=k.dtype)
-            vp = None if v is None else torch.empty(v.shape[0], v.shape[1], s, v.shape[3], dtype=v.dtype)
+            vp = (
+                None
+                if v is None
+                else torch.empty(v.shape[0], v.shape[1], s, v.shape[3], dtype=v.dtype)
+            )
             for t in (kp, vp):
                 if t is not None:
                     dist.recv(t, self.rank - 1, group=self.group)
             self.inner.append(layer, kp, vp, torch.arange(s))
         self.inner.append(layer, k, v, pos)
         if not self.last:
-            held = [self.inner.k[layer][:, :, :e]] + ([] if v is None else [self.inner.v[layer][:, :, :e]])
+            held = [self.inner.k[layer][:, :, :e]] + (
+                [] if v is None else [self.inner.v[layer][:, :, :e]]
+            )
             for t in held:
                 t = t.to(k.dtype).contiguous()
                 self.sends.append((dist.isend(t, self.rank + 1, group=self.group), t))
@@ -104,24 +112,34 @@ def run_chunk(model, ids: torch.Tensor, bounds: list[int], rank: int, group=None
     """Rank ``rank``'s part of the prefill of ``ids [T]``: ``(logits [1, 1, V], full cache)``."""
     s, e = bounds[rank], bounds[rank + 1]
     cache = RunaheadCache(new_cache(model, "full", 1, e), rank, bounds, group)
-    logits = model(ids[None, s:e].to(model.lm_head.weight.device), cache, pos=torch.arange(s, e), last=True)
+    logits = model(
+        ids[None, s:e].to(model.lm_head.weight.device), cache, pos=torch.arange(s, e), last=True
+    )
     cache.wait()
     return logits, cache.inner
 
 
-def _helper(rank: int, world: int, port: int, folder: str, dtype: str, qdtype, threads: int) -> None:
+def _helper(
+    rank: int, world: int, port: int, folder: str, dtype: str, qdtype, threads: int
+) -> None:
     from compress.decoder.model import load
 
     torch.set_num_threads(threads)
-    model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=getattr(torch, qdtype) if qdtype else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = load(
+        folder, dtype=getattr(torch, dtype), qdtype=getattr(torch, qdtype) if qdtype else None
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         while True:
             header = torch.zeros(1, dtype=torch.long)
             dist.broadcast(header, world - 1)
             if header.item() == 0:
                 break
-            ids, bounds = torch.empty(header.item(), dtype=torch.long), torch.empty(world + 1, dtype=torch.long)
+            ids, bounds = torch.empty(header.item(), dtype=torch.long), torch.empty(
+                world + 1, dtype=torch.long
+            )
             dist.broadcast(ids, world - 1)
             dist.broadcast(bounds, world - 1)
             run_chunk(model, ids, bounds.tolist(), rank)
@@ -137,28 +155,50 @@ def free_port() -> int:
 
 class RunaheadPrefill:
     """N-process prefill of ``model`` (loaded from ``folder`` with ``dtype`` and ``qdtype`` in the
-    helpers too); this process is the last rank. ``balance``: "cost" (the module's model) or "even"."""
+    helpers too); this process is the last rank. ``balance``: "cost" (the module's model) or "even".
+    """
 
-    def __init__(self, model, folder, ranks: int, dtype: str = "float32", qdtype: str | None = None,
-                 threads: int = 1, balance: str = "cost"):
+    def __init__(
+        self,
+        model,
+        folder,
+        ranks: int,
+        dtype: str = "float32",
+        qdtype: str | None = None,
+        threads: int = 1,
+        balance: str = "cost",
+    ):
         if ranks < 2:
-            raise CompressError(f"KV-Runahead splits the prefill over 2 or more ranks, got {ranks}.")
+            raise CompressError(
+                f"KV-Runahead splits the prefill over 2 or more ranks, got {ranks}."
+            )
         if balance not in ("cost", "even"):
             raise CompressError(f"KV-Runahead balance is 'cost' or 'even', not '{balance}'.")
         if model.lm_head.weight.device.type != "cpu":
-            raise CompressError("KV-Runahead hands K/V between processes over gloo, on the CPU; "
-                                "load the model on the CPU (NCCL for GPUs is not implemented).")
+            raise CompressError(
+                "KV-Runahead hands K/V between processes over gloo, on the CPU; "
+                "load the model on the CPU (NCCL for GPUs is not implemented)."
+            )
         if dist.is_initialized():
-            raise CompressError("KV-Runahead needs this process's default process group, which is "
-                                "already initialized.")
+            raise CompressError(
+                "KV-Runahead needs this process's default process group, which is "
+                "already initialized."
+            )
         self.model, self.ranks, self.balance = model, ranks, balance
         port, ctx = free_port(), torch.multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_helper, args=(r, ranks, port, os.fspath(folder), dtype, qdtype, threads),
-                                  daemon=True) for r in range(ranks - 1)]
+        self.procs = [
+            ctx.Process(
+                target=_helper,
+                args=(r, ranks, port, os.fspath(folder), dtype, qdtype, threads),
+                daemon=True,
+            )
+            for r in range(ranks - 1)
+        ]
         for p in self.procs:
             p.start()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ranks - 1,
-                                world_size=ranks)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ranks - 1, world_size=ranks
+        )
 
     def bounds(self, T: int) -> list[int]:
         lin, att = chunk_cost(self.model)
@@ -175,9 +215,6 @@ class RunaheadPrefill:
         return logits[0, -1], cache
 
     def close(self) -> None:
-        if model.lm_head.weight.device.type != "cpu":
-            raise CompressError("KV-Runahead hands K/V between processes over gloo, on the CPU; "
-                                "load the model on the CPU (NCCL for GPUs is not implemented).")
         if dist.is_initialized():
             dist.broadcast(torch.zeros(1, dtype=torch.long), self.ranks - 1)
             dist.destroy_process_group()

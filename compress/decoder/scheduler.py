@@ -43,7 +43,7 @@ class Sequence:
 
     @property
     def output(self) -> list[int]:
-        return self.tokens[self.n_prompt:]
+        return self.tokens[self.n_prompt :]
 
     @property
     def pending(self) -> int:
@@ -54,20 +54,25 @@ class Sequence:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_seqs: int = 32, max_step_tokens: int = 512):
         if max_seqs < 1 or max_step_tokens < 1:
-            raise CompressError(f"the scheduler needs at least one sequence and one token a step "
-                                f"(got max_seqs={max_seqs}, max_step_tokens={max_step_tokens}).")
+            raise CompressError(
+                f"the scheduler needs at least one sequence and one token a step "
+                f"(got max_seqs={max_seqs}, max_step_tokens={max_step_tokens})."
+            )
         self.blocks, self.max_seqs, self.max_step_tokens = blocks, max_seqs, max_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
 
     def fits(self, n_prompt: int, max_tokens: int) -> None:
-        """Raise unless a request could ever run: all its K/V (the last token is not fed) in the pool."""
+        """Raise unless a request could ever run: all its K/V (the last token is not fed) fit
+        in the pool."""
         need = self.blocks.blocks_for(n_prompt + max_tokens - 1)
         if need > self.blocks.num_blocks:
-            raise CompressError(f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
-                                f"ones needs {need} KV blocks, and the pool has "
-                                f"{self.blocks.num_blocks}: shorten it or give more blocks.")
+            raise CompressError(
+                f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
+                f"ones needs {need} KV blocks, and the pool has "
+                f"{self.blocks.num_blocks}: shorten it or give more blocks."
+            )
 
     def add(self, seq: Sequence) -> None:
         self.fits(len(seq.tokens), seq.params.max_tokens)

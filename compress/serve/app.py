@@ -2,7 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions    (``"stream": true``: server-sent events, then
                                                     ``data: [DONE]``)
-    GET  /v1/models, /health, /metrics             (Prometheus text: queue, running, blocks, tokens/s)
+    GET  /v1/models, /health, /metrics             (Prometheus text: queue, running, blocks,
+                                                    tokens/s)
 
 A request is tokenized and checked here, then queued to the engine's thread
 (``compress.serve.worker``); its events come back through an asyncio queue. A client that goes
@@ -33,7 +34,8 @@ DISCONNECT_POLL_S = 0.5
 
 
 def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
-    """The app serving ``worker``'s engine as ``model_name``; the worker starts and stops with it."""
+    """The app serving ``worker``'s engine as ``model_name``; the worker starts and stops
+    with it."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -62,7 +64,9 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
 
     @app.exception_handler(CompressError)
     async def refused(request, exc: CompressError):
-        code = "context_length_exceeded" if "context" in str(exc) or "KV blocks" in str(exc) else None
+        code = (
+            "context_length_exceeded" if "context" in str(exc) or "KV blocks" in str(exc) else None
+        )
         return JSONResponse(error_body(str(exc), code=code), 400)
 
     @app.exception_handler(Exception)
@@ -72,7 +76,9 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name != model_name:
-            raise HTTPException(404, f"model '{name}' does not exist; this server serves '{model_name}'.")
+            raise HTTPException(
+                404, f"model '{name}' does not exist; this server serves '{model_name}'."
+            )
 
     @app.get("/health")
     async def health():
@@ -82,20 +88,33 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "compress", "max_model_len": max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "compress",
+                    "max_model_len": max_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
         s = worker.stats()
-        rows = [("compress_requests_waiting", s["waiting"] + s["queued"]),
-                ("compress_requests_running", s["running"]),
-                ("compress_kv_blocks_free", s["free_blocks"]), ("compress_kv_blocks_total", s["total_blocks"]),
-                ("compress_prefix_cache_hit_tokens_total", s["prefix_hit_tokens"]),
-                ("compress_preemptions_total", s["preemptions"]),
-                ("compress_generated_tokens_total", s["generated_tokens"]),
-                ("compress_runahead_prefills_total", s["runahead_prefills"]),
-                ("compress_generation_tokens_per_second", round(s["tokens_per_s"], 3))]
+        rows = [
+            ("compress_requests_waiting", s["waiting"] + s["queued"]),
+            ("compress_requests_running", s["running"]),
+            ("compress_kv_blocks_free", s["free_blocks"]),
+            ("compress_kv_blocks_total", s["total_blocks"]),
+            ("compress_prefix_cache_hit_tokens_total", s["prefix_hit_tokens"]),
+            ("compress_preemptions_total", s["preemptions"]),
+            ("compress_generated_tokens_total", s["generated_tokens"]),
+            ("compress_runahead_prefills_total", s["runahead_prefills"]),
+            ("compress_generation_tokens_per_second", round(s["tokens_per_s"], 3)),
+        ]
         return PlainTextResponse("".join(f"{k} {v}\n" for k, v in rows))
 
     async def run(request: Request, body, chat: bool):
@@ -142,7 +161,9 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
                 if ev.text or done:
                     yield reply.sse(reply.chunk(ev.text, ev.seq.finish_reason if done else None))
             if reply.body.include_usage:
-                yield reply.sse(dict(reply.chunk(None, None, usage_only=True), usage=reply.usage(ev.seq)))
+                yield reply.sse(
+                    dict(reply.chunk(None, None, usage_only=True), usage=reply.usage(ev.seq))
+                )
             yield "data: [DONE]\n\n"
         finally:
             if not done:
@@ -194,7 +215,11 @@ class Reply:
 
     def usage(self, seq) -> dict:
         n = len(seq.output)
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+        return {
+            "prompt_tokens": self.n_prompt,
+            "completion_tokens": n,
+            "total_tokens": self.n_prompt + n,
+        }
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -202,8 +227,12 @@ class Reply:
     def full(self, text: str, seq) -> dict:
         reason = seq.finish_reason
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
             return dict(self.head("chat.completion"), choices=[choice], usage=self.usage(seq))
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         return dict(self.head("text_completion"), choices=[choice], usage=self.usage(seq))
@@ -213,12 +242,22 @@ class Reply:
             head = self.head("chat.completion.chunk")
             if usage_only:
                 return dict(head, choices=[])
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            return dict(head, choices=[{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}])
+            delta = (
+                {"role": "assistant", "content": ""}
+                if first
+                else ({"content": text} if text else {})
+            )
+            return dict(
+                head,
+                choices=[{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}],
+            )
         head = self.head("text_completion")
         if usage_only:
             return dict(head, choices=[])
-        return dict(head, choices=[{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}])
+        return dict(
+            head,
+            choices=[{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}],
+        )
 
     @staticmethod
     def sse(obj: dict) -> str:

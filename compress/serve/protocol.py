@@ -46,10 +46,18 @@ class Common(BaseModel):
         return stops
 
     def params(self, default_max: int) -> Params:
-        s = Sampling(temperature=self.temperature, top_k=self.top_k,
-                     top_p=self.top_p if self.top_p < 1 else None, seed=self.seed)
-        return Params(max_tokens=self.max_tokens or default_max, sampling=s, stop=tuple(self.stop or ()),
-                      ignore_eos=self.ignore_eos)
+        s = Sampling(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p if self.top_p < 1 else None,
+            seed=self.seed,
+        )
+        return Params(
+            max_tokens=self.max_tokens or default_max,
+            sampling=s,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -67,8 +75,10 @@ class CompletionRequest(Common):
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
             if len(p) != 1:
-                raise CompressError("this server takes one prompt per request; send a list of "
-                                    "prompts as separate requests.")
+                raise CompressError(
+                    "this server takes one prompt per request; send a list of "
+                    "prompts as separate requests."
+                )
             p = p[0]
         if isinstance(p, str):
             return tokenizer(p).input_ids
@@ -84,8 +94,13 @@ class Message(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
-            raise CompressError("message content parts must be text parts {\"type\": \"text\", \"text\": ...}.")
+        if any(
+            part.get("type") != "text" or not isinstance(part.get("text"), str)
+            for part in self.content
+        ):
+            raise CompressError(
+                'message content parts must be text parts {"type": "text", "text": ...}.'
+            )
         return "".join(part["text"] for part in self.content)
 
 
@@ -97,8 +112,10 @@ class ChatRequest(Common):
     def prompt_ids(self, tokenizer) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise CompressError("this model's tokenizer has no chat template; use /v1/completions.")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages]
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -57,7 +57,9 @@ class Worker:
         return sum(n for t, n in recent if t > now - self.window) / self.window
 
     def stats(self) -> dict:
-        return dict(self.engine.stats(), tokens_per_s=self.tokens_per_s(), queued=self.inbox.qsize())
+        return dict(
+            self.engine.stats(), tokens_per_s=self.tokens_per_s(), queued=self.inbox.qsize()
+        )
 
     def _handle(self, kind, rid, payload) -> None:
         if kind == "add":

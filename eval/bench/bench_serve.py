@@ -1,4 +1,4 @@
-"""Serving throughput and latency of the continuous-batching engine, and KV-Runahead's time to first token.
+"""Serving throughput and latency of the continuous-batching engine; KV-Runahead's TTFT.
 
     python -m compress.eval.bench.bench_serve --folder fp32=RUN --folder bf16=RUN:bfloat16 \\
         --folder awq_int4=outputs/awq_int4 [--batch 1 2 4 8 16 32] [--requests 32] [--json OUT]
@@ -68,7 +68,7 @@ def requests(tok, vocab: int, n: int, prompt_lens, new_lens, seed: int):
     for _ in range(n):
         length = rng.randint(*prompt_lens)
         at = rng.randint(0, len(text) - length)
-        out.append((text[at:at + length], rng.randint(*new_lens)))
+        out.append((text[at : at + length], rng.randint(*new_lens)))
     return out
 
 
@@ -94,17 +94,25 @@ def serve_once(model, tok, reqs, batch: int, block_size: int) -> dict:
                 last[ev.seq.id] = now
     wall = time.perf_counter() - t0
     tokens = sum(len(s.output) for s in seqs)
-    return {"batch": batch, "requests": len(reqs), "output_tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "latency_s": percentiles([last[s.id] - t0 for s in seqs]),
-            "ttft_s": percentiles([first[s.id] - t0 for s in seqs]),
-            "preemptions": engine.stats()["preemptions"]}
+    return {
+        "batch": batch,
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "latency_s": percentiles([last[s.id] - t0 for s in seqs]),
+        "ttft_s": percentiles([first[s.id] - t0 for s in seqs]),
+        "preemptions": engine.stats()["preemptions"],
+    }
 
 
 def throughput(label, path, dtype, args) -> list[dict]:
     from compress.decoder.model import load
 
     model, tok = load(path, dtype=getattr(torch, dtype))
-    reqs = requests(tok, model.config.vocab_size, args.requests, args.prompt_lens, args.new_lens, args.seed)
+    reqs = requests(
+        tok, model.config.vocab_size, args.requests, args.prompt_lens, args.new_lens, args.seed
+    )
     serve_once(model, tok, reqs[:2], 2, args.block_size)  # warm-up
     rows = []
     for b in args.batch:
@@ -112,9 +120,13 @@ def throughput(label, path, dtype, args) -> list[dict]:
         r.update(label=label, dtype=dtype)
         rows.append(r)
         base = rows[0]["tok_s"] if rows[0]["batch"] == 1 else float("nan")
-        print(f"{label:>10} B={b:>2}  {r['tok_s']:8.1f} tok/s  x{r['tok_s'] / base:5.2f}  latency p50 "
-              f"{r['latency_s']['p50']:.2f} s p99 {r['latency_s']['p99']:.2f} s  TTFT p50 "
-              f"{r['ttft_s']['p50']:.2f} s  preemptions {r['preemptions']}", flush=True)
+        print(
+            f"{label:>10} B={b:>2}  {r['tok_s']:8.1f} tok/s  x{r['tok_s'] / base:5.2f}  "
+            f"latency p50 "
+            f"{r['latency_s']['p50']:.2f} s p99 {r['latency_s']['p99']:.2f} s  TTFT p50 "
+            f"{r['ttft_s']['p50']:.2f} s  preemptions {r['preemptions']}",
+            flush=True,
+        )
     return rows
 
 
@@ -152,9 +164,20 @@ def ttft(label, path, dtype, args) -> list[dict]:
                     s = timed(lambda: pool.prefill(ids))
                 finally:
                     pool.close()
-                rows.append({"label": label, "tokens": T, "ranks": n, "balance": balance, "ttft_s": s,
-                             "speedup": one / s})
-                print(f"{label:>10} T={T:>5} {n} ranks {balance:>4}  {s:7.2f} s  x{one / s:4.2f}", flush=True)
+                rows.append(
+                    {
+                        "label": label,
+                        "tokens": T,
+                        "ranks": n,
+                        "balance": balance,
+                        "ttft_s": s,
+                        "speedup": one / s,
+                    }
+                )
+                print(
+                    f"{label:>10} T={T:>5} {n} ranks {balance:>4}  {s:7.2f} s  x{one / s:4.2f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -166,12 +189,16 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 256])
     p.add_argument("--new-lens", type=int, nargs=2, default=[64, 128])
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--ttft", type=int, nargs="*", default=[], help="prompt lengths for time to first token")
+    p.add_argument(
+        "--ttft", type=int, nargs="*", default=[], help="prompt lengths for time to first token"
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per process for the TTFT runs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny settings: checks that the script runs")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny settings: checks that the script runs"
+    )
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
     if args.quick:
