@@ -143,20 +143,21 @@ def test_abort_frees_blocks(tiny):
     no_leaks(engine)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_folders(kind, tmp_path):
-    """The same engine over int4 (RTN-packed) and LLM.int8 weights equals ``generate`` alone:
-    batched for int4; one request at a time for LLM.int8, whose outlier columns are picked over
-    the whole batch's activations, so its logits depend on what else is in the batch."""
+@pytest.mark.parametrize("kind", ["bf16", "int4", "int8"])
+def test_weight_formats(kind, tmp_path):
+    """The same engine over bfloat16, int4 (RTN-packed) and LLM.int8 weights equals ``generate``
+    alone: batched for bf16 and int4; one request at a time for LLM.int8, whose outlier columns
+    are picked over the whole batch's activations, so its logits depend on the batch."""
     from compress.quant import llm_int8
     from compress.quant.rtn import pack_model, quantization_config
 
-    hf = tiny_hf()
+    hf, qcfg = tiny_hf(), None
     if kind == "int8":
-        qmodel, qcfg = llm_int8.quantize_model(hf, 6.0), llm_int8.quantization_config(6.0)
-    else:
-        qmodel, qcfg = pack_model(hf, 4, 32), quantization_config(4, 32)
-    model, _ = load(save(qmodel, tmp_path, quantization_config=qcfg))
+        hf, qcfg = llm_int8.quantize_model(hf, 6.0), llm_int8.quantization_config(6.0)
+    elif kind == "int4":
+        hf, qcfg = pack_model(hf, 4, 32), quantization_config(4, 32)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    model, _ = load(save(hf, tmp_path, quantization_config=qcfg), dtype=dtype)
     prompts = random_prompts(5, seed=4)
     one = kind == "int8"
     engine = Engine(
