@@ -208,3 +208,20 @@ def test_bad_requests(tiny):
     with pytest.raises(CompressError, match="paged KIVI"):
         Engine(model, kv="kivi")
     no_leaks(engine)
+
+
+def test_reused_blocks_forget_their_prefix(tiny):
+    """A freed block keeps serving its prefix until the pool hands it out again; then the prefix
+    misses, and the output is still that of ``generate`` alone."""
+    model, _ = tiny
+    a, b = list(range(30, 39)), list(range(60, 73))  # 9 tokens; 13 + 3 fed = all 4 blocks
+    engine = Engine(model, num_blocks=4, block_size=4, kv="full")
+    params = Params(max_tokens=4, ignore_eos=True)
+    ref = generate(model, [a], 4, kv="full", ignore_eos=True).tokens[0]
+    assert engine.generate([a], params)[0].output == ref
+    assert engine.generate([a], params)[0].output == ref
+    assert engine.stats()["prefix_hit_tokens"] == 8  # a's two blocks, still cached
+    engine.generate([b], params)  # needs all 4 blocks: a's cached ones are handed out
+    assert engine.generate([a], params)[0].output == ref
+    assert engine.stats()["prefix_hit_tokens"] == 8  # a missed: its blocks now hold b
+    no_leaks(engine)
