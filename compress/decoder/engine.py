@@ -1,0 +1,229 @@
+"""The serving engine: continuous batching of many requests over one paged KV cache.
+
+    engine = Engine(model, tokenizer, num_blocks=1024)
+    seq = engine.add(prompt_ids, Params(max_tokens=64))
+    while engine.has_work():
+        for event in engine.step(): ...   # sequence, new token or None, text now final
+
+Each step runs the decoder's one forward over the sequences the scheduler picked
+(``compress.decoder.scheduler``), as a padded batch laid out for the paged cache
+(``compress.decoder.kv.paged``); a sequence whose tokens are all in the cache after the step
+samples its next token from its last position's logits. Outputs, EOS and stop strings follow
+``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from compress.decoder.blocks import BlockManager
+from compress.decoder.generate import Detokenizer, cache_size, eos_ids_of
+from compress.decoder.kv.paged import new_paged_cache
+from compress.decoder.sampling import sample
+from compress.decoder.scheduler import Params, Scheduler, Sequence
+from compress.errors import CompressError
+
+
+@dataclass
+class Event:
+    seq: Sequence
+    token: int | None  # the token appended this step (None: a prompt chunk, or EOS)
+    text: str  # text that became final this step
+    finished: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_seqs: int = 32,
+        max_step_tokens: int = 512,
+        kv: str = "fp16",
+        prefix_caching: bool = True,
+        runahead=None,
+        runahead_min_tokens: int = 256,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.runahead, self.runahead_min_tokens = runahead, runahead_min_tokens
+        self.cache = new_paged_cache(model, num_blocks, block_size, kv)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
+        self.eos = eos_ids_of(model, tokenizer)
+        self.pad = (
+            tokenizer.pad_token_id
+            if tokenizer is not None and tokenizer.pad_token_id is not None
+            else 0
+        )
+        self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.device = model.lm_head.weight.device
+        self.ids = itertools.count()
+        self.generated = 0  # tokens sampled, all requests
+        self.steps = 0
+        self.runahead_prefills = 0
+
+    def check(self, prompt: list[int], params: Params) -> None:
+        """Raise ``CompressError`` for a request this engine cannot serve (before queuing it; reads
+        no state that steps change, so another thread may call it)."""
+        if not prompt:
+            raise CompressError("a prompt is empty; give at least one token of text to continue.")
+        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
+            raise CompressError(
+                f"a prompt token id is outside the vocabulary [0, {self.model.config.vocab_size})."
+            )
+        if params.max_tokens < 1:
+            raise CompressError(f"max_tokens must be at least 1 (got {params.max_tokens}).")
+        if params.stop and self.tokenizer is None:
+            raise CompressError("stop strings need a tokenizer, and this run folder has none.")
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise CompressError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {self.max_len} tokens. "
+                f"Shorten the prompt or lower max_tokens."
+            )
+        cache_size(self.model, len(prompt), params.max_tokens, None)  # sliding-window check
+        self.scheduler.fits(len(prompt), params.max_tokens)
+
+    def add(self, prompt: list[int], params: Params | None = None, seq_id=None) -> Sequence:
+        params = params or Params()
+        self.check(prompt, params)
+        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params, detok)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` and free its blocks (a client that went away)."""
+        seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.retire(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def layout(self, batch: list[tuple[Sequence, int]]):
+        """``(idx [B, T], pos [T])`` of the step, the cache bound to its slots (module docstring of
+        ``kv/paged.py``: new tokens right-aligned on a shared virtual timeline)."""
+        B, T, bs = len(batch), max(n for _, n in batch), self.blocks.block_size
+        V = max(0, max(s.computed + n for s, n in batch) - T)
+        idx = torch.full((B, T), self.pad, dtype=torch.long)
+        slots = torch.full((B, T), -1, dtype=torch.long)
+        tables = torch.zeros(B, max(len(s.block_table) for s, _ in batch), dtype=torch.long)
+        start, lens = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
+        for b, (s, n) in enumerate(batch):
+            c = s.computed
+            idx[b, T - n :] = torch.tensor(s.tokens[c : c + n])
+            table = torch.tensor(s.block_table)
+            tables[b, : len(table)] = table
+            p = torch.arange(c, c + n)
+            slots[b, T - n :] = table[p // bs] * bs + p % bs
+            start[b], lens[b] = V + T - n - c, c + n
+        self.cache.bind(slots, tables, lens, start)
+        return (
+            idx.to(self.device),
+            torch.arange(V, V + T, device=self.device),
+            start.to(self.device),
+        )
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """Run one scheduled step; finished sequences are retired and their blocks freed."""
+        if self.runahead is not None and (
+            seq := self.scheduler.admit_whole(self.runahead_min_tokens)
+        ):
+            return [self.prefill_runahead(seq)]
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        idx, pos, start = self.layout(batch)
+        logits = self.model(idx, self.cache, pos=pos, start=start, last=True)[:, -1]
+        self.steps += 1
+        greedy = logits.argmax(-1).tolist()
+        events = []
+        for b, (seq, n) in enumerate(batch):
+            seq.computed += n
+            self.blocks.register(seq)
+            if seq.pending:
+                events.append(Event(seq, None, "", False))  # a prompt chunk
+                continue
+            s = seq.params.sampling
+            token = (
+                greedy[b]
+                if s.temperature <= 0
+                else sample(logits[b : b + 1], s, seq.generator).item()
+            )
+            events.append(self.take(seq, token))
+        return events
+
+    def prefill_runahead(self, seq: Sequence) -> Event:
+        """Prefill all of ``seq`` over the KV-Runahead ranks, copy its K/V into its blocks and
+        sample its next token."""
+        logits, full = self.runahead.prefill(seq.tokens)
+        bs, T = self.blocks.block_size, len(seq.tokens)
+        p = torch.arange(T)
+        slots = (torch.tensor(seq.block_table)[p // bs] * bs + p % bs).to(self.device)
+        for layer in range(self.cache.n_layers):
+            self.cache.k[layer][slots] = (
+                full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+            )
+            if not self.cache.v_dim:
+                self.cache.v[layer][slots] = (
+                    full.v[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
+                )
+        seq.computed = T
+        self.blocks.register(seq)
+        self.steps += 1
+        self.runahead_prefills += 1
+        s = seq.params.sampling
+        token = (
+            logits.argmax().item()
+            if s.temperature <= 0
+            else sample(logits[None], s, seq.generator).item()
+        )
+        return self.take(seq, token)
+
+    def take(self, seq: Sequence, token: int) -> Event:
+        """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or
+        max_tokens."""
+        self.generated += 1
+        text = ""
+        if token in self.eos and not seq.params.ignore_eos:
+            seq.finish_reason, token = "stop", None
+        else:
+            seq.tokens.append(token)
+            if seq.detok is not None:
+                text = seq.detok.push(token)
+                if seq.detok.stopped:
+                    seq.finish_reason = "stop"
+            if seq.finish_reason is None and len(seq.output) >= seq.params.max_tokens:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if seq.detok is not None:
+                text += seq.detok.flush()
+            self.scheduler.retire(seq)
+        return Event(seq, token, text, seq.finish_reason is not None)
+
+    def generate(self, prompts: list[list[int]], params: Params | None = None) -> list[Sequence]:
+        """Serve ``prompts`` to completion (offline); the finished sequences in prompt order."""
+        seqs = [self.add(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    def stats(self) -> dict:
+        """Queue length, running sequences, block counts, prefix-cache hits, preemptions."""
+        sch, bm = self.scheduler, self.blocks
+        return dict(
+            waiting=len(sch.waiting),
+            running=len(sch.running),
+            free_blocks=bm.num_free,
+            total_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            prefix_hit_tokens=bm.hit_tokens,
+            preemptions=sch.preemptions,
+            generated_tokens=self.generated,
+            steps=self.steps,
+            runahead_prefills=self.runahead_prefills,
+        )

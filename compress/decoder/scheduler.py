@@ -1,0 +1,156 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step the scheduler admits and retires sequences (iteration-level batching, Orca/vLLM),
+prefill first: a step either feeds prompt chunks (sequences still prefilling, then waiting
+ones while seats and the step's token budget last; a prompt longer than the budget is
+prefilled in chunks over several steps), or, when there is no prompt work, one token of every
+decoding sequence. When a decoding sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are released and it returns to the head of the queue, to be
+recomputed from its tokens (prompt + generated) later, through the prefix cache where its
+blocks survive.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from compress.decoder.blocks import BlockManager
+from compress.decoder.sampling import Sampling
+from compress.errors import CompressError
+
+
+@dataclass
+class Params:
+    max_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class Sequence:
+    """One request: ``tokens`` (prompt + generated), ``computed`` of them in the KV cache."""
+
+    def __init__(self, seq_id, prompt: list[int], params: Params, detok=None):
+        self.id, self.tokens, self.n_prompt, self.params = seq_id, list(prompt), len(prompt), params
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.computed = 0
+        self.detok = detok
+        seed = params.sampling.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.finish_reason: str | None = None
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.n_prompt :]
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache; 1 while decoding."""
+        return len(self.tokens) - self.computed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_seqs: int = 32, max_step_tokens: int = 512):
+        if max_seqs < 1 or max_step_tokens < 1:
+            raise CompressError(
+                f"the scheduler needs at least one sequence and one token a step "
+                f"(got max_seqs={max_seqs}, max_step_tokens={max_step_tokens})."
+            )
+        self.blocks, self.max_seqs, self.max_step_tokens = blocks, max_seqs, max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def fits(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise unless a request could ever run: all its K/V (the last token is not fed) fit
+        in the pool."""
+        need = self.blocks.blocks_for(n_prompt + max_tokens - 1)
+        if need > self.blocks.num_blocks:
+            raise CompressError(
+                f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
+                f"ones needs {need} KV blocks, and the pool has "
+                f"{self.blocks.num_blocks}: shorten it or give more blocks."
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.fits(len(seq.tokens), seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def retire(self, seq: Sequence) -> None:
+        """Drop ``seq`` (finished or aborted) wherever it is, releasing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def admit_whole(self, min_tokens: int) -> Sequence | None:
+        """Admit the head of the queue with blocks for all its tokens, if it has ``min_tokens`` or
+        more and they fit (for a prefill run outside the step: ``compress.decoder.runahead``)."""
+        if not self.waiting or len(self.running) >= self.max_seqs:
+            return None
+        seq = self.waiting[0]
+        if len(seq.tokens) < min_tokens or not self.blocks.can_grow(seq, len(seq.tokens)):
+            return None
+        self.blocks.grow(seq, len(seq.tokens))
+        self.running.append(self.waiting.popleft())
+        return seq
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """``[(sequence, tokens to feed)]`` for the next step; empty when there is no work."""
+        for _ in range(len(self.running) + 2):
+            batch = self._prefill() or self._decode()
+            if batch or not self.has_work():
+                return batch
+            if self.running:  # only prefills that cannot grow: make room for the oldest
+                self.preempt(self.running[-1])
+        raise CompressError("internal: the scheduler found no step to run.")
+
+    def _prefill(self) -> list[tuple[Sequence, int]]:
+        bm, budget, batch = self.blocks, self.max_step_tokens, []
+        for seq in self.running:
+            if seq.pending > 1 and budget > 0:
+                n = min(seq.pending, budget)
+                if bm.can_grow(seq, seq.computed + n):
+                    bm.grow(seq, seq.computed + n)
+                    batch.append((seq, n))
+                    budget -= n
+        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
+            seq = self.waiting[0]
+            bm.match_prefix(seq)
+            n = min(seq.pending, budget)
+            if not bm.can_grow(seq, seq.computed + n):
+                bm.release(seq)
+                break
+            bm.hit_tokens += seq.computed
+            bm.grow(seq, seq.computed + n)
+            self.running.append(self.waiting.popleft())
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _decode(self) -> list[tuple[Sequence, int]]:
+        batch = []
+        for seq in list(self.running):
+            if seq not in self.running or seq.pending != 1:
+                continue
+            while not self.blocks.can_grow(seq, seq.computed + 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, seq.computed + 1)
+                batch.append((seq, 1))
+        return batch

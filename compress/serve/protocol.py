@@ -1,0 +1,125 @@
+"""The OpenAI request bodies the server accepts, and their errors' shape.
+
+Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``; unknown fields are
+ignored as OpenAI ignores them; supported-but-unused ones must keep their neutral value
+(``n`` 1, ``echo`` false, no ``logprobs``, zero penalties), else the request is refused. ``top_k``
+and ``ignore_eos`` are vLLM's extensions. Errors are ``{"error": {"message", "type", "param",
+"code"}}`` with a 4xx status for the client's mistakes.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from compress.decoder.sampling import Sampling
+from compress.decoder.scheduler import Params
+from compress.errors import CompressError
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=1)
+    presence_penalty: float = Field(0.0, ge=0, le=0)
+    frequency_penalty: float = Field(0.0, ge=0, le=0)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def few_stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("give at most 4 non-empty stop strings")
+        return stops
+
+    def params(self, default_max: int) -> Params:
+        s = Sampling(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p if self.top_p < 1 else None,
+            seed=self.seed,
+        )
+        return Params(
+            max_tokens=self.max_tokens or default_max,
+            sampling=s,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(Common):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: Literal[False] = False
+    logprobs: None = None
+    suffix: None = None
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise CompressError(
+                    "this server takes one prompt per request; send a list of "
+                    "prompts as separate requests."
+                )
+            p = p[0]
+        if isinstance(p, str):
+            return tokenizer(p).input_ids
+        return list(p)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if any(
+            part.get("type") != "text" or not isinstance(part.get("text"), str)
+            for part in self.content
+        ):
+            raise CompressError(
+                'message content parts must be text parts {"type": "text", "text": ...}.'
+            )
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] | None = None
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise CompressError("this model's tokenizer has no chat template; use /v1/completions.")
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def params(self, default_max: int) -> Params:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().params(default_max)
