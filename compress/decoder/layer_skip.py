@@ -2,7 +2,7 @@
 
 Unified layer skipping (arXiv 2404.06954) fixes the skipped layers from the target speed-up
 alone, input-independent: the first and last layers always run and the N skipped ones are
-spread evenly over layers 1..L−2, symmetric around the middle::
+spread evenly over layers 1..L−2, centred on the middle::
 
     skip_i = 1 + floor((i + 1/2) (L − 2) / N)        i = 0..N−1
 
@@ -64,7 +64,7 @@ def agreement(model, ids: list[int], skip) -> float:
     hits = 0
     for t in range(len(ids) - 1):  # one token at a time, as the draft runs
         kept = [(k[:, :, t].clone(), v[:, :, t].clone()) for k, v in zip(cache.k, cache.v)]
-        cache.rollback(t)
+        cache.lens = [t] * cache.n_layers  # the full cache holds the target's K/V of every slot
         pos = torch.tensor([t], device=device)
         guess = model(torch.tensor([[ids[t]]], device=device), cache, pos=pos, skip=skip)[0, -1]
         hits += int(guess.argmax() == target[t])

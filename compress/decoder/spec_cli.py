@@ -57,7 +57,7 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``compress.decoder.speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.bandit import self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
-    from compress.decoder.layer_skip import parse_layers, searched_skip, unified_skip
+    from compress.decoder.layer_skip import parse_layers, searched_skip, skip_file, unified_skip
     from compress.decoder.schedule import schedule_for
 
     if args.draft != "self":
@@ -70,6 +70,10 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     elif args.skip == "search":
         skip = searched_skip(args.run, model, calibration_ids(tokenizer),
                              args.gamma if args.gamma != "auto" else 4, log=print_stderr)
+        if not skip:
+            raise CompressError(f"the skip-set search found no set of layers whose draft beats the target "
+                                f"alone on calibration text (modelled tokens per second; "
+                                f"{skip_file(args.run)}): decode without --draft self.")
     else:
         try:
             n = int(args.skip) if args.skip is not None else max(1, (L - 2) // 2)
