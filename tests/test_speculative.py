@@ -347,3 +347,23 @@ def test_cli(pair, capsys):
         with pytest.raises(SystemExit):
             cli(base + extra)
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_spec_quick(tmp_path, tokenizer, capsys):
+    """The benchmark end to end on tiny folders with the real tokenizer (chat template): every
+    system's row, exact greedy output, and the JSON."""
+    from compress.eval.bench.bench_spec import main as bench
+    from tests.conftest import make_tiny_model
+
+    hf = make_tiny_model(num_hidden_layers=4)
+    for name, model in (("target", hf), ("draft", noisy_copy(hf, 0.01))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    bench(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--quick",
+           "--json", str(tmp_path / "out.json")])
+    table = json.loads((tmp_path / "out.json").read_text())["table"]
+    names = [t["system"] for t in table]
+    assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"] and {"bandit", "ucb1"} <= set(names)
+    assert all(t["prompts"] == 2 and t["identical"] + t["ties"] == 2 for t in table)
+    assert "speed-up" in capsys.readouterr().out

@@ -118,8 +118,14 @@ class UCB1(Bandit):
 BANDITS = {"bandit": Unimodal, "ucb1": UCB1}
 
 
-def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6)):
-    """A bandit of ``kind`` (:data:`BANDITS`) over unified skip sets of ``skip_counts`` x ``gammas``."""
+def default_skip_counts(n_layers: int) -> list[int]:
+    """Skip 25%, 40%, 50%, 60% and 75% of the middle layers (distinct counts)."""
+    return sorted({max(1, round(f * (n_layers - 2))) for f in (0.25, 0.4, 0.5, 0.6, 0.75)})
+
+
+def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6), costs=None):
+    """A bandit of ``kind`` (:data:`BANDITS`) over unified skip sets of ``skip_counts`` x ``gammas``;
+    ``costs``: ``layer_costs(model)`` if measured already."""
     from compress.decoder.drafts import LayerSkipDraft
     from compress.decoder.layer_skip import layer_costs, unified_skip
 
@@ -128,10 +134,9 @@ def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6)):
     L = model.config.num_hidden_layers
     if L < 3:
         raise CompressError(f"self-speculative drafts skip middle layers; this model has only {L}.")
-    counts = skip_counts or sorted({max(1, round(f * (L - 2))) for f in (0.25, 0.4, 0.5, 0.6, 0.75)})
-    c0, cl = layer_costs(model)
+    c0, cl = costs or layer_costs(model)
     arms = []
-    for n in counts:
+    for n in skip_counts or default_skip_counts(L):
         draft = LayerSkipDraft(model, unified_skip(L, n))
         for g in gammas:
             arms.append((draft, g, g * (c0 + (L - n) * cl) + c0 + L * cl))

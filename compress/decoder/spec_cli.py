@@ -3,13 +3,13 @@
     --draft RUN                     a draft model folder (same tokenizer), its own fp16 cache
     --draft self --skip N           the target minus N layers (unified layer skipping)
     --draft self --skip-layers 3,5  the target minus the given layers
-    --draft self --skip search      a skip set searched on WikiText-2 training text, saved as RUN.skip.json
+    --draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
     --draft self --adapt bandit     per prompt, a unimodal bandit over (skip set x gamma); ucb1: UCB1
 """
 
 from compress.errors import CompressError
 
-CALIBRATION_TOKENS = 96  # of WikiText-2 train text for the skip-set search
+CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
 
 
 def add_arguments(p) -> None:
@@ -84,14 +84,15 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
 
 
 def calibration_ids(tokenizer) -> list[int]:
+    """The last ``CALIBRATION_TOKENS`` tokens of WikiText-2 validation, the project's calibration
+    split (the speculative benchmark's prompts are its openings, far from here)."""
     from compress.data import wikitext_file
 
-    path = wikitext_file("wiki.train.tokens")
+    path = wikitext_file("wiki.valid.tokens")
     if not path.is_file():
         raise CompressError(f"--skip search reads calibration text from {path}, which does not exist.")
-    with open(path) as f:
-        text = f.read(20000)
-    return tokenizer(text).input_ids[:CALIBRATION_TOKENS]
+    text = path.read_text(encoding="utf-8")[-4000:]
+    return tokenizer(text[text.index(" "):]).input_ids[-CALIBRATION_TOKENS:]
 
 
 def print_stderr(msg: str) -> None:
