@@ -1,6 +1,6 @@
-"""Speculative decoding (compress.decoder.speculative) on tiny random Llamas: greedy output identical
-to the target's own, the sampling rule's output distribution equal to the target's (chi-square),
-KV cache rollback, self-speculative drafts, bandits and bad input."""
+"""Speculative decoding (compress.decoder.speculative) on tiny random Llamas: greedy output
+identical to the target's own, the sampling rule's output distribution equal to the target's
+(chi-square), KV cache rollback, self-speculative drafts, bandits and bad input."""
 
 import copy
 import json
@@ -13,7 +13,8 @@ from compress.decoder.bandit import UCB1, Unimodal, self_bandit
 from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache
-from compress.decoder.layer_skip import agreement, parse_layers, searched_skip, skip_file, unified_skip
+from compress.decoder.layer_skip import (agreement, parse_layers, searched_skip, skip_file,
+                                         unified_skip)
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.schedule import AutoGamma, Fixed
@@ -69,10 +70,11 @@ def test_greedy_with_a_compressed_window_cache(tmp_path, kv, opts):
     target = load(save(hf, tmp_path / "t"))[0]
     draft = load(save(noisy_copy(hf, 0.005), tmp_path / "d"))[0]
     ref = generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True)
-    r = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True, draft=draft, gamma=4)
+    r = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True, draft=draft,
+                             gamma=4)
     assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
-    long = speculative_generate(target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16), ignore_eos=True,
-                                draft=draft, gamma=4)  # tokens compressed between rollbacks
+    long = speculative_generate(target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16),
+                                ignore_eos=True, draft=draft, gamma=4)  # compresses between rounds
     assert len(long.tokens[0]) == 120 and long.rounds < 119
 
 
@@ -123,7 +125,8 @@ def simulate(target_tab, draft_tab, V, gamma, sampling, rows, gen):
         n, nxt = verify(drafts, torch.stack(p, 1), q, sampling, gen)
         slot = torch.arange(gamma + 1)
         padded = torch.cat([drafts, drafts[:, :1]], 1)
-        emitted = torch.where(slot < n[:, None], padded, torch.where(slot == n[:, None], nxt[:, None], -1))
+        after = torch.where(slot == n[:, None], nxt[:, None], -1)
+        emitted = torch.where(slot < n[:, None], padded, after)
         return emitted, n + 1
 
     ctx = torch.empty(rows, 0, dtype=torch.long)
@@ -151,7 +154,8 @@ def test_sampling_matches_the_target_distribution(tmp_path, gamma, sampling):
     draft = load(save(other, tmp_path / "d"))[0]
     depth = gamma + 1
     with torch.no_grad():
-        qt, pt = all_contexts(target, prefix, depth, sampling), all_contexts(draft, prefix, depth, sampling)
+        qt = all_contexts(target, prefix, depth, sampling)
+        pt = all_contexts(draft, prefix, depth, sampling)
     tv = 0.5 * (qt[0, 0] - pt[0, 0]).abs().sum()
     assert tv > 0.2  # the draft disagrees often
     gen = torch.Generator().manual_seed(0)
@@ -161,18 +165,21 @@ def test_sampling_matches_the_target_distribution(tmp_path, gamma, sampling):
     assert chi_square_p(observed, expected) > 0.01
     assert (got == 1).any() and (got >= 2).any()  # both rejections and acceptances happened
     # the test has power: taking every draft unverified gives the draft's distribution, rejected
-    wrong = torch.bincount(torch.multinomial(pt[0, 0], rows, replacement=True, generator=gen), minlength=V)
+    drafts = torch.multinomial(pt[0, 0], rows, replacement=True, generator=gen)
+    wrong = torch.bincount(drafts, minlength=V)
     assert chi_square_p(wrong.double(), qt[0, 0] * rows) < 1e-6
 
 
 def test_sampled_self_draft_accepts_everything(pair):
     _, target, _, _ = pair
-    r = speculative_generate(target, PROMPT, 40, sampling=Sampling(1.0, seed=3), ignore_eos=True, draft=target, gamma=4)
+    r = speculative_generate(target, PROMPT, 40, sampling=Sampling(1.0, seed=3), ignore_eos=True,
+                             draft=target, gamma=4)
     assert r.acceptance > 0.99 and len(r.tokens[0]) == 40
 
 
 def attend_all(cache, q, L):
-    return torch.stack([cache.attend(layer, q, torch.tensor([L - 1])) for layer in range(cache.n_layers)])
+    return torch.stack([cache.attend(layer, q, torch.tensor([L - 1]))
+                        for layer in range(cache.n_layers)])
 
 
 @pytest.mark.parametrize("kind", ["fp16", "full"])
@@ -200,7 +207,8 @@ def test_rollback_inside_the_window(kind):
     and attention equals a float64 reference over [history; window; new tokens]."""
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 120, 32), torch.randn(1, 2, 120, 32)
-    cache = make_cache(kind, 1, 1, 2, 32, 128, residual=24, **({"keep_perm": True} if kind == "packkv" else {}))
+    opts = {"keep_perm": True} if kind == "packkv" else {}  # history() needs the permutation
+    cache = make_cache(kind, 1, 1, 2, 32, 128, residual=24, **opts)
     cache.append(0, k[:, :, :90], v[:, :, :90])
     cache.append(0, k[:, :, 90:96], v[:, :, 90:96])  # a round of γ + 1 = 6
     hist, window = cache.history(0), cache.win_k[0].clone()
@@ -213,8 +221,8 @@ def test_rollback_inside_the_window(kind):
     q = torch.randn(1, 4, 1, 32)
     out = cache.attend(0, q, torch.tensor([94]))
     kh, vh = cache.history(0)
-    K = torch.cat([kh.double(), k[:, :, C:92].half().double(), k[:, :, 100:103].half().double()], 2)
-    V_ = torch.cat([vh.double(), v[:, :, C:92].half().double(), v[:, :, 100:103].half().double()], 2)
+    K, V_ = (torch.cat([h, x[:, :, C:92].half(), x[:, :, 100:103].half()], 2).double()
+             for h, x in ((kh.half(), k), (vh.half(), v)))
     Kr, Vr = K.repeat_interleave(2, 1), V_.repeat_interleave(2, 1)
     ref = torch.softmax(q.double() @ Kr.transpose(-1, -2) / 32 ** 0.5, -1) @ Vr
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
@@ -229,7 +237,8 @@ def test_layer_skip_draft_shares_the_target_cache(pair):
             skip = unified_skip(L, N)
             gaps = [b - a for a, b in zip([0] + skip, skip + [L - 1])]
             assert len(set(skip)) == N and 1 <= skip[0] and skip[-1] <= L - 2
-            assert max(gaps[1:-1] or [0]) - min(gaps[1:-1] or [0]) <= 1 and abs(gaps[0] - gaps[-1]) <= 1
+            inner = gaps[1:-1] or [0]
+            assert max(inner) - min(inner) <= 1 and abs(gaps[0] - gaps[-1]) <= 1
     assert parse_layers("2, 1", 4) == [1, 2]
     for bad in ("0,1,2,3", "7", "a"):
         with pytest.raises(CompressError):
@@ -239,7 +248,7 @@ def test_layer_skip_draft_shares_the_target_cache(pair):
     with pytest.raises(CompressError):
         LayerSkipDraft(target, [])
     a_full, a_skip = agreement(target, PROMPT[0] * 3, []), agreement(target, PROMPT[0] * 3, [1, 2])
-    assert a_full == 1.0 and a_skip < 1.0  # no skipped layer: the target itself, read one token at a time
+    assert a_full == 1.0 and a_skip < 1.0  # no skipped layer: the target, one token at a time
 
 
 def test_searched_skip_is_saved_once(pair, monkeypatch):
@@ -271,7 +280,8 @@ def test_bandits_run_and_find_the_best_arm():
         for _ in range(600):
             _, gamma = bandit.next()
             k = bandit.current
-            accepted = torch.binomial(torch.tensor(float(gamma)), torch.tensor(accept[k // 3]), generator=gen)
+            accepted = torch.binomial(torch.tensor(float(gamma)), torch.tensor(accept[k // 3]),
+                                      generator=gen)
             bandit.update(gamma, int(accepted), costs[k // 3][k % 3])
         assert bandit.favourite() == best, kind.__name__
 
@@ -310,7 +320,8 @@ def test_bad_input(pair, tmp_path):
     with pytest.raises(CompressError, match="batch 1"):
         speculative_generate(target, PROMPT * 2, 8, draft=draft)
     with pytest.raises(CompressError, match="residual"):
-        speculative_generate(target, PROMPT, 8, kv="packkv", kv_opts=dict(residual=4), draft=draft, gamma=4)
+        speculative_generate(target, PROMPT, 8, kv="packkv", kv_opts=dict(residual=4), draft=draft,
+                             gamma=4)
     assert isinstance(Fixed(ModelDraft(draft), 2).next()[0], ModelDraft)
 
 
@@ -321,8 +332,9 @@ def test_other_tokenizer_is_refused(pair, tmp_path):
     folder, target, _, _ = pair
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.train_from_iterator(["an entirely different corpus of words"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(["an entirely different corpus of words"] * 10, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
     other = save(tiny_hf(), tmp_path / "other", tok)
     with pytest.raises(CompressError, match="tokenizer"):
@@ -331,7 +343,8 @@ def test_other_tokenizer_is_refused(pair, tmp_path):
 
 def test_cli(pair, capsys):
     folder, _, draft_dir, _ = pair
-    base = [str(folder), "--prompt", "the quick brown", "--max-new-tokens", "24", "--json", "--no-warmup"]
+    base = [str(folder), "--prompt", "the quick brown", "--max-new-tokens", "24", "--json",
+            "--no-warmup"]
     cli(base)
     plain = json.loads(capsys.readouterr().out)
     for extra in (["--draft", str(draft_dir), "--gamma", "3"], ["--draft", "self", "--skip", "1"],
@@ -339,8 +352,10 @@ def test_cli(pair, capsys):
                   ["--draft", "self", "--adapt", "bandit"]):
         cli(base + extra)
         out = json.loads(capsys.readouterr().out)
-        assert out["text"] == plain["text"] and 0 <= out["acceptance"] <= 1 and out["tokens_per_pass"] >= 1
-    for extra, msg in ((["--draft", "self", "--gamma", "0"], "gamma"), (["--skip", "2"], "needs --draft"),
+        assert out["text"] == plain["text"]
+        assert 0 <= out["acceptance"] <= 1 and out["tokens_per_pass"] >= 1
+    for extra, msg in ((["--draft", "self", "--gamma", "0"], "gamma"),
+                       (["--skip", "2"], "needs --draft"),
                        (["--draft", str(draft_dir), "--skip", "1"], "--draft self"),
                        (["--draft", "self", "--compile"], "eager"),
                        (["--draft", str(folder.parent)], "not a model folder")):
@@ -364,6 +379,7 @@ def test_bench_spec_quick(tmp_path, tokenizer, capsys):
            "--json", str(tmp_path / "out.json")])
     table = json.loads((tmp_path / "out.json").read_text())["table"]
     names = [t["system"] for t in table]
-    assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"] and {"bandit", "ucb1"} <= set(names)
+    assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"]
+    assert {"bandit", "ucb1"} <= set(names)
     assert all(t["prompts"] == 2 and t["identical"] + t["ties"] == 2 for t in table)
     assert "speed-up" in capsys.readouterr().out

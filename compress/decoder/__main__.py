@@ -116,7 +116,8 @@ def run(args) -> None:
 
         load_kwargs = dict(dtype=getattr(torch, args.dtype), device=args.device, lean=args.lean,
                            qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
-        generate = partial(speculative_generate, draft=spec_cli.draft_schedule(args, model, tok, load_kwargs))
+        schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
+        generate = partial(speculative_generate, draft=schedule)
     if not args.no_warmup:  # kernels prepare their weight forms, and compile (for this cache size), at first use
         generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
                  compile=args.compile, ignore_eos=True)
@@ -145,7 +146,8 @@ def run(args) -> None:
           file=sys.stderr)
     if args.draft is not None:
         print(f"[speculative, draft {args.draft}] acceptance {r.acceptance:.3f}  "
-              f"{r.tokens_per_pass:.2f} tokens per target pass ({r.rounds} passes)", file=sys.stderr)
+              f"{r.tokens_per_pass:.2f} tokens per target pass ({r.rounds} passes)",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ class Bandit:
 
     def __init__(self, arms: list[tuple], cols: int):
         if not arms or len(arms) % cols:
-            raise CompressError("a bandit needs a full grid of draft configurations (skip sets x gammas).")
+            raise CompressError("a bandit needs a full grid of draft configurations "
+                                "(skip sets x gammas).")
         self.arms, self.cols = arms, cols
         self.n = [0] * len(arms)
         self.total = [0.0] * len(arms)
@@ -124,8 +125,8 @@ def default_skip_counts(n_layers: int) -> list[int]:
 
 
 def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6), costs=None):
-    """A bandit of ``kind`` (:data:`BANDITS`) over unified skip sets of ``skip_counts`` x ``gammas``;
-    ``costs``: ``layer_costs(model)`` if measured already."""
+    """A bandit of ``kind`` (:data:`BANDITS`) over the unified skip sets of ``skip_counts`` x
+    ``gammas``; ``costs``: ``layer_costs(model)`` if measured already."""
     from compress.decoder.drafts import LayerSkipDraft
     from compress.decoder.layer_skip import layer_costs, unified_skip
 

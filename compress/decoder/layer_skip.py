@@ -29,8 +29,8 @@ from compress.errors import CompressError
 def unified_skip(n_layers: int, n_skip: int) -> list[int]:
     """The ``n_skip`` layers unified layer skipping leaves out of an ``n_layers`` model."""
     if not 0 < n_skip <= n_layers - 2:
-        raise CompressError(f"--skip {n_skip}: a {n_layers}-layer model can skip 1 to {n_layers - 2} "
-                            f"layers (the first and last always run).")
+        raise CompressError(f"--skip {n_skip}: a {n_layers}-layer model can skip 1 to "
+                            f"{n_layers - 2} layers (the first and last always run).")
     return [1 + int((i + 0.5) * (n_layers - 2) / n_skip) for i in range(n_skip)]
 
 
@@ -39,15 +39,16 @@ def parse_layers(text: str, n_layers: int) -> list[int]:
     try:
         layers = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise CompressError(f"--skip-layers '{text}': give layer indices separated by commas, e.g. 4,6,8.")
+        raise CompressError(f"--skip-layers '{text}': give layer indices separated by commas, "
+                            f"e.g. 4,6,8.")
     if not layers or layers[0] < 0 or layers[-1] >= n_layers or len(layers) >= n_layers:
-        raise CompressError(f"--skip-layers '{text}': indices must lie in 0..{n_layers - 1} and leave "
-                            f"at least one layer running.")
+        raise CompressError(f"--skip-layers '{text}': indices must lie in 0..{n_layers - 1} and "
+                            f"leave at least one layer running.")
     return layers
 
 
 def skip_file(run: Path) -> Path:
-    """Where the searched skip sets of ``run`` are saved: beside the folder, outside its manifest."""
+    """Where the searched skip sets of ``run`` are saved: beside the folder, not in its manifest."""
     run = Path(run).resolve()
     return run.parent / f"{run.name}.skip.json"
 
@@ -94,14 +95,16 @@ def layer_costs(model, reps: int = 5) -> tuple[float, float]:
     return none, max(full - none, 1e-9) / L
 
 
-def expected_rate(alpha: float, gamma: int, kept: int, costs: tuple[float, float], n_layers: int) -> float:
+def expected_rate(alpha: float, gamma: int, kept: int, costs: tuple[float, float],
+                  n_layers: int) -> float:
     """Modelled tokens per second (the module docstring's formula)."""
     c0, cl = costs
     tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (gamma * (c0 + kept * cl) + c0 + n_layers * cl)
 
 
-def search_skip(model, ids: list[int], gamma: int = 4, max_skip: int | None = None, log=None) -> dict:
+def search_skip(model, ids: list[int], gamma: int = 4, max_skip: int | None = None,
+                log=None) -> dict:
     """Greedy search of the skip set maximising :func:`expected_rate` on the calibration ``ids``."""
     L = model.config.num_hidden_layers
     costs = layer_costs(model)
@@ -122,7 +125,7 @@ def search_skip(model, ids: list[int], gamma: int = 4, max_skip: int | None = No
 
 
 def searched_skip(run, model, ids: list[int], gamma: int = 4, log=None) -> list[int]:
-    """The saved searched skip set of ``run`` for ``gamma``, searching (and saving) it the first time."""
+    """The saved searched skip set of ``run`` for ``gamma``; searched (and saved) the first time."""
     path = skip_file(run)
     saved = json.loads(path.read_text()) if path.is_file() else {}
     key = f"gamma={gamma}"

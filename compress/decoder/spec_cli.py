@@ -1,10 +1,10 @@
-"""The decoder CLI's speculative options: ``--draft DRAFT|self [--gamma N|auto]``, skip sets, bandits.
+"""The decoder CLI's speculative options: ``--draft DRAFT|self [--gamma N|auto]``, skip sets.
 
     --draft RUN                     a draft model folder (same tokenizer), its own fp16 cache
     --draft self --skip N           the target minus N layers (unified layer skipping)
     --draft self --skip-layers 3,5  the target minus the given layers
     --draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
-    --draft self --adapt bandit     per prompt, a unimodal bandit over (skip set x gamma); ucb1: UCB1
+    --draft self --adapt bandit     per prompt, a unimodal bandit over skip sets x gamma (or ucb1)
 """
 
 from compress.errors import CompressError
@@ -15,8 +15,10 @@ CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
 def add_arguments(p) -> None:
     p.add_argument("--draft", help="speculative decoding: a draft model folder with the target's "
                    "tokenizer, or 'self' (the target with layers skipped)")
-    p.add_argument("--gamma", default="5", help="draft tokens per round, or 'auto' (transformers' heuristic)")
-    p.add_argument("--skip", help="--draft self: N layers skipped (unified layer skipping), or 'search'")
+    p.add_argument("--gamma", default="5",
+                   help="draft tokens per round, or 'auto' (transformers' heuristic)")
+    p.add_argument("--skip", help="--draft self: N layers skipped (unified layer skipping), "
+                   "or 'search'")
     p.add_argument("--skip-layers", help="--draft self: the layers to skip, e.g. 4,6,8")
     p.add_argument("--adapt", choices=("bandit", "ucb1"),
                    help="--draft self: choose skip set and gamma per prompt with a bandit")
@@ -30,23 +32,27 @@ def parse_gamma(text: str):
     except ValueError:
         gamma = None
     if gamma is None or gamma < 1:
-        raise CompressError(f"--gamma {text}: give the number of draft tokens per round (an integer >= 1) "
-                            f"or 'auto'.")
+        raise CompressError(f"--gamma {text}: give the number of draft tokens per round (an "
+                            f"integer >= 1) or 'auto'.")
     return gamma
 
 
 def check_arguments(args) -> None:
     """Refuse contradictory speculative options before anything loads."""
-    self_only = [f"--{n.replace('_', '-')}" for n in ("skip", "skip_layers", "adapt") if getattr(args, n)]
+    self_only = [f"--{n.replace('_', '-')}" for n in ("skip", "skip_layers", "adapt")
+                 if getattr(args, n)]
     if args.draft is None:
         if self_only or args.gamma != "5":
-            raise CompressError(f"{' '.join(self_only) or '--gamma'} needs --draft (a model folder or 'self').")
+            raise CompressError(f"{' '.join(self_only) or '--gamma'} needs --draft (a model folder "
+                                f"or 'self').")
         return
     args.gamma = parse_gamma(args.gamma)
     if args.compile:
-        raise CompressError("speculative decoding runs the eager forward: drop --compile or --draft.")
+        raise CompressError("speculative decoding runs the eager forward: drop --compile or "
+                            "--draft.")
     if args.draft != "self" and self_only:
-        raise CompressError(f"{' '.join(self_only)} choose a self-speculative draft: use --draft self.")
+        raise CompressError(f"{' '.join(self_only)} choose a self-speculative draft: use "
+                            f"--draft self.")
     if args.skip is not None and args.skip_layers is not None:
         raise CompressError("give --skip or --skip-layers, not both.")
     if args.adapt and (args.skip is not None or args.skip_layers is not None):
@@ -54,14 +60,15 @@ def check_arguments(args) -> None:
 
 
 def draft_schedule(args, model, tokenizer, load_kwargs: dict):
-    """The schedule ``compress.decoder.speculative.speculative_generate`` takes, from the options."""
+    """The schedule ``speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.bandit import self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
     from compress.decoder.layer_skip import parse_layers, searched_skip, skip_file, unified_skip
     from compress.decoder.schedule import schedule_for
 
     if args.draft != "self":
-        return schedule_for(ModelDraft(load_draft(args.draft, model, tokenizer, **load_kwargs)), args.gamma)
+        draft = load_draft(args.draft, model, tokenizer, **load_kwargs)
+        return schedule_for(ModelDraft(draft), args.gamma)
     if args.adapt:
         return self_bandit(model, args.adapt)
     L = model.config.num_hidden_layers
@@ -71,8 +78,8 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
         skip = searched_skip(args.run, model, calibration_ids(tokenizer),
                              args.gamma if args.gamma != "auto" else 4, log=print_stderr)
         if not skip:
-            raise CompressError(f"the skip-set search found no set of layers whose draft beats the target "
-                                f"alone on calibration text (modelled tokens per second; "
+            raise CompressError(f"the skip-set search found no set of layers whose draft beats the "
+                                f"target alone on calibration text (modelled tokens per second; "
                                 f"{skip_file(args.run)}): decode without --draft self.")
     else:
         try:
@@ -90,7 +97,8 @@ def calibration_ids(tokenizer) -> list[int]:
 
     path = wikitext_file("wiki.valid.tokens")
     if not path.is_file():
-        raise CompressError(f"--skip search reads calibration text from {path}, which does not exist.")
+        raise CompressError(f"--skip search reads calibration text from {path}, which does not "
+                            f"exist.")
     text = path.read_text(encoding="utf-8")[-4000:]
     return tokenizer(text[text.index(" "):]).input_ids[-CALIBRATION_TOKENS:]
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318).
+"""Speculative decoding (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, 2302.01318).
 
 One round, with x the newest token (in neither cache yet) at slot L::
 
@@ -34,11 +34,13 @@ from compress.decoder.schedule import schedule_for
 from compress.errors import CompressError
 
 
-def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampling: Sampling, gen=None):
+def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampling: Sampling,
+           gen=None):
     """The acceptance rule over R independent rows: ``(accepted n [R], next token [R])``.
 
-    ``drafts [R, γ]``; ``p [R, γ, V]`` the draft's probabilities (None when greedy); ``q [R, γ+1, V]``
-    the target's probabilities (logits when greedy). The row's output is ``drafts[:n] + [next]``.
+    ``drafts [R, γ]``; ``p [R, γ, V]`` the draft's probabilities (None when greedy);
+    ``q [R, γ+1, V]`` the target's probabilities (logits when greedy). A row's output is
+    ``drafts[:n] + [next]``.
     """
     R, g = drafts.shape
     if sampling.temperature <= 0:
@@ -51,7 +53,7 @@ def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampli
     n = (u * pd < qd).long().cumprod(1).sum(1)                                 # u < q/p, p > 0
     V, at = q.shape[-1], n[:, None, None].expand(-1, 1, q.shape[-1])
     qn = q.gather(1, at)[:, 0]
-    pn = torch.cat([p, torch.zeros(R, 1, V, dtype=p.dtype)], 1).gather(1, at)[:, 0]  # 0 when all accepted
+    pn = torch.cat([p, torch.zeros(R, 1, V, dtype=p.dtype)], 1).gather(1, at)[:, 0]  # 0: none left
     resid = (qn - pn).clamp(min=0)
     mass = resid.sum(-1, keepdim=True)
     dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), qn)  # p = q to rounding: q itself
@@ -94,11 +96,13 @@ def as_schedule(target, draft, gamma=5):
 
 @torch.no_grad()
 def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
-                         sampling: Sampling | None = None, kv: str = "fp16", kv_opts: dict | None = None,
-                         max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None,
-                         compile: bool = False, ignore_eos: bool = False, *, draft, gamma=5) -> SpecResult:
-    """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see :func:`as_schedule`),
-    ``gamma`` per round (an int >= 1, or ``"auto"``: ``compress.decoder.schedule.AutoGamma``).
+                         sampling: Sampling | None = None, kv: str = "fp16",
+                         kv_opts: dict | None = None, max_len: int | None = None,
+                         stop: tuple[str, ...] = (), on_text=None, compile: bool = False,
+                         ignore_eos: bool = False, *, draft, gamma=5) -> SpecResult:
+    """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see
+    :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
+    ``compress.decoder.schedule.AutoGamma``).
 
     The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1, eager).
     """
@@ -106,8 +110,8 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
         raise CompressError("speculative decoding runs the eager forward: decode without compile.")
     schedule = as_schedule(model, draft, gamma)
     if len(prompts) != 1:
-        raise CompressError(f"speculative decoding runs one prompt at a time (batch 1); got {len(prompts)}. "
-                            f"Call it once per prompt, or decode without a draft.")
+        raise CompressError(f"speculative decoding runs one prompt at a time (batch 1); got "
+                            f"{len(prompts)}. Call it once per prompt, or decode without a draft.")
     if not prompts[0]:
         raise CompressError("a prompt is empty; give at least one token of text to continue.")
     if stop and tokenizer is None:
@@ -120,9 +124,9 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     cache = new_cache(model, kv, 1, max_len, **(kv_opts or {}))
     residual = getattr(cache, "residual", None)
     if residual is not None and residual <= schedule.largest_gamma():
-        raise CompressError(f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a rejected "
-                            f"draft of up to {schedule.largest_gamma()} tokens needs more: raise "
-                            f"--kv-opt residual or lower --gamma.")
+        raise CompressError(f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
+                            f"rejected draft of up to {schedule.largest_gamma()} tokens needs "
+                            f"more: raise --kv-opt residual or lower --gamma.")
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
     detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
@@ -182,5 +186,6 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     t3 = time.perf_counter()
     if detok is not None and on_text and (rest := detok.flush()):
         on_text(0, rest)
-    return SpecResult([out], [detok.text if detok is not None else ""], T0, t1 - t0, t2 - t0, t3 - t2,
-                      max(len(out) - 1, 0), cache.nbytes(), cache.length, rounds, drafted, accepted)
+    text = detok.text if detok is not None else ""
+    return SpecResult([out], [text], T0, t1 - t0, t2 - t0, t3 - t2, max(len(out) - 1, 0),
+                      cache.nbytes(), cache.length, rounds, drafted, accepted)

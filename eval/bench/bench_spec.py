@@ -1,7 +1,8 @@
 """Speculative decoding, batch 1, greedy: every drafting system against the target alone, one run.
 
-    python -m compress.eval.bench.bench_spec --target SOURCE --drafts outputs/awq_int4 [outputs/rtn_int4 ...]
-        [--gamma 5] [--skip-counts 8 12 16] [--all-arms] [--search] [--new 128] [--json OUT] [--quick]
+    python -m compress.eval.bench.bench_spec [--target SOURCE] --drafts outputs/awq_int4 [...]
+        [--gamma 5] [--skip-counts 8 12 16] [--all-arms] [--search] [--new 128] [--json OUT]
+        [--quick]
 
 Prompts: 16 WikiText-2 validation article openings (title and first paragraph, at most
 ``--prompt-len`` tokens) and 16 chat prompts through the tokenizer's chat template
@@ -14,7 +15,8 @@ prompt (one untimed warm-up round first):
                         loader, eager; candidate length: its "heuristic" schedule from 5)
     self:skipN          self-speculative, the N middle layers of unified layer skipping, γ fixed
     self:skipN:gG       every arm of the bandits as a fixed configuration (``--all-arms``)
-    self:searched       the skip set searched on calibration text (``--search``; saved beside the target)
+    self:searched       the skip set searched on calibration text (``--search``; saved beside
+                        the target folder)
     bandit / ucb1       per prompt, the unimodal (SP2EC-style) or UCB1 bandit over skip sets x γ
 
 Columns: decode tok/s (tokens after the first / their time) median over prompts and its
@@ -55,7 +57,8 @@ def wiki_openings(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
     text = wikitext_file("wiki.valid.tokens").read_text(encoding="utf-8")
     out = []
     for m in re.finditer(r"^ = ([^=\n]+) = \n \n([^\n]+)\n", text, flags=re.M):
-        out.append(tokenizer(f"{m.group(1).strip()}\n\n{m.group(2).strip()}").input_ids[:max_tokens])
+        text = f"{m.group(1).strip()}\n\n{m.group(2).strip()}"
+        out.append(tokenizer(text).input_ids[:max_tokens])
         if len(out) == n:
             break
     return out
@@ -93,12 +96,14 @@ class HFAssisted:
                 pass
 
         with torch.no_grad():
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      assistant_model=self.draft, pad_token_id=0, streamer=Clock())
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, assistant_model=self.draft, pad_token_id=0,
+                                      streamer=Clock())
         tokens = out[0, len(ids):].tolist()
         first = times[1][0]  # the first generated token
         rate = (len(tokens) - 1) / (times[-1][0] - first) if len(tokens) > 1 else float("nan")
-        return dict(tokens=tokens, tok_s=rate, drafted=0, accepted=0, rounds=0, steps=len(tokens) - 1)
+        return dict(tokens=tokens, tok_s=rate, drafted=0, accepted=0, rounds=0,
+                    steps=len(tokens) - 1)
 
 
 def result_row(r) -> dict:
@@ -139,8 +144,8 @@ def systems(args, target, tok):
         if skip:
             out["self:searched"] = spec(LayerSkipDraft(target, skip))
         else:
-            print("the skip-set search found no set faster than the target (modelled): no self:searched row",
-                  file=sys.stderr)
+            print("the skip-set search found no set faster than the target (modelled): "
+                  "no self:searched row", file=sys.stderr)
     costs = layer_costs(target)
     for kind in ("bandit", "ucb1"):  # a fresh bandit per prompt: it adapts within one generation
         out[kind] = (lambda kind: lambda ids, new: result_row(speculative_generate(
@@ -150,13 +155,15 @@ def systems(args, target, tok):
 
 
 def first_divergence_is_tie(target, ids, ref, other) -> bool:
-    """Whether the target's top-2 logit gap is below ``TIE`` where ``other`` first leaves ``ref``."""
+    """Whether the target's top-2 logit gap is below ``TIE`` where ``other`` first leaves
+    ``ref``."""
     from compress.decoder.kv import new_cache
 
     i = next(i for i, (a, b) in enumerate(zip(ref, other)) if a != b)
     seq = ids + ref[:i]
     with torch.no_grad():
-        logits = target(torch.tensor([seq]), new_cache(target, "full", 1, len(seq)), last=True)[0, -1]
+        cache = new_cache(target, "full", 1, len(seq))
+        logits = target(torch.tensor([seq]), cache, last=True)[0, -1]
     top = logits.double().topk(2).values
     return bool(top[0] - top[1] < TIE)
 
@@ -179,15 +186,18 @@ def main(argv=None) -> None:
     p.add_argument("--target", help="target folder (default: the default model's converted folder)")
     p.add_argument("--drafts", nargs="*", default=[], help="draft model folders (same tokenizer)")
     p.add_argument("--gamma", type=int, default=5)
-    p.add_argument("--skip-counts", type=int, nargs="*", help="unified skip sets to run (layers skipped)")
+    p.add_argument("--skip-counts", type=int, nargs="*",
+                   help="unified skip sets to run (layers skipped)")
     p.add_argument("--all-arms", action="store_true", help="every bandit arm as a fixed system")
     p.add_argument("--search", action="store_true", help="also the searched skip set")
-    p.add_argument("--no-hf", action="store_true", help="leave out transformers' assisted generation")
+    p.add_argument("--no-hf", action="store_true",
+                   help="leave out transformers' assisted generation")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=16, help="of each kind (WikiText-2, chat)")
     p.add_argument("--prompt-len", type=int, default=64, help="most tokens of a WikiText-2 prompt")
     p.add_argument("--threads", type=int)
-    p.add_argument("--quick", action="store_true", help="1 prompt of each kind, 8 new tokens: a smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="1 prompt of each kind, 8 new tokens: a smoke run")
     p.add_argument("--json", help="write the table and per-prompt rows here")
     args = p.parse_args(argv)
     if args.quick:
@@ -202,8 +212,10 @@ def main(argv=None) -> None:
         args.target = args.target or str(convert_default_model())
         target, tok = load(args.target)
         if tok is None:
-            raise CompressError(f"'{args.target}' has no tokenizer: the benchmark's prompts are text.")
-        prompts = wiki_openings(tok, args.prompts, args.prompt_len) + chat_prompts(tok, args.prompts)
+            raise CompressError(f"'{args.target}' has no tokenizer: the benchmark's prompts are "
+                                f"text.")
+        prompts = wiki_openings(tok, args.prompts, args.prompt_len)
+        prompts += chat_prompts(tok, args.prompts)
         runs = systems(args, target, tok)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -219,15 +231,16 @@ def main(argv=None) -> None:
             r = rows[name][-1]
             if r["tokens"] != base["tokens"]:
                 r["tie"] = first_divergence_is_tie(target, ids, base["tokens"], r["tokens"])
-        print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(f"{n} {rows[n][-1]['tok_s']:.1f}" for n in runs),
-              file=sys.stderr)
+        rates = "  ".join(f"{n} {rows[n][-1]['tok_s']:.1f}" for n in runs)
+        print(f"prompt {i + 1}/{len(prompts)}: {rates}", file=sys.stderr)
     table = [summarise(name, rows[name], rows["target"]) for name in runs]
     print(f"{len(prompts)} prompts, {args.new} new tokens, greedy, batch 1; tok/s median [IQR]")
-    print(f"{'system':28s} {'tok/s':>8s} {'IQR':>7s} {'speed-up':>8s} {'alpha':>6s} {'tok/pass':>8s} "
-          f"{'identical':>9s} {'ties':>5s}")
+    print(f"{'system':28s} {'tok/s':>8s} {'IQR':>7s} {'speed-up':>8s} {'alpha':>6s} "
+          f"{'tok/pass':>8s} {'identical':>9s} {'ties':>5s}")
     for t in table:
-        print(f"{t['system']:28s} {t['tok_s']:8.1f} {t['iqr']:7.1f} {t['speedup']:8.2f} {t['alpha']:6.3f} "
-              f"{t['tokens_per_pass']:8.2f} {t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}")
+        print(f"{t['system']:28s} {t['tok_s']:8.1f} {t['iqr']:7.1f} {t['speedup']:8.2f} "
+              f"{t['alpha']:6.3f} {t['tokens_per_pass']:8.2f} "
+              f"{t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}")
     if args.json:
         out = Path(args.json)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")

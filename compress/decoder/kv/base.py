@@ -58,14 +58,15 @@ class Cache:
         return self.lens[-1]
 
     def rollback(self, length: int) -> None:
-        """Forget every token at slot ``length`` or later (speculative decoding's rejected drafts)."""
-        raise CompressError(f"the {type(self).__name__} cannot drop tokens it holds, which speculative "
-                            f"decoding needs after a rejected draft; use --kv fp16, full, kivi or packkv.")
+        """Forget every token at slot ``length`` or later (speculative decoding's rejections)."""
+        raise CompressError(f"the {type(self).__name__} cannot drop tokens it holds, which "
+                            f"speculative decoding needs after a rejected draft; use --kv fp16, "
+                            f"full, kivi or packkv.")
 
     def check_rollback(self, length: int) -> None:
         if not 0 <= length <= min(self.lens):
-            raise CompressError(f"KV cache rollback to {length} tokens: every layer must hold at least "
-                                f"that many (they hold {sorted(set(self.lens))}).")
+            raise CompressError(f"KV cache rollback to {length} tokens: every layer must hold at "
+                                f"least that many (they hold {sorted(set(self.lens))}).")
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)

@@ -68,9 +68,9 @@ class ResidualCache(Cache):
         """
         self.check_rollback(length)
         if length < max(self.ncomp):
-            raise CompressError(f"KV cache rollback to {length} tokens: {max(self.ncomp)} are already "
-                                f"compressed, and compressed tokens cannot be dropped. Keep more tokens "
-                                f"in fp16 (--kv-opt residual=N with N > gamma).")
+            raise CompressError(f"KV cache rollback to {length} tokens: {max(self.ncomp)} are "
+                                f"already compressed, and compressed tokens cannot be dropped. Keep"
+                                f" more tokens in fp16 (--kv-opt residual=N with N > gamma).")
         for layer, C in enumerate(self.ncomp):
             self.win_k[layer] = self.win_k[layer][:, :, :length - C]
             self.win_v[layer] = self.win_v[layer][:, :, :length - C]
