@@ -139,19 +139,25 @@ def simulate(target_tab, draft_tab, V, gamma, sampling, rows, gen):
     return first, second, got
 
 
+def vocab8_pair(folder):
+    """(target, draft): a 2-layer and an unrelated 1-layer random Llama over 8 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, initializer_range=0.2)
+    target = load(save(tiny_hf(num_hidden_layers=2, **kw), folder / "t"))[0]
+    torch.manual_seed(7)
+    other = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, max_position_embeddings=64,
+                                         tie_word_embeddings=True, **kw)).eval()
+    return target, load(save(other, folder / "d"))[0]
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.95)],
                          ids=["t1", "t0.7-topk-topp"])
 def test_sampling_matches_the_target_distribution(tmp_path, gamma, sampling):
     V, rows, prefix = 8, 20000, [3, 1, 4, 1, 5]
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=16, initializer_range=0.2)
-    target = load(save(tiny_hf(num_hidden_layers=2, **kw), tmp_path / "t"))[0]
-    torch.manual_seed(7)
-    from transformers import LlamaConfig, LlamaForCausalLM
-    other = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, max_position_embeddings=64,
-                                         tie_word_embeddings=True, **kw)).eval()
-    draft = load(save(other, tmp_path / "d"))[0]
+    target, draft = vocab8_pair(tmp_path)
     depth = gamma + 1
     with torch.no_grad():
         qt = all_contexts(target, prefix, depth, sampling)
@@ -168,6 +174,31 @@ def test_sampling_matches_the_target_distribution(tmp_path, gamma, sampling):
     drafts = torch.multinomial(pt[0, 0], rows, replacement=True, generator=gen)
     wrong = torch.bincount(drafts, minlength=V)
     assert chi_square_p(wrong.double(), qt[0, 0] * rows) < 1e-6
+
+
+@pytest.mark.slow
+def test_sampled_generation_end_to_end(tmp_path):
+    """speculative_generate itself, sampled: tokens 2 and 3 (the first round's, γ = 2, after the
+    prefill's token 1) follow the target's joint distribution (chi-square, 6,000 runs)."""
+    V, runs, prefix = 8, 6000, [3, 1, 4, 1, 5]
+    target, draft = vocab8_pair(tmp_path)
+    sampling = Sampling(1.0)
+    with torch.no_grad():
+        q = all_contexts(target, prefix, 3, sampling)  # [512, 4, V]
+    # P(t2, t3) = sum_t1 q(t1) q(t2 | t1) q(t3 | t1, t2)
+    t1, t2 = torch.arange(V)[:, None], torch.arange(V)[None, :]
+    q1, q2 = q[torch.arange(V) * V * V, 1], q[t1 * V * V + t2 * V, 2]  # [t1, t2], [t1, t2, t3]
+    joint = q[0, 0][:, None, None] * q1[:, :, None] * q2
+    expected = joint.sum(0).reshape(-1) * runs
+    torch.manual_seed(0)
+    pairs, drafted = [], 0
+    for _ in range(runs):
+        r = speculative_generate(target, [prefix], 4, sampling=sampling, ignore_eos=True,
+                                 draft=draft, gamma=2)
+        pairs.append(r.tokens[0][1] * V + r.tokens[0][2])
+        drafted += r.drafted
+    observed = torch.bincount(torch.tensor(pairs), minlength=V * V).double()
+    assert chi_square_p(observed, expected) > 0.01 and drafted >= 2 * runs
 
 
 def test_sampled_self_draft_accepts_everything(pair):
@@ -383,3 +414,21 @@ def test_bench_spec_quick(tmp_path, tokenizer, capsys):
     assert {"bandit", "ucb1"} <= set(names)
     assert all(t["prompts"] == 2 and t["identical"] + t["ties"] == 2 for t in table)
     assert "speed-up" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_default_model_self_speculative_is_exact():
+    """SmolLM2-135M: greedy self-speculative decoding (unified skip, fixed and auto γ) gives the
+    target's own 48 tokens, or diverges only where the target's top-2 logits tie (< 1e-4)."""
+    from compress.eval.bench.bench_spec import first_divergence_is_tie
+    from compress.source import convert_default_model
+
+    model, tok = load(convert_default_model())
+    ids = tok("The European lobster is a species of clawed lobster from the eastern").input_ids
+    ref = generate(model, [ids], 48, ignore_eos=True).tokens[0]
+    L = model.config.num_hidden_layers
+    for gamma in (4, "auto"):
+        draft = LayerSkipDraft(model, unified_skip(L, L // 5))
+        r = speculative_generate(model, [ids], 48, ignore_eos=True, draft=draft, gamma=gamma)
+        assert r.tokens[0] == ref or first_divergence_is_tie(model, ids, ref, r.tokens[0])
+        assert 0 < r.acceptance < 1
