@@ -6,6 +6,8 @@ spread evenly over layers 1..L−2, centred on the middle::
 
     skip_i = 1 + floor((i + 1/2) (L − 2) / N)        i = 0..N−1
 
+(a draft r times faster than the target skips N ≈ L (1 − 1/r) layers).
+
 The searched set (:func:`search_skip`) grows greedily on calibration text: each step adds the
 layer whose skipping most raises the modelled accepted tokens per second
 
@@ -14,6 +16,7 @@ layer whose skipping most raises the modelled accepted tokens per second
 with α the greedy agreement of draft and target over the text (the draft reading the target's
 K/V, as it does when drafting) and the costs measured once per model. It is saved as JSON
 beside the run folder (``RUN.skip.json``), so the search runs once per model and γ.
+``python -m compress.decoder.layer_skip RUN`` prints α and the modelled rate per skip count.
 """
 
 import json
@@ -24,6 +27,8 @@ from pathlib import Path
 import torch
 
 from compress.errors import CompressError
+
+CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
 
 
 def unified_skip(n_layers: int, n_skip: int) -> list[int]:
@@ -135,3 +140,50 @@ def searched_skip(run, model, ids: list[int], gamma: int = 4, log=None) -> list[
         tmp.write_text(json.dumps(saved, indent=1))
         tmp.replace(path)
     return saved[key]["skip"]
+
+
+def calibration_ids(tokenizer) -> list[int]:
+    """The last ``CALIBRATION_TOKENS`` tokens of WikiText-2 validation, the project's calibration
+    split (the speculative benchmark's prompts are its openings, far from here)."""
+    from compress.data import wikitext_file
+
+    path = wikitext_file("wiki.valid.tokens")
+    if not path.is_file():
+        raise CompressError(f"the skip-set search reads calibration text from {path}, which "
+                            f"does not exist.")
+    text = path.read_text(encoding="utf-8")[-4000:]
+    return tokenizer(text[text.index(" "):]).input_ids[-CALIBRATION_TOKENS:]
+
+
+def main(argv=None) -> None:
+    """``python -m compress.decoder.layer_skip RUN [--counts 2 4 6] [--gamma 4]``: per unified skip
+    count, the greedy agreement α on the calibration text and the modelled tokens per second."""
+    import argparse
+    import sys
+
+    from compress.decoder.model import load
+
+    p = argparse.ArgumentParser(prog="python -m compress.decoder.layer_skip",
+                                description=main.__doc__.splitlines()[0])
+    p.add_argument("run")
+    p.add_argument("--counts", type=int, nargs="*")
+    p.add_argument("--gamma", type=int, default=4)
+    args = p.parse_args(argv)
+    try:
+        model, tok = load(args.run)
+        if tok is None:
+            raise CompressError(f"'{args.run}' has no tokenizer to read the calibration text with.")
+        ids, L = calibration_ids(tok), model.config.num_hidden_layers
+        costs = layer_costs(model)
+        for n in args.counts or range(1, L - 1):
+            skip = unified_skip(L, n)
+            a = agreement(model, ids, skip)
+            rate = expected_rate(a, args.gamma, L - n, costs, L)
+            print(f"skip {n:3d} {skip}: alpha {a:.3f}, modelled {rate:.1f} tok/s", flush=True)
+    except CompressError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,9 +9,6 @@
 
 from compress.errors import CompressError
 
-CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
-
-
 def add_arguments(p) -> None:
     p.add_argument("--draft", help="speculative decoding: a draft model folder with the target's "
                    "tokenizer, or 'self' (the target with layers skipped)")
@@ -63,7 +60,8 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.bandit import self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
-    from compress.decoder.layer_skip import parse_layers, searched_skip, skip_file, unified_skip
+    from compress.decoder.layer_skip import (calibration_ids, parse_layers, searched_skip,
+                                             skip_file, unified_skip)
     from compress.decoder.schedule import schedule_for
 
     if args.draft != "self":
@@ -88,19 +86,6 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
             raise CompressError(f"--skip {args.skip}: give a number of layers or 'search'.")
         skip = unified_skip(L, n)
     return schedule_for(LayerSkipDraft(model, skip), args.gamma)
-
-
-def calibration_ids(tokenizer) -> list[int]:
-    """The last ``CALIBRATION_TOKENS`` tokens of WikiText-2 validation, the project's calibration
-    split (the speculative benchmark's prompts are its openings, far from here)."""
-    from compress.data import wikitext_file
-
-    path = wikitext_file("wiki.valid.tokens")
-    if not path.is_file():
-        raise CompressError(f"--skip search reads calibration text from {path}, which does not "
-                            f"exist.")
-    text = path.read_text(encoding="utf-8")[-4000:]
-    return tokenizer(text[text.index(" "):]).input_ids[-CALIBRATION_TOKENS:]
 
 
 def print_stderr(msg: str) -> None:

@@ -117,9 +117,8 @@ def systems(args, target, tok):
     from compress.decoder.bandit import default_skip_counts, self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
     from compress.decoder.generate import generate
-    from compress.decoder.layer_skip import layer_costs, searched_skip, unified_skip
+    from compress.decoder.layer_skip import calibration_ids, layer_costs, searched_skip, unified_skip
     from compress.decoder.speculative import speculative_generate
-    from compress.decoder.spec_cli import calibration_ids
 
     def spec(draft, gamma=args.gamma):
         return lambda ids, new: result_row(speculative_generate(target, [ids], new, ignore_eos=True,
