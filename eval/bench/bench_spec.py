@@ -1,8 +1,8 @@
 """Speculative decoding, batch 1, greedy: every drafting system against the target alone, one run.
 
     python -m compress.eval.bench.bench_spec [--target SOURCE] --drafts outputs/awq_int4 [...]
-        [--gamma 5] [--skip-counts 8 12 16] [--all-arms] [--search] [--new 128] [--json OUT]
-        [--quick]
+        [--qdtype bfloat16 --lean] [--gamma 5] [--skip-counts 3 6 8] [--all-arms] [--search]
+        [--new 128] [--threads 1] [--json OUT] [--quick]
 
 Prompts: 16 WikiText-2 validation article openings (title and first paragraph, at most
 ``--prompt-len`` tokens) and 16 chat prompts through the tokenizer's chat template
@@ -10,7 +10,8 @@ Prompts: 16 WikiText-2 validation article openings (title and first paragraph, a
 prompt (one untimed warm-up round first):
 
     target              compress.decoder's plain greedy decoding (fp16 KV cache)
-    spec:NAME           the target verifying draft NAME's γ tokens per round (``--gamma``)
+    spec:NAME           the target verifying draft NAME's γ tokens per round (``--gamma``;
+                        ``--qdtype bfloat16 --lean``: the draft's int4 layers in ATen's int4pack)
     hf-assisted:NAME    transformers ``generate(assistant_model=...)`` on the same pair (its own
                         loader, eager; candidate length: its "heuristic" schedule from 5)
     self:skipN          self-speculative, the N middle layers of unified layer skipping, γ fixed
@@ -100,8 +101,8 @@ class HFAssisted:
                                       do_sample=False, assistant_model=self.draft, pad_token_id=0,
                                       streamer=Clock())
         tokens = out[0, len(ids):].tolist()
-        first = times[1][0]  # the first generated token
-        rate = (len(tokens) - 1) / (times[-1][0] - first) if len(tokens) > 1 else float("nan")
+        (first, n_first), last = times[1], times[-1][0]  # the first generated token(s), the end
+        rate = (len(tokens) - n_first) / (last - first) if last > first else float("nan")
         return dict(tokens=tokens, tok_s=rate, drafted=0, accepted=0, rounds=0,
                     steps=len(tokens) - 1)
 
@@ -126,7 +127,9 @@ def systems(args, target, tok):
 
     out = {"target": lambda ids, new: result_row(generate(target, [ids], new, ignore_eos=True))}
     for folder in args.drafts:
-        out[f"spec:{Path(folder).name}"] = spec(ModelDraft(load_draft(folder, target, tok)))
+        draft = load_draft(folder, target, tok, lean=args.lean,
+                           qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
+        out[f"spec:{Path(folder).name}"] = spec(ModelDraft(draft))
     if not args.no_hf:
         for folder in args.drafts:
             out[f"hf-assisted:{Path(folder).name}"] = HFAssisted(args.target, folder)
@@ -194,6 +197,10 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=16, help="of each kind (WikiText-2, chat)")
     p.add_argument("--prompt-len", type=int, default=64, help="most tokens of a WikiText-2 prompt")
+    p.add_argument("--qdtype", choices=("bfloat16",), help="the drafts' quantized layers compute "
+                   "in bfloat16 (ATen's int4pack kernel on the CPU)")
+    p.add_argument("--lean", action="store_true", help="drafts keep only the int4pack form "
+                   "(with --qdtype bfloat16)")
     p.add_argument("--threads", type=int)
     p.add_argument("--quick", action="store_true",
                    help="1 prompt of each kind, 8 new tokens: a smoke run")
