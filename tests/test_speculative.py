@@ -388,7 +388,7 @@ def test_cli(pair, capsys):
     for extra, msg in ((["--draft", "self", "--gamma", "0"], "gamma"),
                        (["--skip", "2"], "needs --draft"),
                        (["--draft", str(draft_dir), "--skip", "1"], "--draft self"),
-                       (["--draft", "self", "--compile"], "eager"),
+                       (["--draft", "self", "--compile"], "eager forward"),
                        (["--draft", str(folder.parent)], "not a model folder")):
         with pytest.raises(SystemExit):
             cli(base + extra)
@@ -432,3 +432,16 @@ def test_default_model_self_speculative_is_exact():
         r = speculative_generate(model, [ids], 48, ignore_eos=True, draft=draft, gamma=gamma)
         assert r.tokens[0] == ref or first_divergence_is_tie(model, ids, ref, r.tokens[0])
         assert 0 < r.acceptance < 1
+
+
+@pytest.mark.slow
+def test_compiled_draft_is_exact(pair):
+    """A draft model decoding with the compiled static step (one token at a time, rolled back by
+    position) leaves the output the target's own."""
+    _, target, _, noisy = pair
+    ref = generate(target, PROMPT, 40, ignore_eos=True)
+    r = speculative_generate(target, PROMPT, 40, ignore_eos=True, compile=True,
+                             draft=ModelDraft(noisy), gamma=3)
+    assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
+    with pytest.raises(CompressError, match="compile"):
+        speculative_generate(target, PROMPT, 8, compile=True, draft=LayerSkipDraft(target, [1]))

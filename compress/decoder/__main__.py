@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lean", action="store_true", help="keep only the bfloat16 int4pack form of quantized "
                    "layers (needs --dtype or --qdtype bfloat16): less memory, slower long prefills")
     p.add_argument("--compile", action="store_true", help="decode with the static-shape compiled step "
-                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster)")
+                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster; "
+                   "with --draft: the draft's steps)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -119,7 +120,8 @@ def run(args) -> None:
         schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
         generate = partial(speculative_generate, draft=schedule)
     if not args.no_warmup:  # kernels prepare their weight forms, and compile (for this cache size), at first use
-        generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
+        warm = 2 if args.draft is None else 3  # 3: a draft step runs (and compiles)
+        generate(model, [ids], warm, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
                  compile=args.compile, ignore_eos=True)
     t2 = time.perf_counter()
 

@@ -46,25 +46,37 @@ def run_drafts(forward, first: list[int], length: int, gamma: int, sampling: Sam
 
 
 class ModelDraft:
-    """A draft model with its own KV cache (``kv``, default fp16), prefilled with the prompt."""
+    """A draft model with its own KV cache (``kv``, default fp16), prefilled with the prompt;
+    ``compile``: its decode steps run ``compress.decoder.static``'s compiled step (CPU)."""
 
     shares_cache = False
 
-    def __init__(self, model, kv: str = "fp16", kv_opts: dict | None = None):
+    def __init__(self, model, kv: str = "fp16", kv_opts: dict | None = None, compile: bool = False):
         self.model, self.kv, self.kv_opts, self.cache = model, kv, kv_opts or {}, None
+        self.compile, self.step = compile, None
 
     def prefill(self, ids: list[int], max_len: int) -> None:
+        from compress.decoder.generate import static_step
         from compress.decoder.kv import new_cache
 
-        self.cache = new_cache(self.model, self.kv, 1, max_len, **self.kv_opts)
+        if self.compile:
+            self.step, self.cache = static_step(self.model, self.kv, self.kv_opts, 1, max_len)
+        else:
+            self.cache = new_cache(self.model, self.kv, 1, max_len, **self.kv_opts)
         if len(ids) > 1:  # the last prompt token is fed with the first draft
             device = self.model.lm_head.weight.device
             self.model(torch.tensor([ids[:-1]], device=device), self.cache, last=True)
 
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.step is None:
+            return self.model(ids, self.cache, pos=pos, last=True)
+        for i in range(ids.shape[1]):  # the compiled step takes one token at a time
+            logits = self.step(ids[:, i:i + 1], self.cache)
+        return logits
+
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
         L, device = self.cache.length, self.model.lm_head.weight.device
-        return run_drafts(lambda ids, pos: self.model(ids, self.cache, pos=pos, last=True),
-                          seq[L:], L, gamma, sampling, gen, device)
+        return run_drafts(self.forward, seq[L:], L, gamma, sampling, gen, device)
 
     def sync(self, seq: list[int]) -> None:
         """Keep the tokens of ``seq`` the cache holds (all but the newest at most)."""

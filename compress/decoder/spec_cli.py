@@ -44,9 +44,9 @@ def check_arguments(args) -> None:
                                 f"or 'self').")
         return
     args.gamma = parse_gamma(args.gamma)
-    if args.compile:
-        raise CompressError("speculative decoding runs the eager forward: drop --compile or "
-                            "--draft.")
+    if args.compile and args.draft == "self":
+        raise CompressError("a self-speculative draft runs the target's eager forward with layers "
+                            "skipped: drop --compile (it compiles a draft model's decode step).")
     if args.draft != "self" and self_only:
         raise CompressError(f"{' '.join(self_only)} choose a self-speculative draft: use "
                             f"--draft self.")

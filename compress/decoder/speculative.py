@@ -104,11 +104,16 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
     ``compress.decoder.schedule.AutoGamma``).
 
-    The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1, eager).
+    The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1); ``compile``
+    runs the draft models' decode steps compiled (``ModelDraft.compile``), the target eager.
     """
-    if compile:
-        raise CompressError("speculative decoding runs the eager forward: decode without compile.")
     schedule = as_schedule(model, draft, gamma)
+    if compile:
+        for d in schedule.drafts():
+            if d.shares_cache:
+                raise CompressError("a self-speculative draft runs the target's eager forward with "
+                                    "layers skipped: decode without compile.")
+            d.compile = True
     if len(prompts) != 1:
         raise CompressError(f"speculative decoding runs one prompt at a time (batch 1); got "
                             f"{len(prompts)}. Call it once per prompt, or decode without a draft.")
