@@ -70,8 +70,8 @@ class ModelDraft:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if self.step is None:
             return self.model(ids, self.cache, pos=pos, last=True)
-        for i in range(ids.shape[1]):  # the compiled step takes one token at a time
-            logits = self.step(ids[:, i:i + 1], self.cache)
+        for t in ids[0].tolist():  # the compiled step takes one token at a time, as a fresh [1, 1]
+            logits = self.step(torch.tensor([[t]], device=ids.device), self.cache)
         return logits
 
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):

@@ -1,7 +1,7 @@
 """Speculative decoding, batch 1, greedy: every drafting system against the target alone, one run.
 
     python -m compress.eval.bench.bench_spec [--target SOURCE] --drafts outputs/awq_int4 [...]
-        [--qdtype bfloat16 --lean] [--gamma 5] [--skip-counts 3 6 8] [--all-arms] [--search]
+        [--qdtype bfloat16 --lean] [--compile] [--gamma 5] [--skip-counts 3 6 8] [--all-arms] [--search]
         [--new 128] [--threads 1] [--json OUT] [--quick]
 
 Prompts: 16 WikiText-2 validation article openings (title and first paragraph, at most
@@ -11,7 +11,8 @@ prompt (one untimed warm-up round first):
 
     target              compress.decoder's plain greedy decoding (fp16 KV cache)
     spec:NAME           the target verifying draft NAME's γ tokens per round (``--gamma``;
-                        ``--qdtype bfloat16 --lean``: the draft's int4 layers in ATen's int4pack)
+                        ``--qdtype bfloat16 --lean``: the draft's int4 layers in ATen's int4pack;
+                        ``+compile`` with ``--compile``: the draft's steps compiled)
     hf-assisted:NAME    transformers ``generate(assistant_model=...)`` on the same pair (its own
                         loader, eager; candidate length: its "heuristic" schedule from 5)
     self:skipN          self-speculative, the N middle layers of unified layer skipping, γ fixed
@@ -130,6 +131,8 @@ def systems(args, target, tok):
         draft = load_draft(folder, target, tok, lean=args.lean,
                            qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
         out[f"spec:{Path(folder).name}"] = spec(ModelDraft(draft))
+        if args.compile:
+            out[f"spec:{Path(folder).name}+compile"] = spec(ModelDraft(draft, compile=True))
     if not args.no_hf:
         for folder in args.drafts:
             out[f"hf-assisted:{Path(folder).name}"] = HFAssisted(args.target, folder)
@@ -201,6 +204,8 @@ def main(argv=None) -> None:
                    "in bfloat16 (ATen's int4pack kernel on the CPU)")
     p.add_argument("--lean", action="store_true", help="drafts keep only the int4pack form "
                    "(with --qdtype bfloat16)")
+    p.add_argument("--compile", action="store_true",
+                   help="also each draft with its decode step compiled (CPU)")
     p.add_argument("--threads", type=int)
     p.add_argument("--quick", action="store_true",
                    help="1 prompt of each kind, 8 new tokens: a smoke run")
