@@ -334,6 +334,8 @@ def test_auto_gamma_is_transformers_heuristic():
         s.update(g, min(gamma_accepted, g), 0.1)
         seen.append(s.gamma)
     assert seen == [7, 6, 5, 4, 3, 2, 1, 1]
+    s.reset()  # each generation starts from 5 again
+    assert s.next()[1] == 5
 
 
 def test_bad_input(pair, tmp_path):

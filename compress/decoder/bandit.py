@@ -28,8 +28,12 @@ class Bandit:
             raise CompressError("a bandit needs a full grid of draft configurations "
                                 "(skip sets x gammas).")
         self.arms, self.cols = arms, cols
-        self.n = [0] * len(arms)
-        self.total = [0.0] * len(arms)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was learnt: each prompt is a new bandit problem."""
+        self.n = [0] * len(self.arms)
+        self.total = [0.0] * len(self.arms)
         self.t, self.current = 0, None
         self.history = []  # arm index per round
 
@@ -64,9 +68,12 @@ class Unimodal(Bandit):
 
     def __init__(self, arms: list[tuple], cols: int):
         super().__init__(arms, cols)
-        self.led = [0] * len(arms)
         rows = len(arms) // cols
         self.start = (rows // 2) * cols + cols // 2  # the middle of the grid leads until measured
+
+    def reset(self) -> None:
+        super().reset()
+        self.led = [0] * len(self.arms)
 
     def reward(self, k: int, tokens: int, seconds: float) -> float:
         return tokens / self.arms[k][2]
@@ -98,8 +105,8 @@ class Unimodal(Bandit):
 class UCB1(Bandit):
     """UCB1 (Auer et al. 2002) over every arm; rewards from measured wall time."""
 
-    def __init__(self, arms: list[tuple], cols: int):
-        super().__init__(arms, cols)
+    def reset(self) -> None:
+        super().reset()
         self.scale = 0.0
 
     def reward(self, k: int, tokens: int, seconds: float) -> float:

@@ -1,7 +1,8 @@
 """Which draft and how many draft tokens γ each speculative round uses.
 
 A schedule answers ``next() -> (draft, γ)`` before a round and hears ``update(γ, accepted,
-seconds)`` after it (the drafts the target accepted, and the round's wall time):
+seconds)`` after it (the drafts the target accepted, and the round's wall time); ``reset()``
+starts each generation afresh (the adaptive ones learn per prompt):
 
     Fixed     one draft, one γ
     AutoGamma transformers' candidate-length heuristic (assisted generation's "heuristic"
@@ -32,6 +33,9 @@ class Fixed:
     def drafts(self) -> list:
         return [self.draft]
 
+    def reset(self) -> None:
+        pass
+
     def update(self, gamma: int, accepted: int, seconds: float) -> None:
         pass
 
@@ -44,6 +48,9 @@ class AutoGamma(Fixed):
 
     def __init__(self, draft):
         super().__init__(draft, self.START)
+
+    def reset(self) -> None:
+        self.gamma = self.START
 
     def update(self, gamma: int, accepted: int, seconds: float) -> None:
         if accepted == gamma:

@@ -106,8 +106,10 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
 
     The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1); ``compile``
     runs the draft models' decode steps compiled (``ModelDraft.compile``), the target eager.
+    ``prefill_s`` includes the draft models' prefill of the prompt.
     """
     schedule = as_schedule(model, draft, gamma)
+    schedule.reset()
     if compile:
         for d in schedule.drafts():
             if d.shares_cache:
