@@ -1,8 +1,8 @@
 """Speculative decoding, batch 1, greedy: every drafting system against the target alone, one run.
 
     python -m compress.eval.bench.bench_spec [--target SOURCE] --drafts outputs/awq_int4 [...]
-        [--qdtype bfloat16 --lean] [--compile] [--gamma 5] [--skip-counts 3 6 8] [--all-arms] [--search]
-        [--new 128] [--threads 1] [--json OUT] [--quick]
+        [--qdtype bfloat16 --lean] [--compile] [--gamma 5] [--skip-counts 3 6 8] [--all-arms]
+        [--search] [--new 128] [--threads 1] [--json OUT] [--quick]
 
 Prompts: 16 WikiText-2 validation article openings (title and first paragraph, at most
 ``--prompt-len`` tokens) and 16 chat prompts through the tokenizer's chat template
@@ -25,7 +25,9 @@ Columns: decode tok/s (tokens after the first / their time) median over prompts 
 interquartile range (the noise), speed-up = median over prompts of tok/s / the target's tok/s
 on the same prompt, acceptance α and tokens per target pass (totals over the prompts), and
 greedy exactness: prompts whose tokens equal the target's, and of the others how many first
-diverge at a numerical tie (the target's top-2 logit gap < 1e-4 there).
+diverge at a numerical tie (the target's top-2 logit gap < 1e-4 there). With ``--all-arms``
+a last line compares the bandits' mean tok/s with the best fixed arm in hindsight and the
+median fixed arm.
 """
 
 import argparse
@@ -119,7 +121,8 @@ def systems(args, target, tok):
     from compress.decoder.bandit import default_skip_counts, self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
     from compress.decoder.generate import generate
-    from compress.decoder.layer_skip import calibration_ids, layer_costs, searched_skip, unified_skip
+    from compress.decoder.layer_skip import (calibration_ids, layer_costs, searched_skip,
+                                             unified_skip)
     from compress.decoder.speculative import speculative_generate
 
     def spec(draft, gamma=args.gamma):
@@ -179,11 +182,26 @@ def summarise(name, rows, base) -> dict:
     drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
     rounds, steps = sum(r["rounds"] for r in rows), sum(r["steps"] for r in rows)
     return dict(system=name, tok_s=statistics.median(rates), iqr=q[2] - q[0],
+                mean_tok_s=statistics.fmean(rates),
                 speedup=statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(rows, base)),
                 alpha=accepted / drafted if drafted else float("nan"),
                 tokens_per_pass=steps / rounds if rounds else float("nan"),
                 identical=sum(r["tokens"] == b["tokens"] for r, b in zip(rows, base)),
                 ties=sum(r.get("tie", False) for r in rows), prompts=len(rows))
+
+
+def bandit_bars(table: list[dict]) -> dict:
+    """The bandits' mean tok/s against the best fixed arm in hindsight and the median fixed arm
+    (the fixed arms are the ``self:skipN:gG`` rows of ``--all-arms``)."""
+    arm = re.compile(r"self:skip\d+:g\d+")
+    fixed = sorted(t["mean_tok_s"] for t in table if arm.fullmatch(t["system"]))
+    if not fixed:
+        return {}
+    out = dict(best_fixed=fixed[-1], median_fixed=statistics.median(fixed))
+    for t in table:
+        if t["system"] in ("bandit", "ucb1"):
+            out[t["system"]] = t["mean_tok_s"]
+    return out
 
 
 def main(argv=None) -> None:
@@ -252,10 +270,17 @@ def main(argv=None) -> None:
         print(f"{t['system']:28s} {t['tok_s']:8.1f} {t['iqr']:7.1f} {t['speedup']:8.2f} "
               f"{t['alpha']:6.3f} {t['tokens_per_pass']:8.2f} "
               f"{t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}")
+    bars = bandit_bars(table)
+    if bars:
+        print(f"mean tok/s over the prompts: best fixed arm {bars['best_fixed']:.1f}, median fixed "
+              f"arm {bars['median_fixed']:.1f}; " + ", ".join(
+                  f"{k} {bars[k]:.1f} ({bars[k] / bars['best_fixed']:.1%} of the best)"
+                  for k in ("bandit", "ucb1")))
     if args.json:
         out = Path(args.json)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"args": vars(args), "table": table, "rows": rows}, indent=1))
+        tmp.write_text(json.dumps({"args": vars(args), "table": table, "bandit_bars": bars,
+                                   "rows": rows}, indent=1))
         tmp.replace(out)
 
 
