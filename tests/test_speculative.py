@@ -73,9 +73,13 @@ def test_greedy_with_a_compressed_window_cache(tmp_path, kv, opts):
     r = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True, draft=draft,
                              gamma=4)
     assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
-    long = speculative_generate(target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16),
-                                ignore_eos=True, draft=draft, gamma=4)  # compresses between rounds
-    assert len(long.tokens[0]) == 120 and long.rounds < 119
+    skip = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True,
+                                draft=LayerSkipDraft(target, [1]), gamma=3)  # drafts in the cache
+    assert skip.tokens == ref.tokens and 0 < skip.accepted < skip.drafted
+    for d in (draft, LayerSkipDraft(target, [1])):  # tokens compressed between rounds
+        long = speculative_generate(target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16),
+                                    ignore_eos=True, draft=d, gamma=4)
+        assert len(long.tokens[0]) == 120 and long.rounds < 119
 
 
 def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
