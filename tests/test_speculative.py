@@ -451,3 +451,18 @@ def test_compiled_draft_is_exact(pair):
     assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
     with pytest.raises(CompressError, match="compile"):
         speculative_generate(target, PROMPT, 8, compile=True, draft=LayerSkipDraft(target, [1]))
+
+
+def test_eos_and_stop_strings_end_like_plain_decoding(pair):
+    folder, target, _, noisy = pair
+    tok = tiny_tokenizer()
+    ids = tok("the quick brown").input_ids
+    plain = generate(target, [ids], 40, tok, ignore_eos=True)
+    stop = plain.texts[0][5:8]  # a piece of the continuation: it must cut there
+    for kw in (dict(), dict(stop=(stop,))):
+        ref = generate(target, [ids], 40, tok, **kw)
+        pieces = []
+        r = speculative_generate(target, [ids], 40, tok, draft=noisy, gamma=4,
+                                 on_text=lambda row, text: pieces.append(text), **kw)
+        assert r.tokens == ref.tokens and r.texts == ref.texts == ["".join(pieces)]
+    assert stop not in r.texts[0] and len(r.tokens[0]) < 40
