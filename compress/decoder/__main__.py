@@ -4,6 +4,8 @@ Streams the continuation to stdout as it is produced (greedy unless ``--temperat
 prints TTFT, prefill and decode tokens/s, peak memory and KV bytes per token to stderr.
 ``--json`` prints one JSON object instead: ``text`` (the continuation only), ``ttft_s``,
 ``decode_tok_s``, ``prefill_tok_s``, ``peak_mem_bytes`` and ``kv_bytes_per_token``.
+With ``--draft`` it decodes speculatively (``compress.decoder.spec_cli`` has the options) and
+adds ``acceptance`` (α), ``tokens_per_pass`` and ``rounds``.
 """
 
 import argparse
@@ -11,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from compress.decoder import spec_cli
 from compress.errors import CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -41,10 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lean", action="store_true", help="keep only the bfloat16 int4pack form of quantized "
                    "layers (needs --dtype or --qdtype bfloat16): less memory, slower long prefills")
     p.add_argument("--compile", action="store_true", help="decode with the static-shape compiled step "
-                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster)")
+                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster; "
+                   "with --draft: the draft's steps)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    spec_cli.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -74,6 +79,7 @@ def main(argv=None) -> None:
         if not Path(args.run).exists():
             raise CompressError(f"run folder '{args.run}' does not exist. Pass a folder a recipe "
                                 f"wrote (outputs/...) or an HF Llama-family folder.")
+        spec_cli.check_arguments(args)
         run(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -104,8 +110,18 @@ def run(args) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     kv_opts = kv_options(args.kv_opt)
     t1 = time.perf_counter()
+    if args.draft is not None:
+        from functools import partial
+
+        from compress.decoder.speculative import speculative_generate
+
+        load_kwargs = dict(dtype=getattr(torch, args.dtype), device=args.device, lean=args.lean,
+                           qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
+        schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
+        generate = partial(speculative_generate, draft=schedule)
     if not args.no_warmup:  # kernels prepare their weight forms, and compile (for this cache size), at first use
-        generate(model, [ids], 2, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
+        warm = 2 if args.draft is None else 3  # 3: a draft step runs (and compiles)
+        generate(model, [ids], warm, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
                  compile=args.compile, ignore_eos=True)
     t2 = time.perf_counter()
 
@@ -119,6 +135,8 @@ def run(args) -> None:
     peak = peak_memory()
     stats = {"text": r.texts[0], "ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
              "prefill_tok_s": r.prefill_tok_s, "peak_mem_bytes": peak, "kv_bytes_per_token": r.kv_bytes_per_token}
+    if args.draft is not None:
+        stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)
     if args.json:
         print(json.dumps(stats))
         return
@@ -128,6 +146,10 @@ def run(args) -> None:
           f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
           f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
           file=sys.stderr)
+    if args.draft is not None:
+        print(f"[speculative, draft {args.draft}] acceptance {r.acceptance:.3f}  "
+              f"{r.tokens_per_pass:.2f} tokens per target pass ({r.rounds} passes)",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

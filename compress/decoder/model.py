@@ -264,11 +264,12 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def forward(self, idx: torch.Tensor, cache, pos: torch.Tensor | None = None,
-                start: torch.Tensor | None = None, last: bool = False):
+                start: torch.Tensor | None = None, last: bool = False, skip=()):
         """Run ``idx`` at cache slots ``pos`` (default: the next T, ``cache.length ...``); row b's
         position 0 is slot ``start[b]`` (left padding before it is masked).
 
-        ``last=True`` returns only the last position's logits ``[B, 1, V]`` (prefill).
+        ``last=True`` returns only the last position's logits ``[B, 1, V]`` (prefill). ``skip``:
+        indices of layers to leave out (a self-speculative draft); they neither run nor write K/V.
         """
         if pos is None:
             pos = torch.arange(cache.length, cache.length + idx.shape[1], device=idx.device)
@@ -276,8 +277,9 @@ class Transformer(nn.Module):
         angles = (rel[..., None].float() * self.inv_freq).repeat(1, 1, 2)[:, None]  # [B or 1, 1, T, D]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = self.model.embed_tokens(idx)
-        for block in self.model.layers:
-            x = block(x, cos, sin, cache, pos, start)
+        for i, block in enumerate(self.model.layers):
+            if i not in skip:
+                x = block(x, cos, sin, cache, pos, start)
         if last:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

@@ -8,7 +8,7 @@
 the first ``v_dim`` channels of K, stored once.
 
 ``pos`` defaults to the next T slots (append) and to the last Tq slots written (attend).
-    cache.length, cache.nbytes(), cache.reset()
+    cache.length, cache.nbytes(), cache.reset(), cache.rollback(length)
 
 K arrives position-encoded, as the model's attention computes it. Query head ``j`` reads KV
 head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``) and, per row ``b``,
@@ -56,6 +56,17 @@ class Cache:
     def length(self) -> int:
         """Tokens held; the last layer's count, so it is the step's start while a step runs."""
         return self.lens[-1]
+
+    def rollback(self, length: int) -> None:
+        """Forget every token at slot ``length`` or later (speculative decoding's rejections)."""
+        raise CompressError(f"the {type(self).__name__} cannot drop tokens it holds, which "
+                            f"speculative decoding needs after a rejected draft; use --kv fp16, "
+                            f"full, kivi or packkv.")
+
+    def check_rollback(self, length: int) -> None:
+        if not 0 <= length <= min(self.lens):
+            raise CompressError(f"KV cache rollback to {length} tokens: every layer must hold at "
+                                f"least that many (they hold {sorted(set(self.lens))}).")
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)

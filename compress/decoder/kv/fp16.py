@@ -49,6 +49,11 @@ class FP16Cache(Cache):
     def reset(self):
         self.lens = [0] * self.n_layers
 
+    def rollback(self, length: int) -> None:
+        """Slots are written by position, so forgetting the tokens past ``length`` is a count."""
+        self.check_rollback(length)
+        self.lens = [length] * self.n_layers
+
 
 class FullCache(FP16Cache):
     """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""

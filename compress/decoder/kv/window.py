@@ -60,6 +60,22 @@ class ResidualCache(Cache):
         self.win_k[layer], self.win_v[layer] = wk, wv
         self.lens[layer] += T
 
+    def rollback(self, length: int) -> None:
+        """Drop the tokens past ``length`` from the fp16 window; they must not be compressed yet.
+
+        Every append leaves at least ``residual`` tokens in the window, so dropping up to
+        ``residual`` tokens of the last appends always works (speculative decoding: γ < residual).
+        """
+        self.check_rollback(length)
+        if length < max(self.ncomp):
+            raise CompressError(f"KV cache rollback to {length} tokens: {max(self.ncomp)} are "
+                                f"already compressed, and compressed tokens cannot be dropped. Keep"
+                                f" more tokens in fp16 (--kv-opt residual=N with N > gamma).")
+        for layer, C in enumerate(self.ncomp):
+            self.win_k[layer] = self.win_k[layer][:, :, :length - C]
+            self.win_v[layer] = self.win_v[layer][:, :, :length - C]
+        self.lens = [length] * self.n_layers
+
     def attend(self, layer, q, pos=None, start=None):
         self.start = start
         q4, tq = self.queries(q)

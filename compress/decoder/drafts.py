@@ -1,0 +1,152 @@
+"""Drafters for speculative decoding: a second model with its own cache, or the target minus layers.
+
+A drafter proposes γ tokens after the sequence ``seq`` (prompt + generated, whose last token is
+not yet in the target's cache) and returns them with their probabilities p (None when greedy):
+
+    ModelDraft      a smaller or compressed model of the same vocabulary, with its own KV cache;
+                    after a round its cache rolls back to the accepted tokens (``sync``)
+    LayerSkipDraft  the target itself with layers ``skip`` left out (self-speculative decoding:
+                    Draft & Verify, arXiv 2309.08168); one weight copy, and one cache: the kept
+                    layers write their K/V into the target's cache at the drafted slots, the
+                    skipped layers write nothing, and the target's verification pass rewrites
+                    all of them, so the draft reads the target's exact K/V for every accepted token.
+"""
+
+from pathlib import Path
+
+import torch
+
+from compress.decoder.sampling import Sampling, logits_to_probs
+from compress.errors import CompressError
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, gen) -> tuple[int, torch.Tensor | None]:
+    """``(token, probs [V] or None)`` from one position's logits ``[V]``: argmax when greedy."""
+    if sampling.temperature <= 0:
+        return int(logits.argmax()), None
+    probs = logits_to_probs(logits[None], sampling)[0].cpu()
+    return int(torch.multinomial(probs, 1, generator=gen)), probs
+
+
+def run_drafts(forward, first: list[int], length: int, gamma: int, sampling: Sampling, gen, device):
+    """``(tokens [γ], probs [γ, V] or None)``: feed ``first`` at slots ``length...``, then each
+    draft in turn.
+
+    ``forward(ids [1, T], pos [T]) -> logits [1, T, V]`` runs the draft over its cache.
+    """
+    tokens, probs, feed = [], [], first
+    for _ in range(gamma):
+        pos = torch.arange(length, length + len(feed), device=device)
+        t, p = draw(forward(torch.tensor([feed], device=device), pos)[0, -1], sampling, gen)
+        length += len(feed)
+        tokens.append(t)
+        probs.append(p)
+        feed = [t]
+    return tokens, (None if sampling.temperature <= 0 or not probs else torch.stack(probs))
+
+
+class ModelDraft:
+    """A draft model with its own KV cache (``kv``, default fp16), prefilled with the prompt;
+    ``compile``: its decode steps run ``compress.decoder.static``'s compiled step (CPU)."""
+
+    shares_cache = False
+
+    def __init__(self, model, kv: str = "fp16", kv_opts: dict | None = None, compile: bool = False):
+        self.model, self.kv, self.kv_opts, self.cache = model, kv, kv_opts or {}, None
+        self.compile, self.step = compile, None
+
+    def prefill(self, ids: list[int], max_len: int) -> None:
+        from compress.decoder.generate import static_step
+        from compress.decoder.kv import new_cache
+
+        if self.compile:
+            self.step, self.cache = static_step(self.model, self.kv, self.kv_opts, 1, max_len)
+        else:
+            self.cache = new_cache(self.model, self.kv, 1, max_len, **self.kv_opts)
+        if len(ids) > 1:  # the last prompt token is fed with the first draft
+            device = self.model.lm_head.weight.device
+            self.model(torch.tensor([ids[:-1]], device=device), self.cache, last=True)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.step is None:
+            return self.model(ids, self.cache, pos=pos, last=True)
+        for t in ids[0].tolist():  # the compiled step takes one token at a time, as a fresh [1, 1]
+            logits = self.step(torch.tensor([[t]], device=ids.device), self.cache)
+        return logits
+
+    def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
+        L, device = self.cache.length, self.model.lm_head.weight.device
+        return run_drafts(self.forward, seq[L:], L, gamma, sampling, gen, device)
+
+    def sync(self, seq: list[int]) -> None:
+        """Keep the tokens of ``seq`` the cache holds (all but the newest at most)."""
+        self.cache.rollback(min(self.cache.length, len(seq) - 1))
+
+
+class LayerSkipDraft:
+    """The target with layers ``skip`` left out, drafting into the target's own cache."""
+
+    shares_cache = True
+
+    def __init__(self, model, skip):
+        n = model.config.num_hidden_layers
+        self.model, self.skip = model, frozenset(int(i) for i in skip)
+        if not self.skip or min(self.skip) < 0 or max(self.skip) >= n or len(self.skip) >= n:
+            raise CompressError(f"skip layers {sorted(self.skip)}: give at least one and fewer "
+                                f"than all of the target's {n} layers (indices 0..{n - 1}).")
+        attns = [b.self_attn for b in model.model.layers]
+        for i in self.skip:  # cross-layer attention: a skipped writer leaves readers without K/V
+            if attns[i].writes_kv and any(a.kv_slot == attns[i].kv_slot and j not in self.skip
+                                          for j, a in enumerate(attns)):
+                raise CompressError(f"layer {i} writes the K/V that other kept layers read "
+                                    f"(cross-layer attention); skip its whole group or none of it.")
+
+    def prefill(self, ids: list[int], max_len: int) -> None:
+        pass
+
+    def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
+        L, device = len(seq) - 1, self.model.lm_head.weight.device
+        def forward(ids, pos):
+            return self.model(ids, target_cache, pos=pos, last=True, skip=self.skip)
+
+        return run_drafts(forward, seq[L:], L, gamma, sampling, gen, device)
+
+    def sync(self, seq: list[int]) -> None:
+        pass
+
+
+def check_vocab(target_size: int, draft_size: int) -> None:
+    if target_size != draft_size:
+        raise CompressError(f"the draft's vocabulary has {draft_size} tokens and the target's "
+                            f"{target_size}: speculative decoding needs the same tokenizer. Use a "
+                            f"draft compressed from the same source model (or of the same family).")
+
+
+def check_draft(target, draft) -> None:
+    """Refuse a draft whose vocabulary size is not the target's (ids would mean other tokens)."""
+    check_vocab(target.lm_head.weight.shape[0], draft.lm_head.weight.shape[0])
+    check_vocab(target.config.vocab_size, draft.config.vocab_size)
+
+
+def load_draft(folder, target, tokenizer=None, **load_kwargs):
+    """Load the draft model folder ``folder`` (``model.load`` keywords), checked against
+    ``target``."""
+    from compress.checkpoint import read_config, read_tokenizer
+    from compress.decoder.model import load
+
+    folder = Path(folder)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise CompressError(f"draft '{folder}' is not a model folder (no config.json). Pass a run "
+                            f"folder a recipe wrote (outputs/...), an HF folder with the target's "
+                            f"tokenizer, or 'self' for self-speculative decoding.")
+    config, _ = read_config(folder)
+    check_vocab(target.config.vocab_size, config.vocab_size)  # before loading the weights
+    draft_tok = read_tokenizer(folder)
+    if tokenizer is not None and draft_tok is not None and \
+            tokenizer.get_vocab() != draft_tok.get_vocab():
+        raise CompressError(f"the draft's tokenizer ('{folder}') differs from the target's (same "
+                            f"size, other tokens): speculative decoding needs the same tokenizer. "
+                            f"Use a draft of the same model family.")
+    draft, _ = load(folder, **load_kwargs)
+    check_draft(target, draft)
+    return draft

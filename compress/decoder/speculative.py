@@ -1,0 +1,198 @@
+"""Speculative decoding (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, 2302.01318).
+
+One round, with x the newest token (in neither cache yet) at slot L::
+
+    draft:   d_i ~ p_i = P_draft(. | ..., x, d_1..d_{i-1})                      i = 1..γ
+    target:  q_0..q_γ  from ONE forward of [x, d_1..d_γ] at slots L..L+γ
+             (q_{i-1} is the target's distribution for the slot of d_i)
+    accept d_i while u_i < min(1, q_{i-1}(d_i) / p_i(d_i)),  u_i ~ U(0, 1)
+    first rejection at i:  the next token ~ norm(max(q_{i-1} − p_i, 0));  all accepted: ~ q_γ
+
+so every emitted token is distributed as the target's own; greedy (temperature 0) accepts while
+d_i = argmax q_{i-1} and then takes argmax q_n, the target's greedy output. Temperature, top-k
+and top-p shape both p and q (``sampling.logits_to_probs``). After n accepted drafts both
+caches roll back to L + n + 1 tokens (``cache.rollback``); a draft model whose drafts were all
+accepted feeds d_γ together with the next token in its next round (gpt-fast instead runs d_γ
+through the draft at once: the same cache, one forward more). Expected tokens per target pass
+for acceptance rate α: (1 − α^(γ+1)) / (1 − α).
+
+A compressed target cache (KIVI, PackKV) rolls back within its fp16 window; its verification
+pass appends γ+1 tokens at once, so tokens leave the window up to γ steps earlier than in
+plain decoding: the output is exact for the cache's state, not token-identical to plain
+decoding with the same compressed cache.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from compress.decoder.generate import Detokenizer, Result, cache_size, eos_ids_of, sync
+from compress.decoder.kv import new_cache
+from compress.decoder.sampling import Sampling, logits_to_probs, sample
+from compress.decoder.schedule import schedule_for
+from compress.errors import CompressError
+
+
+def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampling: Sampling,
+           gen=None):
+    """The acceptance rule over R independent rows: ``(accepted n [R], next token [R])``.
+
+    ``drafts [R, γ]``; ``p [R, γ, V]`` the draft's probabilities (None when greedy);
+    ``q [R, γ+1, V]`` the target's probabilities (logits when greedy). A row's output is
+    ``drafts[:n] + [next]``.
+    """
+    R, g = drafts.shape
+    if sampling.temperature <= 0:
+        best = q.argmax(-1)                                                    # [R, γ+1]
+        n = (drafts == best[:, :g]).long().cumprod(1).sum(1)
+        return n, best.gather(1, n[:, None])[:, 0]
+    pd = p.gather(2, drafts[..., None])[..., 0]                                # p_i(d_i)  [R, γ]
+    qd = q[:, :g].gather(2, drafts[..., None])[..., 0]                         # q_{i-1}(d_i)
+    u = torch.rand(R, g, generator=gen, dtype=q.dtype)
+    n = (u * pd < qd).long().cumprod(1).sum(1)                                 # u < q/p, p > 0
+    V, at = q.shape[-1], n[:, None, None].expand(-1, 1, q.shape[-1])
+    qn = q.gather(1, at)[:, 0]
+    pn = torch.cat([p, torch.zeros(R, 1, V, dtype=p.dtype)], 1).gather(1, at)[:, 0]  # 0: none left
+    resid = (qn - pn).clamp(min=0)
+    mass = resid.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, resid / mass.clamp(min=1e-30), qn)  # p = q to rounding: q itself
+    return n, torch.multinomial(dist, 1, generator=gen)[:, 0]
+
+
+@dataclass
+class SpecResult(Result):
+    rounds: int = 0  # target verification passes after the prefill
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # of those, accepted
+
+    @property
+    def acceptance(self) -> float:
+        """α: the fraction of draft tokens the target accepted."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens emitted per target pass in the decode loop (1 without speculation)."""
+        return self.decode_steps / self.rounds if self.rounds else float("nan")
+
+
+def as_schedule(target, draft, gamma=5):
+    """A schedule from ``draft``: a loaded model (a :class:`ModelDraft` of it, checked against the
+    target's vocabulary), a drafter (``compress.decoder.drafts``) or a schedule as it is."""
+    from compress.decoder.drafts import ModelDraft, check_draft
+    from compress.decoder.model import Transformer
+
+    if hasattr(draft, "next"):
+        return draft
+    if isinstance(draft, Transformer):
+        check_draft(target, draft)
+        draft = ModelDraft(draft)
+    if not hasattr(draft, "propose"):
+        raise CompressError(f"draft={type(draft).__name__}: pass a loaded model "
+                            f"(compress.decoder.model.load), a drafter or a schedule.")
+    return schedule_for(draft, gamma)
+
+
+@torch.no_grad()
+def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
+                         sampling: Sampling | None = None, kv: str = "fp16",
+                         kv_opts: dict | None = None, max_len: int | None = None,
+                         stop: tuple[str, ...] = (), on_text=None, compile: bool = False,
+                         ignore_eos: bool = False, *, draft, gamma=5) -> SpecResult:
+    """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see
+    :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
+    ``compress.decoder.schedule.AutoGamma``).
+
+    The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1); ``compile``
+    runs the draft models' decode steps compiled (``ModelDraft.compile``), the target eager.
+    ``prefill_s`` includes the draft models' prefill of the prompt.
+    """
+    schedule = as_schedule(model, draft, gamma)
+    schedule.reset()
+    if compile:
+        for d in schedule.drafts():
+            if d.shares_cache:
+                raise CompressError("a self-speculative draft runs the target's eager forward with "
+                                    "layers skipped: decode without compile.")
+            d.compile = True
+    if len(prompts) != 1:
+        raise CompressError(f"speculative decoding runs one prompt at a time (batch 1); got "
+                            f"{len(prompts)}. Call it once per prompt, or decode without a draft.")
+    if not prompts[0]:
+        raise CompressError("a prompt is empty; give at least one token of text to continue.")
+    if stop and tokenizer is None:
+        raise CompressError("stop strings need a tokenizer, and this run folder has none.")
+    sampling = sampling or Sampling()
+    seq = list(prompts[0])
+    T0, device = len(seq), model.lm_head.weight.device
+    max_len = cache_size(model, T0, max_new_tokens, max_len)
+    n_new = min(max_new_tokens, max_len - T0)
+    cache = new_cache(model, kv, 1, max_len, **(kv_opts or {}))
+    residual = getattr(cache, "residual", None)
+    if residual is not None and residual <= schedule.largest_gamma():
+        raise CompressError(f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
+                            f"rejected draft of up to {schedule.largest_gamma()} tokens needs "
+                            f"more: raise --kv-opt residual or lower --gamma.")
+    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
+    detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
+    out, done = [], False
+
+    def take(tokens: list[int]) -> None:
+        nonlocal done
+        for t in tokens:
+            if done or len(out) >= n_new:
+                return
+            if t in eos:
+                done = True
+                return
+            out.append(t)
+            if detok is not None:
+                text = detok.push(t)
+                done = detok.stopped
+                if on_text and text:
+                    on_text(0, text)
+
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([seq], device=device), cache, last=True)[:, -1]
+    for draft in schedule.drafts():
+        draft.prefill(seq, max_len)
+    sync(device)
+    t1 = time.perf_counter()
+    first = int(sample(logits, sampling, gen)[0])
+    take([first])
+    seq.append(first)
+    t2 = time.perf_counter()
+    rounds = drafted = accepted = 0
+    while len(out) < n_new and not done:
+        r0 = time.perf_counter()
+        draft, gamma = schedule.next()
+        gamma = min(gamma, n_new - len(out) - 1)
+        L = len(seq) - 1
+        tokens, p = draft.propose(seq, gamma, sampling, gen, cache) if gamma else ([], None)
+        if draft.shares_cache:
+            cache.rollback(L)  # the target rewrites the drafted slots
+        ids = torch.tensor([seq[-1:] + tokens], device=device)
+        logits = model(ids, cache, pos=torch.arange(L, L + gamma + 1, device=device))[0]
+        if sampling.temperature > 0:
+            q = logits_to_probs(logits, sampling).cpu()
+            p = p[None] if gamma else torch.zeros(1, 0, q.shape[-1])
+        else:
+            q = logits.cpu()
+        n, nxt = verify(torch.tensor([tokens], dtype=torch.long), p, q[None], sampling, gen)
+        n, new = int(n[0]), tokens[:int(n[0])] + [int(nxt[0])]
+        seq += new
+        take(new)
+        cache.rollback(L + n + 1)
+        draft.sync(seq)
+        rounds, drafted, accepted = rounds + 1, drafted + gamma, accepted + n
+        sync(device)
+        if gamma:
+            schedule.update(gamma, n, time.perf_counter() - r0)
+    t3 = time.perf_counter()
+    if detok is not None and on_text and (rest := detok.flush()):
+        on_text(0, rest)
+    text = detok.text if detok is not None else ""
+    return SpecResult([out], [text], T0, t1 - t0, t2 - t0, t3 - t2, max(len(out) - 1, 0),
+                      cache.nbytes(), cache.length, rounds, drafted, accepted)
