@@ -1,0 +1,52 @@
+"""Training-free attention conversions of one model, scored on the same test windows.
+
+    python -m compress.eval.attn_ablation cla [--windows 4]          # cla_init first vs lstsq
+    python -m compress.eval.attn_ablation rope_select [--windows 4]  # MHA2MLA's partial-RoPE ablation
+
+``cla``: attn.share=2 with each initialisation; ``rope_select``: mla at d_kv 16, 4 pairs, with
+2norm, uniform, high and low. Calibration: 64 x 512 tokens of WikiText-2 validation text (the
+recipes' ``calib``); evaluation: the first ``--windows`` windows of 2048 test tokens. Prints one
+JSON line per variant (ppl), the source first.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from compress.attn.cla import convert_cla
+from compress.attn.mla import convert_mla
+from compress.data import calib_samples, eval_windows, read_text
+from compress.eval.perplexity import evaluate
+from compress.models import load_model
+
+
+def variants(kind: str):
+    if kind == "cla":
+        return {f"cla share=2 {init}": lambda m, t, init=init: convert_cla(m, 2, init, t)
+                for init in ("first", "lstsq")}
+    return {f"mla d_kv=16 pairs=4 {s}": lambda m, t, s=s: convert_mla(m, 16, 4, s, t)
+            for s in ("2norm", "uniform", "high", "low")}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m compress.eval.attn_ablation")
+    p.add_argument("kind", choices=("cla", "rope_select"))
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--model", default="smollm2-135m")
+    args = p.parse_args(argv)
+    data = Path(os.environ.get("COMPRESS_DATA_DIR", "COMPRESS_DATA_DIR-unset")) / "wikitext-2"
+    model, tok, _ = load_model(args.model)
+    windows = eval_windows(tok, read_text(str(data / "wiki.test.raw"), role="eval"), 2048, args.windows)
+    calib = calib_samples(tok, read_text(str(data / "wiki.valid.tokens"), role="calib"), 64, 512)
+    print(json.dumps({"variant": "source", **evaluate(model, windows, desc="source")}), flush=True)
+    for name, convert in variants(args.kind).items():
+        with torch.no_grad():
+            figures = evaluate(convert(model, calib), windows, desc=name)
+        print(json.dumps({"variant": name, **figures}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
