@@ -370,12 +370,15 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     raw = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     assert report["distill_tokens"] == 0
+    card = (out / "README.md").read_text()
     if recipe == "gqa":
+        assert "vllm serve" in card and "trust_remote_code=True" not in card
         assert raw["model_type"] == "llama" and raw["num_key_value_heads"] == 1
         assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2}
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 32 * 2  # the decoder runs it: 1 KV head
         return
     assert "decode_error" in report and report["ppl"] > 0
+    assert "trust_remote_code=True)" in card and "vllm" not in card
     assert set(raw["auto_map"].values()) == {f"{f[:-3]}.{c}" for f, c in zip(
         sorted(folder_files(raw["model_type"])), ("CLAConfig", "CLAForCausalLM") if recipe == "cla"
         else ("MLAConfig", "MLAForCausalLM"))}
