@@ -223,6 +223,27 @@ def test_mla_truncation_error_is_the_discarded_spectrum():
     assert torch.equal(attn.k_rope_proj.weight, rope.reshape(-1, model.config.hidden_size))
 
 
+def test_mla_activation_svd_minimises_the_kv_error_on_calibration_text():
+    """svd=activations: ||X (W - up down)^T||^2 on the calibration inputs X is the tail of
+    X W^T's spectrum (Eckart-Young), below what the weight-space SVD leaves."""
+    model = make_tiny_model()
+    D, G, p, d_kv = model.config.head_dim, model.config.num_key_value_heads, 4, 8
+    calib = ids(n=64, batch=4, seed=7)
+    xs = attention_inputs_f64(model, calib)
+    keep = [j for j in range(D) if j % (D // 2) >= p]
+    errors = {}
+    for svd in ("activations", "weights"):
+        attn = convert_mla(model, d_kv, p, "high", calib, svd=svd).model.layers[1].self_attn
+        src = model.model.layers[1].self_attn
+        w = torch.cat((src.k_proj.weight.view(G, D, -1)[:, keep].reshape(G * (D - 2 * p), -1),
+                       src.v_proj.weight)).double()
+        approx = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double() @ attn.kv_a_proj.weight.double()
+        errors[svd] = (xs[1] @ (w - approx).T).norm() ** 2
+    tail = torch.linalg.svdvals(xs[1] @ w.T)[G * d_kv:].pow(2).sum()
+    assert abs(errors["activations"] / tail - 1) < 1e-3
+    assert errors["activations"] < errors["weights"]
+
+
 def test_rope_select_fixed_methods():
     config = make_tiny_model().config  # head_dim 32: 16 pairs
     assert select_pairs(config, 4, "high")[0, 0].tolist() == [0, 1, 2, 3]
