@@ -70,7 +70,8 @@ def reference_logits(model, tokens, kv=None, kv_layer=None, rope_keep=None):
             wk, wv = kv[i] if kv and i in kv else (sd[p + "self_attn.k_proj.weight"],
                                                    sd[p + "self_attn.v_proj.weight"])
             G = wk.shape[0] // D
-            keep = rope_keep[i] if rope_keep is not None else torch.ones(G, D // 2, dtype=torch.bool)
+            keep = (rope_keep[i] if rope_keep is not None
+                    else torch.ones(G, D // 2, dtype=torch.bool))
             k = rope((h @ wk.double().T).view(t, G, D).transpose(0, 1), keep)
             v = (h @ wv.double().T).view(t, G, D).transpose(0, 1)
             cache[i] = (k, v, keep)
@@ -151,7 +152,8 @@ def test_cla_lstsq_solves_the_stacked_least_squares():
     cla = convert_cla(model, 2, "lstsq", calib)
     for f in (0, 2):
         for name in ("k_proj", "v_proj"):
-            ws = [model.model.layers[i].self_attn.get_submodule(name).weight.double() for i in (f, f + 1)]
+            ws = [model.model.layers[i].self_attn.get_submodule(name).weight.double()
+                  for i in (f, f + 1)]
             a = torch.cat((xs[f], xs[f]))
             b = torch.cat((xs[f] @ ws[0].T, xs[f + 1] @ ws[1].T))
             expected = torch.linalg.lstsq(a, b).solution.T
@@ -216,7 +218,8 @@ def test_mla_truncation_error_is_the_discarded_spectrum():
     keep = [j for j in range(D) if j % (D // 2) >= p]  # "high" keeps pairs 0..p-1
     wk = src.k_proj.weight.view(G, D, -1)[:, keep].reshape(-1, model.config.hidden_size)
     target = torch.cat((wk, src.v_proj.weight)).double()
-    approx = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double() @ attn.kv_a_proj.weight.double()
+    up = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double()
+    approx = up @ attn.kv_a_proj.weight.double()
     s = torch.linalg.svdvals(target)
     assert abs((target - approx).norm() ** 2 / s[G * d_kv:].pow(2).sum() - 1) < 1e-4
     rope = src.k_proj.weight.view(G, D, -1)[:, [j for j in range(D) if j % (D // 2) < p]]
@@ -237,7 +240,8 @@ def test_mla_activation_svd_minimises_the_kv_error_on_calibration_text():
         src = model.model.layers[1].self_attn
         w = torch.cat((src.k_proj.weight.view(G, D, -1)[:, keep].reshape(G * (D - 2 * p), -1),
                        src.v_proj.weight)).double()
-        approx = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double() @ attn.kv_a_proj.weight.double()
+        up = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double()
+        approx = up @ attn.kv_a_proj.weight.double()
         errors[svd] = (xs[1] @ (w - approx).T).norm() ** 2
     tail = torch.linalg.svdvals(xs[1] @ w.T)[G * d_kv:].pow(2).sum()
     assert abs(errors["activations"] / tail - 1) < 1e-3
@@ -326,7 +330,8 @@ def test_from_pretrained_remote_code_equals_in_memory(kind, tmp_path, tokenizer)
     # a user's process, without compress imported: the folder's own modeling file must run
     script = ("import sys, torch; from transformers import AutoModelForCausalLM; "
               "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
-              "assert 'compress' not in sys.modules and type(m).__module__.startswith('transformers_modules'); "
+              "assert 'compress' not in sys.modules; "
+              "assert type(m).__module__.startswith('transformers_modules'); "
               "torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])")
     subprocess.run([sys.executable, "-c", script, str(tmp_path), str(tmp_path / "ids.pt"),
                     str(tmp_path / "logits.pt")], check=True, cwd=tmp_path, timeout=300)
@@ -383,7 +388,8 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     cfg = compose(recipe, [f"model.path={tiny_dir}", "calib.samples=4", "calib.seqlen=64"])
     calib = calib_samples(tokenizer, read_text(cfg.data.calib.source, role="calib"), 4, 64, seed=0)
     source = load_model(str(tiny_dir))[0]
-    expected = {"gqa": lambda: mean_pool_kv(source, 1), "cla": lambda: convert_cla(source, 2, "lstsq", calib),
+    expected = {"gqa": lambda: mean_pool_kv(source, 1),
+                "cla": lambda: convert_cla(source, 2, "lstsq", calib),
                 "mla": lambda: convert_mla(source, 16, 4, "2norm", calib)}[recipe]()
     ours, _ = load_run(out)
     x = ids()
@@ -407,8 +413,8 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     if recipe == "cla":
         assert raw["cla_share"] == 2 and report["attn"]["cla_init"] == "lstsq"
         assert "model.layers.0.self_attn.k_proj.weight" in tensors
-        assert not any(k.startswith("model.layers.1.self_attn.") and ("k_proj" in k or "v_proj" in k)
-                       for k in tensors)
+        assert not any(k.startswith("model.layers.1.self_attn.")
+                       and ("k_proj" in k or "v_proj" in k) for k in tensors)
     else:
         assert raw["kv_lora_rank"] == 32 and raw["mla_rope_pairs"] == 4 and raw["mla_d_kv"] == 16
         p = "model.layers.1.self_attn."
@@ -417,7 +423,8 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
             "v_b_proj.weight", "o_proj.weight", "rope_index")}
         assert shapes == {"q_proj.weight": (128, 128), "k_rope_proj.weight": (16, 128),
                           "kv_a_proj.weight": (32, 128), "k_b_proj.weight": (48, 32),
-                          "v_b_proj.weight": (64, 32), "o_proj.weight": (128, 128), "rope_index": (2, 4)}
+                          "v_b_proj.weight": (64, 32), "o_proj.weight": (128, 128),
+                          "rope_index": (2, 4)}
 
 
 @pytest.mark.slow
@@ -436,8 +443,8 @@ def odd_dirs(tmp_path_factory, tokenizer):
     """(a cla-converted folder, a tiny Llama with yarn RoPE), each with the tokenizer."""
     root = tmp_path_factory.mktemp("odd")
     save_converted(convert_cla(make_tiny_model(), 2, "first"), tokenizer, root / "cla")
-    yarn = make_tiny_model(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                            "original_max_position_embeddings": 256})
+    yarn = make_tiny_model(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                            "factor": 2.0, "original_max_position_embeddings": 256})
     yarn.save_pretrained(root / "yarn")
     tokenizer.save_pretrained(root / "yarn")
     return {"cla": root / "cla", "yarn": root / "yarn"}
@@ -457,5 +464,6 @@ def odd_dirs(tmp_path_factory, tokenizer):
 def test_bad_input_leaves_no_run_folder(recipe, extra, folder, match, tiny_dir, odd_dirs, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(CompressError, match=match):
-        run_recipe(recipe, odd_dirs[folder] if folder else tiny_dir, out, "distill.tokens=0", *extra)
+        run_recipe(recipe, odd_dirs[folder] if folder else tiny_dir, out, "distill.tokens=0",
+                   *extra)
     assert not out.exists() and not list(tmp_path.iterdir())

@@ -30,8 +30,8 @@ def check_share(config, share: int, init: str) -> None:
     layers = config.num_hidden_layers
     if share < 1 or layers % share:
         valid = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise CompressError(f"attn.share={share} must divide the model's {layers} layers (each group "
-                            f"of share layers uses its first layer's K/V); valid values: "
+        raise CompressError(f"attn.share={share} must divide the model's {layers} layers (each "
+                            f"group of share layers uses its first layer's K/V); valid values: "
                             f"{', '.join(map(str, valid))}.")
     if init not in INITS:
         raise CompressError(f"attn.cla_init={init!r}: use one of {', '.join(INITS)}.")
@@ -98,6 +98,7 @@ def convert_cla(model, share: int, init: str = "lstsq", tokens: torch.Tensor | N
             for i in range(f + 1, f + share):
                 for kind in ("weight", "bias"):
                     state.pop(f"{adapter.layers}.{i}.{paths[role]}.{kind}", None)
-    out = CLAForCausalLM(converted_config(CLAConfig, config, cla_share=share)).to(next(model.parameters()).dtype)
+    out = CLAForCausalLM(converted_config(CLAConfig, config, cla_share=share))
+    out = out.to(next(model.parameters()).dtype)
     out.load_state_dict(state, strict=True)
     return out.eval()

@@ -42,9 +42,9 @@ def check_mla(config, d_kv: int, pairs: int, method: str, svd: str = "weights") 
         raise CompressError(f"mla.svd={svd!r}: use one of {', '.join(SVDS)}.")
     top = full_rank(config, pairs)
     if not 1 <= d_kv <= top:
-        raise CompressError(f"mla.d_kv={d_kv}: the joint K/V matrix of a KV head has full rank {top} "
-                            f"here (2 x head_dim - 2 x rope_pairs, at most hidden / KV heads); "
-                            f"use 1..{top}.")
+        raise CompressError(f"mla.d_kv={d_kv}: the joint K/V matrix of a KV head has full rank "
+                            f"{top} here (2 x head_dim - 2 x rope_pairs, at most hidden / KV "
+                            f"heads); use 1..{top}.")
     if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
         raise CompressError("mla converts attention without q/k/v biases (Llama, Mistral); this "
                             "model has biases. Use the gqa or cla recipe for it.")
@@ -68,7 +68,8 @@ def low_rank(w: torch.Tensor, rank: int, gram: torch.Tensor | None = None, damp:
     eye = torch.eye(gram.shape[0], dtype=gram.dtype)
     R = torch.linalg.cholesky(gram + damp * gram.diagonal().mean() * eye)
     U, S, Vh = torch.linalg.svd(w @ R, full_matrices=False)
-    return U[:, :rank] * S[:rank], torch.linalg.solve_triangular(R, Vh[:rank], upper=False, left=False)
+    down = torch.linalg.solve_triangular(R, Vh[:rank], upper=False, left=False)  # V_L^T R^-1
+    return U[:, :rank] * S[:rank], down
 
 
 def mla_layer(wq, wk, wv, index: torch.Tensor, rank: int, H: int,

@@ -69,7 +69,7 @@ def mla(model, ctx):
     check_rope(model.config, "mla")
     check_mla(model.config, d_kv, pairs, select, svd)
     tokens = ctx.calibration() if select == "2norm" or svd == "activations" else None
-    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s), svd of the %s", d_kv, pairs, select, svd)
+    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s), svd %s", d_kv, pairs, select, svd)
     out = convert_mla(model, d_kv, pairs, select, tokens, svd)
     ctx.files.update(folder_files(out.config.model_type))
     _record(ctx, d_kv=d_kv, kv_lora_rank=out.config.kv_lora_rank, rope_pairs=pairs,
