@@ -390,7 +390,7 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     source = load_model(str(tiny_dir))[0]
     expected = {"gqa": lambda: mean_pool_kv(source, 1),
                 "cla": lambda: convert_cla(source, 2, "lstsq", calib),
-                "mla": lambda: convert_mla(source, 16, 4, "2norm", calib)}[recipe]()
+                "mla": lambda: convert_mla(source, 16, 4, "2norm", calib, "activations")}[recipe]()
     ours, _ = load_run(out)
     x = ids()
     assert rel(ours(x).logits, expected(x).logits) < 1e-6
