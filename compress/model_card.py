@@ -83,7 +83,9 @@ def loaders(config: dict, stages: list) -> list[str]:
         return ["transformers", "vllm"]
     if method == "bitsandbytes":
         return ["transformers"]
-    if method is None and not stages:  # an unmodified HF checkpoint
+    if config.get("auto_map"):  # converted attention (cla, mla): the folder carries its modeling file
+        return ["transformers"]
+    if method is None and set(stages) <= {"gqa", "distill"}:  # unmodified, or GQA: a plain checkpoint
         return ["transformers", "vllm"]
     return []  # our own formats (quant_method compress, MLA/CLA configs)
 
@@ -102,15 +104,18 @@ def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
     return meta
 
 
-def _how_to_load(repo_id: str, libs: list[str], method: str | None) -> list[str]:
+def _how_to_load(repo_id: str, libs: list[str], method: str | None, remote: bool = False) -> list[str]:
     lines = ["## How to load", ""]
     if "transformers" in libs:
         needs = {"awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
                  "bitsandbytes": "`pip install bitsandbytes`"}.get(method)
+        if remote:
+            needs = "`trust_remote_code=True`: the attention is this repository's modeling file"
         lines += ["With transformers" + (f" (needs {needs}):" if needs else ":"), "", "```python",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                   f'tok = AutoTokenizer.from_pretrained("{repo_id}")',
-                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto")',
+                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto"'
+                  + (", trust_remote_code=True)" if remote else ")"),
                   "```", ""]
     if "vllm" in libs:
         lines += ["With vLLM:", "", "```bash",
@@ -143,7 +148,8 @@ def render(report: dict, config: dict, recipe: dict, source: dict, repo_id: str 
               "KL(source ‖ this model) in nats per token.", "", *metrics_table(report), "",
               "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
               "the source model's sha256 and the compress version.", "",
-              *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method")), "",
+              *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method"),
+                            bool(config.get("auto_map"))), "",
               "## Resolved recipe", "", "```yaml",
               yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(), "```"]
     return "\n".join(lines) + "\n"

@@ -6,15 +6,16 @@ from compress.adapters import get_adapter
 
 
 @torch.no_grad()
-def attention_inputs(model, tokens: torch.Tensor, visit, batch_size: int = 4) -> None:
-    """Run ``model`` on ``tokens [samples, seqlen]``; call ``visit(layer, x [tokens, hidden])``
+def attention_inputs(model, tokens: torch.Tensor, *visitors, batch_size: int = 4) -> None:
+    """Run ``model`` on ``tokens [samples, seqlen]``; call each ``visit(layer, x [tokens, hidden])``
     with every layer's attention input, layer after layer within each batch."""
     layers = get_adapter(model.config).decoder_layers(model)
 
     def hook(i):
         def pre(_module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            visit(i, x.reshape(-1, x.shape[-1]))
+            for visit in visitors:
+                visit(i, x.reshape(-1, x.shape[-1]))
         return pre
 
     handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
@@ -25,3 +26,19 @@ def attention_inputs(model, tokens: torch.Tensor, visit, batch_size: int = 4) ->
     finally:
         for h in handles:
             h.remove()
+
+
+class InputGram:
+    """A visitor for ``attention_inputs``: ``grams()`` gives each layer's E[x x^T] (float64)."""
+
+    def __init__(self):
+        self.sums, self.count = {}, 0
+
+    def __call__(self, i, x):
+        x = x.double()
+        self.sums[i] = self.sums[i] + x.T @ x if i in self.sums else x.T @ x
+        if i == 0:
+            self.count += x.shape[0]
+
+    def grams(self) -> list[torch.Tensor]:
+        return [self.sums[i] / self.count for i in sorted(self.sums)]

@@ -14,7 +14,7 @@ projection being x_f for all of them::
 
 (K is fitted before RoPE: RoPE rotates both sides by the same orthogonal matrix.) A
 projection with a bias fits [X, 1] against [M; b]. ``lstsq`` is the default: on SmolLM2-135M,
-training-free, it gives the lower perplexity (``python -m compress.attn.measure cla``).
+training-free, it gives the lower perplexity (``python -m compress.eval.attn_ablation cla``).
 """
 
 import torch
@@ -30,8 +30,8 @@ def check_share(config, share: int, init: str) -> None:
     layers = config.num_hidden_layers
     if share < 1 or layers % share:
         valid = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise CompressError(f"attn.share={share} must divide the model's {layers} layers (each group "
-                            f"of share layers uses its first layer's K/V); valid values: "
+        raise CompressError(f"attn.share={share} must divide the model's {layers} layers (each "
+                            f"group of share layers uses its first layer's K/V); valid values: "
                             f"{', '.join(map(str, valid))}.")
     if init not in INITS:
         raise CompressError(f"attn.cla_init={init!r}: use one of {', '.join(INITS)}.")
@@ -98,6 +98,7 @@ def convert_cla(model, share: int, init: str = "lstsq", tokens: torch.Tensor | N
             for i in range(f + 1, f + share):
                 for kind in ("weight", "bias"):
                     state.pop(f"{adapter.layers}.{i}.{paths[role]}.{kind}", None)
-    out = CLAForCausalLM(converted_config(CLAConfig, config, cla_share=share)).to(next(model.parameters()).dtype)
+    out = CLAForCausalLM(converted_config(CLAConfig, config, cla_share=share))
+    out = out.to(next(model.parameters()).dtype)
     out.load_state_dict(state, strict=True)
     return out.eval()

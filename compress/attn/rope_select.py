@@ -37,27 +37,36 @@ def pair_norms(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.norm(dim=2).sum(0)
 
 
-@torch.no_grad()
+class PairNorms:
+    """A visitor for ``attention_inputs``: ``scores()`` gives the ``[layers, G, D/2]`` 2-norm
+    scores of every layer's KV heads."""
+
+    def __init__(self, model):
+        config = model.config
+        self.H, self.G = config.num_attention_heads, config.num_key_value_heads
+        self.adapter = get_adapter(config)
+        self.layers = self.adapter.decoder_layers(model)
+        half = head_dim(config) // 2
+        self.q = torch.zeros(len(self.layers), self.H, half, dtype=torch.float64)
+        self.k = torch.zeros(len(self.layers), self.G, half, dtype=torch.float64)
+        self.count = 0
+
+    def __call__(self, i, x):
+        self.q[i] += pair_norms(self.adapter.linear(self.layers[i], "q")(x), self.H)
+        self.k[i] += pair_norms(self.adapter.linear(self.layers[i], "k")(x), self.G)
+        if i == 0:
+            self.count += x.shape[0]
+
+    def scores(self) -> torch.Tensor:
+        q, k = self.q / self.count, self.k / self.count
+        return k * q.view(q.shape[0], self.G, self.H // self.G, -1).sum(2)
+
+
 def qk_pair_scores(model, tokens: torch.Tensor) -> torch.Tensor:
     """``[layers, G, D/2]`` 2-norm scores of every layer's KV heads on ``tokens``."""
-    config = model.config
-    H, G = config.num_attention_heads, config.num_key_value_heads
-    adapter = get_adapter(config)
-    layers = adapter.decoder_layers(model)
-    half = head_dim(config) // 2
-    q_sum = torch.zeros(len(layers), H, half, dtype=torch.float64)
-    k_sum = torch.zeros(len(layers), G, half, dtype=torch.float64)
-    count = [0]
-
-    def visit(i, x):
-        q_sum[i] += pair_norms(adapter.linear(layers[i], "q")(x), H)
-        k_sum[i] += pair_norms(adapter.linear(layers[i], "k")(x), G)
-        if i == 0:
-            count[0] += x.shape[0]
-
-    attention_inputs(model, tokens, visit)
-    q_mean, k_mean = q_sum / count[0], k_sum / count[0]
-    return k_mean * q_mean.view(len(layers), G, H // G, half).sum(2)
+    norms = PairNorms(model)
+    attention_inputs(model, tokens, norms)
+    return norms.scores()
 
 
 def select_pairs(config, pairs: int, method: str, scores: torch.Tensor | None = None):

@@ -8,6 +8,7 @@ Recipe keys::
     mla.d_kv:        mla: latent values per KV head (the layer's latent: d_kv x KV heads)
     mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
     mla.rope_select: mla: 2norm | uniform | high | low
+    mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
 
 ``cla`` and ``mla`` give models of their own type (``compress.attn.hf``), whose modeling files
 the run folder carries. report.json gets ``attn`` (what was converted, with which settings).
@@ -63,13 +64,14 @@ def mla(model, ctx):
 
     m = ctx.cfg.mla
     d_kv, pairs, select = int(m.d_kv), int(m.rope_pairs), str(m.rope_select)
+    svd = str(m.get("svd") or "weights")
     check_source(model.config, "mla")
     check_rope(model.config, "mla")
-    check_mla(model.config, d_kv, pairs, select)
-    tokens = ctx.calibration() if select == "2norm" else None
-    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s)", d_kv, pairs, select)
-    out = convert_mla(model, d_kv, pairs, select, tokens)
+    check_mla(model.config, d_kv, pairs, select, svd)
+    tokens = ctx.calibration() if select == "2norm" or svd == "activations" else None
+    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s), svd %s", d_kv, pairs, select, svd)
+    out = convert_mla(model, d_kv, pairs, select, tokens, svd)
     ctx.files.update(folder_files(out.config.model_type))
     _record(ctx, d_kv=d_kv, kv_lora_rank=out.config.kv_lora_rank, rope_pairs=pairs,
-            rope_select=select, kv_heads=out.config.num_key_value_heads)
+            rope_select=select, svd=svd, kv_heads=out.config.num_key_value_heads)
     return out

@@ -40,6 +40,8 @@ class CLAAttention(LlamaAttention):
         else:
             q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
             k, v = self.shared[self.kv_layer]
+        if (self.layer_idx + 1) % self.config.cla_share == 0:  # the group's last layer: let K/V go
+            del self.shared[self.kv_layer]
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                           eager_attention_forward)
         out, weights = attention(self, q, k, v, attention_mask, scaling=self.scaling,
