@@ -11,7 +11,7 @@ rotated by frequency ``theta^(-2j/D)`` (j = 0 the highest). Keeping p pairs per 
 
 import torch
 
-from compress.adapters import get_adapter
+from compress.adapters import get_adapter, head_dim
 from compress.attn.calib import attention_inputs
 from compress.errors import CompressError
 
@@ -25,10 +25,6 @@ def check_pairs(config, pairs: int, method: str) -> None:
                             f"frequency pairs; use 1..{half}.")
     if method not in METHODS:
         raise CompressError(f"mla.rope_select={method!r}: use one of {', '.join(METHODS)}.")
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def pair_norms(x: torch.Tensor, heads: int) -> torch.Tensor:

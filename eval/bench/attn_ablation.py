@@ -1,8 +1,8 @@
 """Training-free attention conversions of one model, scored on the same test windows.
 
-    python -m compress.eval.attn_ablation gqa [--windows 4]          # attn.kv_heads=1 (MQA)
-    python -m compress.eval.attn_ablation cla [--windows 4]          # cla_init first vs lstsq
-    python -m compress.eval.attn_ablation rope_select [--windows 4] [--d-kv 16] [--svd weights]
+    python -m compress.eval.bench.attn_ablation gqa [--windows 4]          # attn.kv_heads=1 (MQA)
+    python -m compress.eval.bench.attn_ablation cla [--windows 4]          # cla_init first vs lstsq
+    python -m compress.eval.bench.attn_ablation rope_select [--windows 4] [--d-kv 16] [--svd weights]
 
 ``gqa``: mean-pooled to one KV head; ``cla``: attn.share=2 with each initialisation; ``rope_select``: mla at ``--d-kv`` (16; 0: full
 rank, which isolates partial RoPE from the low-rank K/V), 4 pairs, with 2norm, uniform, high, low,
@@ -40,7 +40,7 @@ def variants(kind: str, config, d_kv: int, svd: str):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m compress.eval.attn_ablation")
+    p = argparse.ArgumentParser(prog="python -m compress.eval.bench.attn_ablation")
     p.add_argument("kind", choices=("gqa", "cla", "rope_select"))
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--d-kv", type=int, default=16,
