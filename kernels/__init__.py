@@ -4,14 +4,16 @@
                                  (a QuantLinear)           reference: x @ layer.dequantize()^T
     int8_matmul(a, b, c_a, c_b)  LLM.int8's int8 GEMM and  int8_triton.py, int8_cpu.py,
                                  its epilogue              int8_matmul_ref.py
-    packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton); packkv_ref.py is
-    packkv_pv(p, v)              products                  both the CPU path and the reference
+    packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton), packkv_cpu.py
+    packkv_pv(p, v)              products                  (C++, built on first use),
+                                                           packkv_ref.py
 
 Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_KERNELS=ref``
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
 a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
-``torch.compile``. Triton is imported only when a CUDA input needs it. The kernels read the
-layouts of ``compress.formats`` and import no method package.
+``torch.compile`` or other compiled code (PackKV's products then run the reference). Triton is
+imported only when a CUDA input needs it. The kernels read the layouts of ``compress.formats``
+and import no method package.
 """
 
 import os
@@ -61,12 +63,19 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
 
 
 def _packkv(x: torch.Tensor, head_dim: int):
-    """The module computing PackKV's products for ``x``: ``packkv`` (Triton) or ``packkv_ref``."""
-    if backend(x) == "triton":
+    """The module computing PackKV's products for ``x``: ``packkv`` (Triton), ``packkv_cpu``
+    (when it builds and ``COMPRESS_KERNELS`` is not ``eager``) or ``packkv_ref``."""
+    where = backend(x)
+    if where == "triton":
         from compress.kernels import packkv
 
         if packkv.supports(head_dim):
             return packkv
+    elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager":
+        from compress.kernels import packkv_cpu
+
+        if packkv_cpu.library() is not None:
+            return packkv_cpu
     from compress.kernels import packkv_ref
 
     return packkv_ref

@@ -1,0 +1,299 @@
+// PackKV attention products on the CPU, decoding one 16-token pack at a time (the format is
+// described in packkv_ref.py; the products and the identity they use in packkv_cpu.py).
+//
+// A work unit is a range of pack rows of one row bh. Per pack row it decodes the D channels'
+// 16 codes (code - pmin, the "rest") into a D x 16 fp32 tile that stays in L1, then
+//   qk: scores[m, s] = tmin[s] Q[m] + tstep[s] (sum_c q[m, c] pmin[c] + sum_c q[m, c] rest[s, c])
+//   pv: out[m, c]  += sum_s p[m, s] tmin[s] + pmin[c] sum_s ps[m, s] + sum_s ps[m, s] rest[s, c]
+// with Q[m] = sum_c q[m, c] and ps[m, s] = p[m, s] tstep[s]. Queries go four at a time.
+// With AVX2 a channel's 16 codes are cut out of its w words by one byte shuffle, one multiply
+// and one shift (tables per width); otherwise by scalar shifts.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PACKKV_AVX2 1
+#endif
+
+namespace {
+
+constexpr int PACK = 16;
+constexpr int MAX_WIDTH = 15;  // a width field has at most 4 bits; the format writes up to 8
+constexpr int QT = 4;          // queries per tile
+
+typedef float f8 __attribute__((vector_size(32)));  // 8 fp32 lanes (GCC and Clang)
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(f8 v) {
+  float s = 0.0f;
+  for (int j = 0; j < 8; ++j) s += v[j];
+  return s;
+}
+
+struct Packed {
+  const uint16_t* tmin;   // [BH, cap] fp16 bits
+  const int8_t* lstep;    // [BH, cap]
+  const uint16_t* pmeta;  // [BH, cap / 16, meta_words]
+  const int32_t* poff;    // [BH, cap / 16]
+  const uint16_t* data;   // [n_words]
+  int64_t n_words, n, cap, meta_words;
+  int mbits, fbits;
+};
+
+float half_to_float(uint16_t h) {
+#ifdef PACKKV_AVX2
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) {
+    float f = std::ldexp((float)m, -24);
+    return sign ? -f : f;
+  }
+  uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+struct Tables {
+  float step[256];  // tstep = 2^(lstep / 8), indexed by the byte of lstep
+#ifdef PACKKV_AVX2
+  alignas(32) uint8_t shuf[MAX_WIDTH + 1][32];  // per code: its low byte, its high byte or none
+  alignas(32) uint16_t mul[MAX_WIDTH + 1][16];  // 2^(16 - shift - w): lifts the code to the top
+#endif
+  Tables() {
+    for (int b = 0; b < 256; ++b) step[b] = std::exp2((float)(int8_t)b / 8.0f);
+#ifdef PACKKV_AVX2
+    std::memset(shuf, 0x80, sizeof shuf);
+    std::memset(mul, 0, sizeof mul);
+    for (int w = 1; w <= 8; ++w) {
+      for (int i = 0; i < PACK; ++i) {
+        int bit = i * w, byte = bit >> 3, sh = bit & 7;
+        shuf[w][2 * i] = (uint8_t)byte;
+        shuf[w][2 * i + 1] = sh + w > 8 ? (uint8_t)(byte + 1) : 0x80;
+        mul[w][i] = (uint16_t)(1u << (16 - sh - w));
+      }
+    }
+#endif
+  }
+};
+
+const Tables T;
+
+// The 16 rests of one channel: bits [i w, (i + 1) w) of the w words at data[off].
+inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
+#ifdef PACKKV_AVX2
+  __m128i b;
+  if (off + 8 <= a.n_words) {
+    b = _mm_loadu_si128((const __m128i*)(a.data + off));
+  } else {  // the last packs: read no further than the stream's end
+    uint16_t buf[8] = {0};
+    for (int64_t j = 0; j < 8 && off + j < a.n_words; ++j) buf[j] = a.data[off + j];
+    b = _mm_loadu_si128((const __m128i*)buf);
+  }
+  __m256i x = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(b),
+                                  _mm256_load_si256((const __m256i*)T.shuf[w]));
+  x = _mm256_mullo_epi16(x, _mm256_load_si256((const __m256i*)T.mul[w]));
+  x = _mm256_srl_epi16(x, _mm_cvtsi32_si128(16 - std::min(w, 8)));
+  _mm256_storeu_ps(rest, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x))));
+  _mm256_storeu_ps(rest + 8,
+                   _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1))));
+#else
+  if (w == 0 || w > 8) {
+    for (int i = 0; i < PACK; ++i) rest[i] = 0.0f;
+    return;
+  }
+  const uint32_t mask = (1u << w) - 1;
+  for (int i = 0; i < PACK; ++i) {
+    int64_t bit = (int64_t)i * w, word = off + (bit >> 4);  // word + 1 <= off + w: inside
+    uint32_t pair = a.data[word] | (word + 1 < a.n_words ? (uint32_t)a.data[word + 1] << 16 : 0u);
+    rest[i] = (float)((pair >> (bit & 15)) & mask);
+  }
+#endif
+}
+
+// Pack row r of row bh: pmin per channel, the D x 16 tile of rests, tmin and tstep per slot.
+struct Tile {
+  std::vector<float> pmin, rest;
+  float tmin[PACK], step[PACK];
+  explicit Tile(int D) : pmin(D), rest((size_t)D * PACK) {}
+
+  void load(const Packed& a, int64_t bh, int64_t r, int D) {
+    const int64_t row = bh * (a.cap / PACK) + r;
+    const uint16_t* meta = a.pmeta + row * a.meta_words;
+    const uint32_t fmask = (1u << a.fbits) - 1, mmask = (1u << a.mbits) - 1;
+    int64_t off = a.poff[row];
+    for (int c = 0; c < D; ++c) {
+      int64_t bit = (int64_t)c * a.fbits, word = bit >> 4;
+      uint32_t pair = meta[word] | (word + 1 < a.meta_words ? (uint32_t)meta[word + 1] << 16 : 0u);
+      uint32_t f = (pair >> (bit & 15)) & fmask;
+      int w = (int)(f >> a.mbits);
+      pmin[c] = (float)(f & mmask);
+      decode16(a, off, w, &rest[(size_t)c * PACK]);
+      off += w;
+    }
+    const int64_t s0 = bh * a.cap + r * PACK;
+    for (int i = 0; i < PACK; ++i) {
+      tmin[i] = half_to_float(a.tmin[s0 + i]);
+      step[i] = T.step[(uint8_t)a.lstep[s0 + i]];
+    }
+  }
+};
+
+// scores[m, 16 r .. 16 r + 15] for the MT queries q[m] = q0 + m D (Q: their sums).
+template <int MT>
+void qk_tile(const Tile& t, const float* q0, const float* Q, int D, float* out, int64_t n) {
+  f8 acc[MT][2] = {};
+  float base[MT] = {};
+  for (int c = 0; c < D; ++c) {
+    const f8 r0 = load8(&t.rest[(size_t)c * PACK]), r1 = load8(&t.rest[(size_t)c * PACK + 8]);
+    for (int m = 0; m < MT; ++m) {
+      const float qc = q0[m * D + c];
+      base[m] += qc * t.pmin[c];
+      acc[m][0] += qc * r0;
+      acc[m][1] += qc * r1;
+    }
+  }
+  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
+  for (int m = 0; m < MT; ++m) {
+    store8(out + m * n, tm0 * Q[m] + st0 * (base[m] + acc[m][0]));
+    store8(out + m * n + 8, tm1 * Q[m] + st1 * (base[m] + acc[m][1]));
+  }
+}
+
+// Adds pack row r's share for the MT probability rows p[m] = p0 + m n (slots 16 r ..) to the
+// lane accumulators lanes[m][c], per-channel sums pc[m][c] and per-query sums pt[m].
+template <int MT>
+void pv_tile(const Tile& t, const float* p0, int64_t n, int D, f8* lanes, float* pc, float* pt) {
+  f8 ps[MT][2];
+  float sum_ps[MT];
+  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
+  for (int m = 0; m < MT; ++m) {
+    const f8 p0v = load8(p0 + m * n), p1v = load8(p0 + m * n + 8);
+    ps[m][0] = p0v * st0;
+    ps[m][1] = p1v * st1;
+    sum_ps[m] = hsum(ps[m][0] + ps[m][1]);
+    pt[m] += hsum(p0v * tm0 + p1v * tm1);
+  }
+  for (int c = 0; c < D; ++c) {
+    const f8 r0 = load8(&t.rest[(size_t)c * PACK]), r1 = load8(&t.rest[(size_t)c * PACK + 8]);
+    for (int m = 0; m < MT; ++m) lanes[(size_t)m * D + c] += ps[m][0] * r0 + ps[m][1] * r1;
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < D; ++c) pc[(size_t)m * D + c] += t.pmin[c] * sum_ps[m];
+}
+
+// Queries m0 .. M-1 in tiles of QT: calls f.template operator()<MT>(m) per tile.
+template <class F>
+void by_tiles(int64_t M, F&& f) {
+  for (int64_t m = 0; m < M; m += QT) {
+    switch (std::min<int64_t>(QT, M - m)) {
+      case 1: f.template operator()<1>(m); break;
+      case 2: f.template operator()<2>(m); break;
+      case 3: f.template operator()<3>(m); break;
+      default: f.template operator()<4>(m); break;
+    }
+  }
+}
+
+// Pack rows per work unit: whole rows bh with one thread, else about four units per thread.
+int64_t chunk_rows(int64_t BH, int64_t rows, int nthreads) {
+  if (nthreads <= 1) return std::max<int64_t>(rows, 1);
+  int64_t target = std::max<int64_t>(1, BH * rows / (4 * nthreads));
+  return std::max<int64_t>(std::min(rows, std::max<int64_t>(target, 4)), 1);
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when built with the AVX2 decoder, 0 for the scalar one.
+int packkv_simd() {
+#ifdef PACKKV_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// scores [BH, M, n] = q [BH, M, D] @ k_hat^T, fp32, all contiguous.
+void packkv_qk(const float* q, float* out, int64_t BH, int64_t M, int64_t D,
+               const uint16_t* tmin, const int8_t* lstep, const uint16_t* pmeta,
+               const int32_t* poff, const uint16_t* data, int64_t n_words, int64_t n,
+               int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
+  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits};
+  const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
+  const int64_t per_bh = (rows + chunk - 1) / chunk, units = BH * per_bh;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t bh = u / per_bh, r0 = (u % per_bh) * chunk, r1 = std::min(rows, r0 + chunk);
+    const float* qb = q + bh * M * D;
+    std::vector<float> Q(M, 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < D; ++c) Q[m] += qb[m * D + c];
+    Tile t((int)D);
+    for (int64_t r = r0; r < r1; ++r) {
+      t.load(a, bh, r, (int)D);
+      float* ob = out + bh * M * n + r * PACK;
+      by_tiles(M, [&]<int MT>(int64_t m) {
+        qk_tile<MT>(t, qb + m * D, &Q[m], (int)D, ob + m * n, n);
+      });
+    }
+  }
+}
+
+// out [BH, M, D] = p [BH, M, n] @ v_hat, fp32, all contiguous.
+void packkv_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D,
+               const uint16_t* tmin, const int8_t* lstep, const uint16_t* pmeta,
+               const int32_t* poff, const uint16_t* data, int64_t n_words, int64_t n,
+               int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
+  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits};
+  const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
+  const int64_t per_bh = std::max<int64_t>((rows + chunk - 1) / chunk, 1), units = BH * per_bh;
+  std::vector<float> part((size_t)units * M * D);  // per unit: its share of out[bh]
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t bh = u / per_bh, r0 = (u % per_bh) * chunk, r1 = std::min(rows, r0 + chunk);
+    const float* pb = p + bh * M * n;
+    std::vector<f8> lanes((size_t)M * D, f8{});
+    std::vector<float> pc((size_t)M * D, 0.0f), pt(M, 0.0f);
+    Tile t((int)D);
+    for (int64_t r = r0; r < r1; ++r) {
+      t.load(a, bh, r, (int)D);
+      by_tiles(M, [&]<int MT>(int64_t m) {
+        pv_tile<MT>(t, pb + m * n + r * PACK, n, (int)D, &lanes[(size_t)m * D],
+                    &pc[(size_t)m * D], &pt[m]);
+      });
+    }
+    float* o = &part[(size_t)u * M * D];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < D; ++c) {
+        o[m * D + c] = pt[m] + pc[(size_t)m * D + c] + hsum(lanes[(size_t)m * D + c]);
+      }
+  }
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t i = 0; i < M * D; ++i) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < per_bh; ++k) s += part[(size_t)(bh * per_bh + k) * M * D + i];
+      out[bh * M * D + i] = s;
+    }
+}
+
+}  // extern "C"

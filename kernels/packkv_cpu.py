@@ -1,0 +1,118 @@
+"""PackKV attention products on the CPU, decoding the packed history one 16-token pack at a time.
+
+Same format and signatures as ``packkv_ref.qk`` / ``packkv_ref.pv`` (the format is described
+there). For each row ``bh`` and pack row ``r`` (slots ``s = 16 r .. 16 r + 15``) the C++ kernel
+in ``packkv_cpu.cpp`` cuts each channel's 16 codes ``code = pmin[c] + rest[s, c]`` out of the
+bit stream into a 16 x D fp32 tile that stays in the L1 cache, and uses
+``x_hat[s, c] = tmin[s] + tstep[s] * (pmin[c] + rest[s, c])`` factored::
+
+    scores[m, s] = tmin[s] * sum_c q[m, c]
+                   + tstep[s] * (sum_c q[m, c] pmin[c] + sum_c q[m, c] rest[s, c])
+    out[m, c]   += sum_s p[m, s] tmin[s] + pmin[c] * sum_s ps[m, s] + sum_s ps[m, s] rest[s, c]
+
+with ``ps[m, s] = p[m, s] tstep[s]``. Work is split over rows and ranges of pack rows across
+``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32.
+
+The kernel is compiled on first use by ``torch.utils.cpp_extension.load`` into torch's
+extension directory, where later processes find it built (AVX2 + FMA + F16C when the CPU has
+them, else portable C++). It includes no torch header, so the build takes seconds, and the
+library is called through ``ctypes``. If it cannot be built (no C++ compiler, no ninja, a
+compile error) :func:`library` warns once with the reason and ``compress.kernels`` runs the
+PyTorch reference instead.
+"""
+
+import ctypes
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from compress.kernels.packkv_ref import PACK, Packed
+
+SOURCE = Path(__file__).with_name("packkv_cpu.cpp")
+_LIB: dict = {}  # "lib": the loaded library, or None once a build failed
+
+
+class BuildError(RuntimeError):
+    """The kernel could not be built; the message names the missing piece."""
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or find compiled) ``packkv_cpu.cpp`` and load it."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"no C++ compiler: '{cxx}' is not on PATH (install g++ or clang, or "
+                         f"set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise BuildError("torch's extension builder needs ninja (pip install ninja)")
+    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    flags = ["-O3", "-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if simd else [])
+    name = "compress_packkv_cpu" + ("_avx2" if simd else "")
+    try:
+        path = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags + ["-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception:  # a compiler without OpenMP: one thread
+        path = cpp_extension.load(name + "_serial", [str(SOURCE)], extra_cflags=flags,
+                                  is_python_module=False)
+    lib = ctypes.CDLL(path)
+    args = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 \
+        + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3
+    for fn in (lib.packkv_qk, lib.packkv_pv):
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on the first call; None (after one warning) if it cannot be."""
+    if "lib" not in _LIB:
+        try:
+            _LIB["lib"] = _build()
+        except Exception as e:  # no compiler, no ninja, a compile or load error: never a crash
+            _LIB["lib"] = None
+            reason = " ".join(str(e).split())
+            reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+            warnings.warn(f"PackKV's CPU kernel could not be built ({type(e).__name__}: {reason}); "
+                          f"PackKV attention runs the PyTorch path instead (it unpacks the history "
+                          f"into scratch each step: slower at long contexts). Set "
+                          f"COMPRESS_KERNELS=ref to skip the build.", RuntimeWarning, stacklevel=3)
+    return _LIB["lib"]
+
+
+def simd() -> bool:
+    """Whether the loaded kernel uses the AVX2 decoder."""
+    lib = library()
+    return bool(lib is not None and lib.packkv_simd())
+
+
+def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor | None):
+    """Runs ``fn`` on contiguous fp32 ``x``, into ``out`` (or a new tensor) of ``shape``."""
+    x = x.float().contiguous()
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() \
+        and tuple(out.shape) == shape
+    res = out if direct else torch.empty(shape, dtype=torch.float32)
+    if packed.n % PACK:
+        raise ValueError(f"a Packed tensor holds whole packs of {PACK} slots, not {packed.n}")
+    parts = [t.contiguous() for t in (packed.tmin, packed.lstep, packed.pmeta, packed.poff,
+                                      packed.data)]
+    fn(x.data_ptr(), res.data_ptr(), shape[0], x.shape[1], packed.dim,
+       *(t.data_ptr() for t in parts), packed.data.numel(), packed.n, packed.tmin.shape[1],
+       packed.pmeta.shape[-1], packed.mbits, packed.fbits, torch.get_num_threads())
+    if out is not None and not direct:
+        return out.copy_(res)
+    return res
+
+
+def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` fp32, decoding ``k`` pack by pack."""
+    BH, M, _ = q.shape
+    return _call(library().packkv_qk, q, k, (BH, M, k.n), out)
+
+
+def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` pack by pack."""
+    BH, M, _ = p.shape
+    return _call(library().packkv_pv, p, v, (BH, M, v.dim), out)
