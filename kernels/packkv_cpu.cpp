@@ -1,13 +1,13 @@
 // PackKV attention products on the CPU, decoding one 16-token pack at a time (the format is
-// described in packkv_ref.py; the products and the identity they use in packkv_cpu.py).
+// described in packkv_ref.py, the products in packkv_cpu.py).
 //
-// A work unit is a range of pack rows of one row bh. Per pack row it decodes the D channels'
-// 16 codes (code - pmin, the "rest") into a D x 16 fp32 tile that stays in L1, then
-//   qk: scores[m, s] = tmin[s] Q[m] + tstep[s] (sum_c q[m, c] pmin[c] + sum_c q[m, c] rest[s, c])
-//   pv: out[m, c]  += sum_s p[m, s] tmin[s] + pmin[c] sum_s ps[m, s] + sum_s ps[m, s] rest[s, c]
-// with Q[m] = sum_c q[m, c] and ps[m, s] = p[m, s] tstep[s]. Queries go four at a time.
-// With AVX2 a channel's 16 codes are cut out of its w words by one byte shuffle, one multiply
-// and one shift (tables per width); otherwise by scalar shifts.
+// A work unit is a range of pack rows of one row bh. Per pack row it cuts each channel's 16
+// codes (code - pmin, the "rest") out of the bit stream into a D x 16 fp32 tile that stays in
+// L1, then forms x_hat = tmin + tstep (pmin + rest) per slot as packkv_ref.values does and
+//   qk: scores[m, s]  = sum_c q[m, c] x_hat[s, c]       (8-lane accumulators per query)
+//   pv: out[m, c]    += sum_s p[m, s] x_hat[s, c]       (8-lane accumulators per query, channel)
+// Queries go four at a time. With AVX2 a channel's 16 codes come out of its w words by one byte
+// shuffle, one multiply and one shift (tables per width); otherwise by scalar shifts.
 
 #include <algorithm>
 #include <cmath>
@@ -157,47 +157,38 @@ struct Tile {
   }
 };
 
-// scores[m, 16 r .. 16 r + 15] for the MT queries q[m] = q0 + m D (Q: their sums).
+// scores[m, 16 r .. 16 r + 15] for the MT queries q[m] = q0 + m D.
 template <int MT>
-void qk_tile(const Tile& t, const float* q0, const float* Q, int D, float* out, int64_t n) {
+void qk_tile(const Tile& t, const float* q0, int D, float* out, int64_t n) {
   f8 acc[MT][2] = {};
-  float base[MT] = {};
+  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
   for (int c = 0; c < D; ++c) {
-    const f8 r0 = load8(&t.rest[(size_t)c * PACK]), r1 = load8(&t.rest[(size_t)c * PACK + 8]);
+    const f8 x0 = tm0 + st0 * (load8(&t.rest[(size_t)c * PACK]) + t.pmin[c]);
+    const f8 x1 = tm1 + st1 * (load8(&t.rest[(size_t)c * PACK + 8]) + t.pmin[c]);
     for (int m = 0; m < MT; ++m) {
       const float qc = q0[m * D + c];
-      base[m] += qc * t.pmin[c];
-      acc[m][0] += qc * r0;
-      acc[m][1] += qc * r1;
+      acc[m][0] += qc * x0;
+      acc[m][1] += qc * x1;
     }
   }
-  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
   for (int m = 0; m < MT; ++m) {
-    store8(out + m * n, tm0 * Q[m] + st0 * (base[m] + acc[m][0]));
-    store8(out + m * n + 8, tm1 * Q[m] + st1 * (base[m] + acc[m][1]));
+    store8(out + m * n, acc[m][0]);
+    store8(out + m * n + 8, acc[m][1]);
   }
 }
 
 // Adds pack row r's share for the MT probability rows p[m] = p0 + m n (slots 16 r ..) to the
-// lane accumulators lanes[m][c], per-channel sums pc[m][c] and per-query sums pt[m].
+// lane accumulators lanes[m][c]: p times x_hat, formed per slot as packkv_ref.values does.
 template <int MT>
-void pv_tile(const Tile& t, const float* p0, int64_t n, int D, f8* lanes, float* pc, float* pt) {
-  f8 ps[MT][2];
-  float sum_ps[MT];
+void pv_tile(const Tile& t, const float* p0, int64_t n, int D, f8* lanes) {
+  f8 pm[MT][2];
+  for (int m = 0; m < MT; ++m) pm[m][0] = load8(p0 + m * n), pm[m][1] = load8(p0 + m * n + 8);
   const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
-  for (int m = 0; m < MT; ++m) {
-    const f8 p0v = load8(p0 + m * n), p1v = load8(p0 + m * n + 8);
-    ps[m][0] = p0v * st0;
-    ps[m][1] = p1v * st1;
-    sum_ps[m] = hsum(ps[m][0] + ps[m][1]);
-    pt[m] += hsum(p0v * tm0 + p1v * tm1);
-  }
   for (int c = 0; c < D; ++c) {
-    const f8 r0 = load8(&t.rest[(size_t)c * PACK]), r1 = load8(&t.rest[(size_t)c * PACK + 8]);
-    for (int m = 0; m < MT; ++m) lanes[(size_t)m * D + c] += ps[m][0] * r0 + ps[m][1] * r1;
+    const f8 x0 = tm0 + st0 * (load8(&t.rest[(size_t)c * PACK]) + t.pmin[c]);
+    const f8 x1 = tm1 + st1 * (load8(&t.rest[(size_t)c * PACK + 8]) + t.pmin[c]);
+    for (int m = 0; m < MT; ++m) lanes[(size_t)m * D + c] += pm[m][0] * x0 + pm[m][1] * x1;
   }
-  for (int m = 0; m < MT; ++m)
-    for (int c = 0; c < D; ++c) pc[(size_t)m * D + c] += t.pmin[c] * sum_ps[m];
 }
 
 // Queries m0 .. M-1 in tiles of QT: calls f.template operator()<MT>(m) per tile.
@@ -245,15 +236,12 @@ void packkv_qk(const float* q, float* out, int64_t BH, int64_t M, int64_t D,
   for (int64_t u = 0; u < units; ++u) {
     const int64_t bh = u / per_bh, r0 = (u % per_bh) * chunk, r1 = std::min(rows, r0 + chunk);
     const float* qb = q + bh * M * D;
-    std::vector<float> Q(M, 0.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < D; ++c) Q[m] += qb[m * D + c];
     Tile t((int)D);
     for (int64_t r = r0; r < r1; ++r) {
       t.load(a, bh, r, (int)D);
       float* ob = out + bh * M * n + r * PACK;
       by_tiles(M, [&]<int MT>(int64_t m) {
-        qk_tile<MT>(t, qb + m * D, &Q[m], (int)D, ob + m * n, n);
+        qk_tile<MT>(t, qb + m * D, (int)D, ob + m * n, n);
       });
     }
   }
@@ -273,19 +261,17 @@ void packkv_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D,
     const int64_t bh = u / per_bh, r0 = (u % per_bh) * chunk, r1 = std::min(rows, r0 + chunk);
     const float* pb = p + bh * M * n;
     std::vector<f8> lanes((size_t)M * D, f8{});
-    std::vector<float> pc((size_t)M * D, 0.0f), pt(M, 0.0f);
     Tile t((int)D);
     for (int64_t r = r0; r < r1; ++r) {
       t.load(a, bh, r, (int)D);
       by_tiles(M, [&]<int MT>(int64_t m) {
-        pv_tile<MT>(t, pb + m * n + r * PACK, n, (int)D, &lanes[(size_t)m * D],
-                    &pc[(size_t)m * D], &pt[m]);
+        pv_tile<MT>(t, pb + m * n + r * PACK, n, (int)D, &lanes[(size_t)m * D]);
       });
     }
     float* o = &part[(size_t)u * M * D];
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < D; ++c) {
-        o[m * D + c] = pt[m] + pc[(size_t)m * D + c] + hsum(lanes[(size_t)m * D + c]);
+        o[m * D + c] = hsum(lanes[(size_t)m * D + c]);
       }
   }
   for (int64_t bh = 0; bh < BH; ++bh)

@@ -3,15 +3,17 @@
 Same format and signatures as ``packkv_ref.qk`` / ``packkv_ref.pv`` (the format is described
 there). For each row ``bh`` and pack row ``r`` (slots ``s = 16 r .. 16 r + 15``) the C++ kernel
 in ``packkv_cpu.cpp`` cuts each channel's 16 codes ``code = pmin[c] + rest[s, c]`` out of the
-bit stream into a 16 x D fp32 tile that stays in the L1 cache, and uses
-``x_hat[s, c] = tmin[s] + tstep[s] * (pmin[c] + rest[s, c])`` factored::
+bit stream into a 16 x D fp32 tile that stays in the L1 cache, and multiplies it at once::
 
-    scores[m, s] = tmin[s] * sum_c q[m, c]
-                   + tstep[s] * (sum_c q[m, c] pmin[c] + sum_c q[m, c] rest[s, c])
-    out[m, c]   += sum_s p[m, s] tmin[s] + pmin[c] * sum_s ps[m, s] + sum_s ps[m, s] rest[s, c]
+    x_hat[s, c]   = tmin[s] + tstep[s] * (pmin[c] + rest[s, c])     as packkv_ref.values
+    scores[m, s]  = sum_c q[m, c] x_hat[s, c]
+    out[m, c]    += sum_s p[m, s] x_hat[s, c]
 
-with ``ps[m, s] = p[m, s] tstep[s]``. Work is split over rows and ranges of pack rows across
-``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32.
+so no copy of the history is ever made. Forming ``x_hat`` per slot costs the same as the
+factored ``tmin[s] sum_c q[m, c] + tstep[s] sum_c q[m, c] code[s, c]`` (decoding dominates) and
+keeps the error of the reference's matmul, where the factored pv lost digits to cancellation
+(``python -m compress.eval.bench.bench_packkv_cpu`` times it). Rows and ranges of pack rows are
+spread over ``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32.
 
 The kernel is compiled on first use by ``torch.utils.cpp_extension.load`` into torch's
 extension directory, where later processes find it built (AVX2 + FMA + F16C when the CPU has
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from compress.errors import CompressError
 from compress.kernels.packkv_ref import PACK, Packed
 
 SOURCE = Path(__file__).with_name("packkv_cpu.cpp")
@@ -94,8 +97,6 @@ def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor |
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() \
         and tuple(out.shape) == shape
     res = out if direct else torch.empty(shape, dtype=torch.float32)
-    if packed.n % PACK:
-        raise ValueError(f"a Packed tensor holds whole packs of {PACK} slots, not {packed.n}")
     parts = [t.contiguous() for t in (packed.tmin, packed.lstep, packed.pmeta, packed.poff,
                                       packed.data)]
     fn(x.data_ptr(), res.data_ptr(), shape[0], x.shape[1], packed.dim,
@@ -106,13 +107,22 @@ def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor |
     return res
 
 
+def _check(x: torch.Tensor, packed: Packed, name: str, inner: int) -> None:
+    """The shapes the kernel indexes by: it reads memory, so a mismatch must not reach it."""
+    if x.dim() != 3 or x.shape[0] != packed.tmin.shape[0] or x.shape[2] != inner \
+            or packed.n % PACK or x.device.type != "cpu":
+        raise CompressError(f"PackKV {name}: got {tuple(x.shape)} on {x.device} for a packed "
+                            f"tensor of {packed.tmin.shape[0]} rows, {packed.n} slots of "
+                            f"{packed.dim} channels; expected a CPU tensor [rows, M, {inner}].")
+
+
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` fp32, decoding ``k`` pack by pack."""
-    BH, M, _ = q.shape
-    return _call(library().packkv_qk, q, k, (BH, M, k.n), out)
+    _check(q, k, "qk", k.dim)
+    return _call(library().packkv_qk, q, k, (q.shape[0], q.shape[1], k.n), out)
 
 
 def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` pack by pack."""
-    BH, M, _ = p.shape
-    return _call(library().packkv_pv, p, v, (BH, M, v.dim), out)
+    _check(p, v, "pv", v.n)
+    return _call(library().packkv_pv, p, v, (p.shape[0], p.shape[1], v.dim), out)
