@@ -19,9 +19,12 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#define PACKKV_AVX2 1
+#define PACKKV_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PACKKV_SIMD 256
 #endif
 
 namespace {
@@ -29,20 +32,26 @@ namespace {
 constexpr int PACK = 16;
 constexpr int MAX_WIDTH = 15;  // a width field has at most 4 bits; the format writes up to 8
 constexpr int QT = 4;          // queries per tile
+#if PACKKV_SIMD == 512
+constexpr int L = 16;  // fp32 lanes of a vector
+#else
+constexpr int L = 8;
+#endif
+constexpr int H = PACK / L;  // vectors per pack of 16 slots
 
-typedef float f8 __attribute__((vector_size(32)));  // 8 fp32 lanes (GCC and Clang)
+typedef float fv __attribute__((vector_size(4 * L)));  // GCC and Clang vector extension
 
-inline f8 load8(const float* p) {
-  f8 v;
+inline fv load(const float* p) {
+  fv v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store(float* p, fv v) { std::memcpy(p, &v, sizeof v); }
 
-inline float hsum(f8 v) {
+inline float hsum(fv v) {
   float s = 0.0f;
-  for (int j = 0; j < 8; ++j) s += v[j];
+  for (int j = 0; j < L; ++j) s += v[j];
   return s;
 }
 
@@ -52,12 +61,12 @@ struct Packed {
   const uint16_t* pmeta;  // [BH, cap / 16, meta_words]
   const int32_t* poff;    // [BH, cap / 16]
   const uint16_t* data;   // [n_words]
-  int64_t n_words, n, cap, meta_words;
+  int64_t n_words, n, cap, meta_words, rows;  // rows: BH * cap / 16, of pmeta and poff
   int mbits, fbits;
 };
 
 float half_to_float(uint16_t h) {
-#ifdef PACKKV_AVX2
+#ifdef PACKKV_SIMD
   return _cvtsh_ss(h);
 #else
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
@@ -74,21 +83,26 @@ float half_to_float(uint16_t h) {
 
 struct Tables {
   float step[256];  // tstep = 2^(lstep / 8), indexed by the byte of lstep
-#ifdef PACKKV_AVX2
-  alignas(32) uint8_t shuf[MAX_WIDTH + 1][32];  // per code: its low byte, its high byte or none
-  alignas(32) uint16_t mul[MAX_WIDTH + 1][16];  // 2^(16 - shift - w): lifts the code to the top
+#ifdef PACKKV_SIMD
+  // code i of a w-bit channel: bytes b, b + 1 of its 16 (b = i w / 8) into 32-bit lane i,
+  // shifted right by i w % 8 and masked to w bits
+  alignas(64) uint8_t shuf[MAX_WIDTH + 1][4 * PACK];
+  alignas(64) int32_t shift[MAX_WIDTH + 1][PACK];
+  int32_t mask[MAX_WIDTH + 1];
 #endif
   Tables() {
     for (int b = 0; b < 256; ++b) step[b] = std::exp2((float)(int8_t)b / 8.0f);
-#ifdef PACKKV_AVX2
-    std::memset(shuf, 0x80, sizeof shuf);
-    std::memset(mul, 0, sizeof mul);
+#ifdef PACKKV_SIMD
+    std::memset(shuf, 0x80, sizeof shuf);  // 0x80: a zero byte
+    std::memset(shift, 0, sizeof shift);
+    std::memset(mask, 0, sizeof mask);     // widths above 8 (not written) decode as 0
     for (int w = 1; w <= 8; ++w) {
+      mask[w] = (1 << w) - 1;
       for (int i = 0; i < PACK; ++i) {
-        int bit = i * w, byte = bit >> 3, sh = bit & 7;
-        shuf[w][2 * i] = (uint8_t)byte;
-        shuf[w][2 * i + 1] = sh + w > 8 ? (uint8_t)(byte + 1) : 0x80;
-        mul[w][i] = (uint16_t)(1u << (16 - sh - w));
+        int bit = i * w, byte = bit >> 3;
+        shuf[w][4 * i] = (uint8_t)byte;
+        shuf[w][4 * i + 1] = byte < 15 ? (uint8_t)(byte + 1) : 0x80;
+        shift[w][i] = bit & 7;
       }
     }
 #endif
@@ -99,7 +113,7 @@ const Tables T;
 
 // The 16 rests of one channel: bits [i w, (i + 1) w) of the w words at data[off].
 inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
-#ifdef PACKKV_AVX2
+#ifdef PACKKV_SIMD
   __m128i b;
   if (off + 8 <= a.n_words) {
     b = _mm_loadu_si128((const __m128i*)(a.data + off));
@@ -108,13 +122,18 @@ inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
     for (int64_t j = 0; j < 8 && off + j < a.n_words; ++j) buf[j] = a.data[off + j];
     b = _mm_loadu_si128((const __m128i*)buf);
   }
-  __m256i x = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(b),
-                                  _mm256_load_si256((const __m256i*)T.shuf[w]));
-  x = _mm256_mullo_epi16(x, _mm256_load_si256((const __m256i*)T.mul[w]));
-  x = _mm256_srl_epi16(x, _mm_cvtsi32_si128(16 - std::min(w, 8)));
-  _mm256_storeu_ps(rest, _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(x))));
-  _mm256_storeu_ps(rest + 8,
-                   _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(x, 1))));
+#if PACKKV_SIMD == 512
+  __m512i x = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(b), _mm512_load_si512(T.shuf[w]));
+  x = _mm512_srlv_epi32(x, _mm512_load_si512(T.shift[w]));
+  _mm512_storeu_ps(rest, _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(T.mask[w]))));
+#else
+  const __m256i bb = _mm256_broadcastsi128_si256(b), mask = _mm256_set1_epi32(T.mask[w]);
+  for (int h = 0; h < 2; ++h) {
+    __m256i x = _mm256_shuffle_epi8(bb, _mm256_load_si256((const __m256i*)(T.shuf[w] + 32 * h)));
+    x = _mm256_srlv_epi32(x, _mm256_load_si256((const __m256i*)(T.shift[w] + 8 * h)));
+    _mm256_storeu_ps(rest + 8 * h, _mm256_cvtepi32_ps(_mm256_and_si256(x, mask)));
+  }
+#endif
 #else
   if (w == 0 || w > 8) {
     for (int i = 0; i < PACK; ++i) rest[i] = 0.0f;
@@ -132,22 +151,49 @@ inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
 // Pack row r of row bh: pmin per channel, the D x 16 tile of rests, tmin and tstep per slot.
 struct Tile {
   std::vector<float> pmin, rest;
+  std::vector<int32_t> width;
   float tmin[PACK], step[PACK];
-  explicit Tile(int D) : pmin(D), rest((size_t)D * PACK) {}
+  explicit Tile(int D) : pmin(D), rest((size_t)D * PACK), width(D) {}
+
+  // pmin[c], width[c] of channels c0 .. D-1 from the f-bit fields of pack row `row`'s metadata.
+  void fields(const Packed& a, const uint16_t* meta, int c0, int D) {
+    const uint32_t fmask = (1u << a.fbits) - 1, mmask = (1u << a.mbits) - 1;
+    for (int c = c0; c < D; ++c) {
+      int64_t bit = (int64_t)c * a.fbits, word = bit >> 4;
+      uint32_t pair = meta[word] | (word + 1 < a.meta_words ? (uint32_t)meta[word + 1] << 16 : 0u);
+      uint32_t f = (pair >> (bit & 15)) & fmask;
+      width[c] = (int32_t)(f >> a.mbits);
+      pmin[c] = (float)(f & mmask);
+    }
+  }
 
   void load(const Packed& a, int64_t bh, int64_t r, int D) {
     const int64_t row = bh * (a.cap / PACK) + r;
     const uint16_t* meta = a.pmeta + row * a.meta_words;
-    const uint32_t fmask = (1u << a.fbits) - 1, mmask = (1u << a.mbits) - 1;
+    int c0 = 0;
+#ifdef PACKKV_SIMD
+    // eight fields at a time: 4 bytes gathered from each field's first byte (which may run up
+    // to 3 bytes into the next row; so not for the tensor's last row)
+    if (row + 1 < a.rows) {
+      const __m256i f = _mm256_set1_epi32(a.fbits), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i fmask = _mm256_set1_epi32((1 << a.fbits) - 1);
+      const __m256i mmask = _mm256_set1_epi32((1 << a.mbits) - 1);
+      const __m128i mbits = _mm_cvtsi32_si128(a.mbits);
+      for (; c0 + 8 <= D; c0 += 8) {
+        __m256i bit = _mm256_mullo_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(c0)), f);
+        __m256i v = _mm256_i32gather_epi32((const int*)meta, _mm256_srli_epi32(bit, 3), 1);
+        v = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_and_si256(bit, _mm256_set1_epi32(7))),
+                             fmask);
+        _mm256_storeu_si256((__m256i*)&width[c0], _mm256_srl_epi32(v, mbits));
+        _mm256_storeu_ps(&pmin[c0], _mm256_cvtepi32_ps(_mm256_and_si256(v, mmask)));
+      }
+    }
+#endif
+    fields(a, meta, c0, D);
     int64_t off = a.poff[row];
     for (int c = 0; c < D; ++c) {
-      int64_t bit = (int64_t)c * a.fbits, word = bit >> 4;
-      uint32_t pair = meta[word] | (word + 1 < a.meta_words ? (uint32_t)meta[word + 1] << 16 : 0u);
-      uint32_t f = (pair >> (bit & 15)) & fmask;
-      int w = (int)(f >> a.mbits);
-      pmin[c] = (float)(f & mmask);
-      decode16(a, off, w, &rest[(size_t)c * PACK]);
-      off += w;
+      decode16(a, off, width[c], &rest[(size_t)c * PACK]);
+      off += width[c];
     }
     const int64_t s0 = bh * a.cap + r * PACK;
     for (int i = 0; i < PACK; ++i) {
@@ -160,34 +206,36 @@ struct Tile {
 // scores[m, 16 r .. 16 r + 15] for the MT queries q[m] = q0 + m D.
 template <int MT>
 void qk_tile(const Tile& t, const float* q0, int D, float* out, int64_t n) {
-  f8 acc[MT][2] = {};
-  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
+  fv acc[MT][H] = {}, tm[H], st[H];
+  for (int h = 0; h < H; ++h) tm[h] = load(t.tmin + h * L), st[h] = load(t.step + h * L);
   for (int c = 0; c < D; ++c) {
-    const f8 x0 = tm0 + st0 * (load8(&t.rest[(size_t)c * PACK]) + t.pmin[c]);
-    const f8 x1 = tm1 + st1 * (load8(&t.rest[(size_t)c * PACK + 8]) + t.pmin[c]);
+    fv x[H];
+    for (int h = 0; h < H; ++h) x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
     for (int m = 0; m < MT; ++m) {
       const float qc = q0[m * D + c];
-      acc[m][0] += qc * x0;
-      acc[m][1] += qc * x1;
+      for (int h = 0; h < H; ++h) acc[m][h] += qc * x[h];
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    store8(out + m * n, acc[m][0]);
-    store8(out + m * n + 8, acc[m][1]);
-  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < H; ++h) store(out + m * n + h * L, acc[m][h]);
 }
 
 // Adds pack row r's share for the MT probability rows p[m] = p0 + m n (slots 16 r ..) to the
 // lane accumulators lanes[m][c]: p times x_hat, formed per slot as packkv_ref.values does.
 template <int MT>
-void pv_tile(const Tile& t, const float* p0, int64_t n, int D, f8* lanes) {
-  f8 pm[MT][2];
-  for (int m = 0; m < MT; ++m) pm[m][0] = load8(p0 + m * n), pm[m][1] = load8(p0 + m * n + 8);
-  const f8 tm0 = load8(t.tmin), tm1 = load8(t.tmin + 8), st0 = load8(t.step), st1 = load8(t.step + 8);
+void pv_tile(const Tile& t, const float* p0, int64_t n, int D, fv* lanes) {
+  fv pm[MT][H], tm[H], st[H];
+  for (int h = 0; h < H; ++h) tm[h] = load(t.tmin + h * L), st[h] = load(t.step + h * L);
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < H; ++h) pm[m][h] = load(p0 + m * n + h * L);
   for (int c = 0; c < D; ++c) {
-    const f8 x0 = tm0 + st0 * (load8(&t.rest[(size_t)c * PACK]) + t.pmin[c]);
-    const f8 x1 = tm1 + st1 * (load8(&t.rest[(size_t)c * PACK + 8]) + t.pmin[c]);
-    for (int m = 0; m < MT; ++m) lanes[(size_t)m * D + c] += pm[m][0] * x0 + pm[m][1] * x1;
+    fv x[H];
+    for (int h = 0; h < H; ++h) x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
+    for (int m = 0; m < MT; ++m) {
+      fv s = pm[m][0] * x[0];
+      for (int h = 1; h < H; ++h) s += pm[m][h] * x[h];
+      lanes[(size_t)m * D + c] += s;
+    }
   }
 }
 
@@ -215,10 +263,10 @@ int64_t chunk_rows(int64_t BH, int64_t rows, int nthreads) {
 
 extern "C" {
 
-// 1 when built with the AVX2 decoder, 0 for the scalar one.
+// Vector bits of the decoder it was built with: 512 (AVX-512), 256 (AVX2), 0 (scalar shifts).
 int packkv_simd() {
-#ifdef PACKKV_AVX2
-  return 1;
+#ifdef PACKKV_SIMD
+  return PACKKV_SIMD;
 #else
   return 0;
 #endif
@@ -229,7 +277,8 @@ void packkv_qk(const float* q, float* out, int64_t BH, int64_t M, int64_t D,
                const uint16_t* tmin, const int8_t* lstep, const uint16_t* pmeta,
                const int32_t* poff, const uint16_t* data, int64_t n_words, int64_t n,
                int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
-  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits};
+  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, BH * (cap / PACK),
+                 mbits, fbits};
   const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
   const int64_t per_bh = (rows + chunk - 1) / chunk, units = BH * per_bh;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
@@ -252,7 +301,8 @@ void packkv_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D,
                const uint16_t* tmin, const int8_t* lstep, const uint16_t* pmeta,
                const int32_t* poff, const uint16_t* data, int64_t n_words, int64_t n,
                int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
-  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits};
+  const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, BH * (cap / PACK),
+                 mbits, fbits};
   const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
   const int64_t per_bh = std::max<int64_t>((rows + chunk - 1) / chunk, 1), units = BH * per_bh;
   std::vector<float> part((size_t)units * M * D);  // per unit: its share of out[bh]
@@ -260,7 +310,7 @@ void packkv_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D,
   for (int64_t u = 0; u < units; ++u) {
     const int64_t bh = u / per_bh, r0 = (u % per_bh) * chunk, r1 = std::min(rows, r0 + chunk);
     const float* pb = p + bh * M * n;
-    std::vector<f8> lanes((size_t)M * D, f8{});
+    std::vector<fv> lanes((size_t)M * D, fv{});
     Tile t((int)D);
     for (int64_t r = r0; r < r1; ++r) {
       t.load(a, bh, r, (int)D);

@@ -16,8 +16,8 @@ keeps the error of the reference's matmul, where the factored pv lost digits to 
 spread over ``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32.
 
 The kernel is compiled on first use by ``torch.utils.cpp_extension.load`` into torch's
-extension directory, where later processes find it built (AVX2 + FMA + F16C when the CPU has
-them, else portable C++). It includes no torch header, so the build takes seconds, and the
+extension directory, where later processes find it built (for AVX-512 or AVX2 when the CPU
+has them, else portable C++). It includes no torch header, so the build takes seconds, and the
 library is called through ``ctypes``. If it cannot be built (no C++ compiler, no ninja, a
 compile error) :func:`library` warns once with the reason and ``compress.kernels`` runs the
 PyTorch reference instead.
@@ -42,8 +42,13 @@ class BuildError(RuntimeError):
     """The kernel could not be built; the message names the missing piece."""
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or find compiled) ``packkv_cpu.cpp`` and load it."""
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
+             "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+def _build(capability: str | None = None) -> ctypes.CDLL:
+    """Compile (or find compiled) ``packkv_cpu.cpp`` for ``capability`` (default: torch's
+    ``get_cpu_capability()``; AVX512, AVX2, or anything else for portable C++) and load it."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -52,9 +57,10 @@ def _build() -> ctypes.CDLL:
                          f"set CXX)")
     if not cpp_extension.is_ninja_available():
         raise BuildError("torch's extension builder needs ninja (pip install ninja)")
-    simd = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    flags = ["-O3", "-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if simd else [])
-    name = "compress_packkv_cpu" + ("_avx2" if simd else "")
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    isa = capability if capability in ISA_FLAGS else None
+    flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, [])
+    name = "compress_packkv_cpu" + (f"_{isa.lower()}" if isa else "")
     try:
         path = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags + ["-fopenmp"],
                                   extra_ldflags=["-fopenmp"], is_python_module=False)
@@ -85,10 +91,10 @@ def library() -> ctypes.CDLL | None:
     return _LIB["lib"]
 
 
-def simd() -> bool:
-    """Whether the loaded kernel uses the AVX2 decoder."""
+def simd() -> int:
+    """Vector bits of the loaded kernel's decoder: 512 (AVX-512), 256 (AVX2), 0 (portable)."""
     lib = library()
-    return bool(lib is not None and lib.packkv_simd())
+    return lib.packkv_simd() if lib is not None else 0
 
 
 def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor | None):

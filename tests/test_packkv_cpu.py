@@ -94,11 +94,18 @@ def test_empty_history(kernel):
     assert torch.equal(kernel.pv(torch.rand(2, 3, 0), p, out=out), torch.zeros(2, 3, 64))
 
 
-def test_portable_build_matches_float64(kernel, monkeypatch):
-    """The decoder without AVX2 (scalar shifts), as a CPU without it builds it."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    lib = packkv_cpu._build()
-    assert lib.packkv_simd() == 0
+ISAS = ("DEFAULT", "AVX2", "AVX512")  # portable C++, then each wider decoder
+
+
+@pytest.mark.parametrize("isa, bits", [("DEFAULT", 0), ("AVX2", 256)])
+def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
+    """The decoders this CPU does not pick by default (scalar shifts; AVX2 on an AVX-512 CPU),
+    as CPUs without the wider instructions build them."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    if ISAS.index(isa) >= ISAS.index(cpu if cpu in ISAS else "DEFAULT"):
+        pytest.skip(f"this CPU ({cpu}) runs the {isa} build in every other test, or cannot run it")
+    lib = packkv_cpu._build(isa)
+    assert lib.packkv_simd() == bits
     monkeypatch.setattr(packkv_cpu, "_LIB", {"lib": lib})
     p, x = packed(4, seed=3)
     q = torch.randn(3, 5, 64)
