@@ -175,7 +175,8 @@ struct Tile {
     // eight fields at a time: 4 bytes gathered from each field's first byte (which may run up
     // to 3 bytes into the next row; so not for the tensor's last row)
     if (row + 1 < a.rows) {
-      const __m256i f = _mm256_set1_epi32(a.fbits), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i f = _mm256_set1_epi32(a.fbits);
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256i fmask = _mm256_set1_epi32((1 << a.fbits) - 1);
       const __m256i mmask = _mm256_set1_epi32((1 << a.mbits) - 1);
       const __m128i mbits = _mm_cvtsi32_si128(a.mbits);
@@ -210,7 +211,8 @@ void qk_tile(const Tile& t, const float* q0, int D, float* out, int64_t n) {
   for (int h = 0; h < H; ++h) tm[h] = load(t.tmin + h * L), st[h] = load(t.step + h * L);
   for (int c = 0; c < D; ++c) {
     fv x[H];
-    for (int h = 0; h < H; ++h) x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
+    for (int h = 0; h < H; ++h)
+      x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
     for (int m = 0; m < MT; ++m) {
       const float qc = q0[m * D + c];
       for (int h = 0; h < H; ++h) acc[m][h] += qc * x[h];
@@ -230,7 +232,8 @@ void pv_tile(const Tile& t, const float* p0, int64_t n, int D, fv* lanes) {
     for (int h = 0; h < H; ++h) pm[m][h] = load(p0 + m * n + h * L);
   for (int c = 0; c < D; ++c) {
     fv x[H];
-    for (int h = 0; h < H; ++h) x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
+    for (int h = 0; h < H; ++h)
+      x[h] = tm[h] + st[h] * (load(&t.rest[(size_t)c * PACK + h * L]) + t.pmin[c]);
     for (int m = 0; m < MT; ++m) {
       fv s = pm[m][0] * x[0];
       for (int h = 1; h < H; ++h) s += pm[m][h] * x[h];

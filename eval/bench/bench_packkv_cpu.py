@@ -96,7 +96,8 @@ def main(argv=None):
     rows = [(t, bench(t, args.reps, g)) for t in args.tokens]
     names = [k for k in rows[0][1] if k != "packed"]
     print(f"PackKV CPU attention, one layer ({HKV} KV / {H} query heads, head_dim {D}), "
-          f"{args.threads} threads, AVX2 decoder: {packkv_cpu.simd()}; median ms of {args.reps}")
+          f"{args.threads} threads, decoder vector bits {packkv_cpu.simd()}; "
+          f"median ms of {args.reps}")
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t, _ in rows))
     for name in names:
         print(f"{name:<26}" + "".join(f"{r[name]:>10.3f}" for _, r in rows))
