@@ -58,15 +58,21 @@ def _build(capability: str | None = None) -> ctypes.CDLL:
     if not cpp_extension.is_ninja_available():
         raise BuildError("torch's extension builder needs ninja (pip install ninja)")
     capability = capability or torch.backends.cpu.get_cpu_capability()
-    isa = capability if capability in ISA_FLAGS else None
-    flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, [])
-    name = "compress_packkv_cpu" + (f"_{isa.lower()}" if isa else "")
-    try:
-        path = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags + ["-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception:  # a compiler without OpenMP: one thread
-        path = cpp_extension.load(name + "_serial", [str(SOURCE)], extra_cflags=flags,
-                                  is_python_module=False)
+    first = None
+    # the CPU's widest decoder with OpenMP threads, then fallbacks for compilers without its
+    # instructions or without OpenMP: portable C++, then portable C++ on one thread
+    for isa, omp in dict.fromkeys([(capability if capability in ISA_FLAGS else None, True),
+                                   (None, True), (None, False)]):
+        flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, []) + ["-fopenmp"] * omp
+        name = "compress_packkv_cpu" + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t")
+        try:
+            path = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags,
+                                      extra_ldflags=["-fopenmp"] * omp, is_python_module=False)
+            break
+        except Exception as e:
+            first = first or e
+    else:
+        raise first
     lib = ctypes.CDLL(path)
     args = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 \
         + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3

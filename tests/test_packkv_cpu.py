@@ -2,7 +2,10 @@
 reference path it falls back to when it cannot be built."""
 
 import math
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +115,18 @@ def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
     w = torch.rand(3, 5, p.n).softmax(-1)
     assert rel(packkv_cpu.qk(q, p), q.double() @ x.transpose(1, 2)) < 1e-6
     assert rel(packkv_cpu.pv(w, p), w.double() @ x) < 1e-6
+
+
+def test_a_second_process_reuses_the_build(kernel):
+    """Built once into torch's extension directory: a new process loads it without compiling."""
+    lib = Path(kernel.library()._name)
+    before = lib.stat().st_mtime_ns
+    code = "import sys; from compress.kernels import packkv_cpu; " \
+           "sys.exit(packkv_cpu.library() is None or packkv_cpu.library()._name != sys.argv[1])"
+    res = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert lib.stat().st_mtime_ns == before
 
 
 def test_shape_mismatch_is_refused_before_the_kernel(kernel):
