@@ -71,7 +71,8 @@ def _packkv(x: torch.Tensor, head_dim: int):
 
         if packkv.supports(head_dim):
             return packkv
-    elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager":
+    elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
+            and not (x.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
         from compress.kernels import packkv_cpu
 
         if packkv_cpu.library() is not None:

@@ -153,6 +153,10 @@ def test_dispatch_runs_the_kernel_unless_ref_or_eager(kernel, monkeypatch):
         assert rel(packkv_qk(q, p), q.double() @ x.transpose(1, 2)) < 1e-6
         assert rel(packkv_pv(w, p), w.double() @ x) < 1e-6
         assert calls == expected
+    monkeypatch.delenv("COMPRESS_KERNELS")
+    q.requires_grad_(True)  # the kernel has no backward: the reference runs, and its gradient
+    packkv_qk(q, p).sum().backward()
+    assert calls == [] and rel(q.grad, x.sum(1).unsqueeze(1).expand(-1, 3, -1)) < 1e-6
 
 
 def test_cache_attends_the_same_through_the_kernel(kernel, monkeypatch):
