@@ -73,9 +73,9 @@ def _packkv(x: torch.Tensor, head_dim: int):
             return packkv
     elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
             and not (x.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
-        from compress.kernels import packkv_cpu
+        from compress.kernels import native, packkv_cpu
 
-        if packkv_cpu.library() is not None:
+        if native.library() is not None:
             return packkv_cpu
     from compress.kernels import packkv_ref
 

@@ -9,51 +9,16 @@
 // Queries go four at a time. With AVX2 a channel's 16 codes come out of its w words by one byte
 // shuffle, one multiply and one shift (tables per width); otherwise by scalar shifts.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PACKKV_SIMD 512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PACKKV_SIMD 256
-#endif
+#include "cpu_simd.h"
 
 namespace {
+
+using namespace cpu_simd;
 
 constexpr int PACK = 16;
 constexpr int MAX_WIDTH = 15;  // a width field has at most 4 bits; the format writes up to 8
 constexpr int QT = 4;          // queries per tile
-#if PACKKV_SIMD == 512
-constexpr int L = 16;  // fp32 lanes of a vector
-#else
-constexpr int L = 8;
-#endif
-constexpr int H = PACK / L;  // vectors per pack of 16 slots
-
-typedef float fv __attribute__((vector_size(4 * L)));  // GCC and Clang vector extension
-
-inline fv load(const float* p) {
-  fv v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, fv v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(fv v) {
-  float s = 0.0f;
-  for (int j = 0; j < L; ++j) s += v[j];
-  return s;
-}
+constexpr int H = PACK / L;    // vectors per pack of 16 slots
 
 struct Packed {
   const uint16_t* tmin;   // [BH, cap] fp16 bits
@@ -65,25 +30,9 @@ struct Packed {
   int mbits, fbits;
 };
 
-float half_to_float(uint16_t h) {
-#ifdef PACKKV_SIMD
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  if (e == 0) {
-    float f = std::ldexp((float)m, -24);
-    return sign ? -f : f;
-  }
-  uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
 struct Tables {
   float step[256];  // tstep = 2^(lstep / 8), indexed by the byte of lstep
-#ifdef PACKKV_SIMD
+#ifdef CPU_SIMD
   // code i of a w-bit channel: bytes b, b + 1 of its 16 (b = i w / 8) into 32-bit lane i,
   // shifted right by i w % 8 and masked to w bits
   alignas(64) uint8_t shuf[MAX_WIDTH + 1][4 * PACK];
@@ -92,7 +41,7 @@ struct Tables {
 #endif
   Tables() {
     for (int b = 0; b < 256; ++b) step[b] = std::exp2((float)(int8_t)b / 8.0f);
-#ifdef PACKKV_SIMD
+#ifdef CPU_SIMD
     std::memset(shuf, 0x80, sizeof shuf);  // 0x80: a zero byte
     std::memset(shift, 0, sizeof shift);
     std::memset(mask, 0, sizeof mask);     // widths above 8 (not written) decode as 0
@@ -113,7 +62,7 @@ const Tables T;
 
 // The 16 rests of one channel: bits [i w, (i + 1) w) of the w words at data[off].
 inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
-#ifdef PACKKV_SIMD
+#ifdef CPU_SIMD
   __m128i b;
   if (off + 8 <= a.n_words) {
     b = _mm_loadu_si128((const __m128i*)(a.data + off));
@@ -122,7 +71,7 @@ inline void decode16(const Packed& a, int64_t off, int w, float* rest) {
     for (int64_t j = 0; j < 8 && off + j < a.n_words; ++j) buf[j] = a.data[off + j];
     b = _mm_loadu_si128((const __m128i*)buf);
   }
-#if PACKKV_SIMD == 512
+#if CPU_SIMD == 512
   __m512i x = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(b), _mm512_load_si512(T.shuf[w]));
   x = _mm512_srlv_epi32(x, _mm512_load_si512(T.shift[w]));
   _mm512_storeu_ps(rest, _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(T.mask[w]))));
@@ -171,7 +120,7 @@ struct Tile {
     const int64_t row = bh * (a.cap / PACK) + r;
     const uint16_t* meta = a.pmeta + row * a.meta_words;
     int c0 = 0;
-#ifdef PACKKV_SIMD
+#ifdef CPU_SIMD
     // eight fields at a time: 4 bytes gathered from each field's first byte (which may run up
     // to 3 bytes into the next row; so not for the tensor's last row)
     if (row + 1 < a.rows) {
@@ -255,21 +204,14 @@ void by_tiles(int64_t M, F&& f) {
   }
 }
 
-// Pack rows per work unit: whole rows bh with one thread, else about four units per thread.
-int64_t chunk_rows(int64_t BH, int64_t rows, int nthreads) {
-  if (nthreads <= 1) return std::max<int64_t>(rows, 1);
-  int64_t target = std::max<int64_t>(1, BH * rows / (4 * nthreads));
-  return std::max<int64_t>(std::min(rows, std::max<int64_t>(target, 4)), 1);
-}
-
 }  // namespace
 
 extern "C" {
 
-// Vector bits of the decoder it was built with: 512 (AVX-512), 256 (AVX2), 0 (scalar shifts).
-int packkv_simd() {
-#ifdef PACKKV_SIMD
-  return PACKKV_SIMD;
+// Vector bits of the library's build: 512 (AVX-512), 256 (AVX2), 0 (portable C++).
+int cpu_simd_bits() {
+#ifdef CPU_SIMD
+  return CPU_SIMD;
 #else
   return 0;
 #endif
@@ -282,7 +224,7 @@ void packkv_qk(const float* q, float* out, int64_t BH, int64_t M, int64_t D,
                int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
   const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, BH * (cap / PACK),
                  mbits, fbits};
-  const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
+  const int64_t rows = n / PACK, chunk = chunk_of(BH, rows, nthreads, 4);
   const int64_t per_bh = (rows + chunk - 1) / chunk, units = BH * per_bh;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t u = 0; u < units; ++u) {
@@ -306,7 +248,7 @@ void packkv_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D,
                int64_t cap, int64_t meta_words, int mbits, int fbits, int nthreads) {
   const Packed a{tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, BH * (cap / PACK),
                  mbits, fbits};
-  const int64_t rows = n / PACK, chunk = chunk_rows(BH, rows, nthreads);
+  const int64_t rows = n / PACK, chunk = chunk_of(BH, rows, nthreads, 4);
   const int64_t per_bh = std::max<int64_t>((rows + chunk - 1) / chunk, 1), units = BH * per_bh;
   std::vector<float> part((size_t)units * M * D);  // per unit: its share of out[bh]
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)

@@ -12,7 +12,7 @@ import torch
 
 from compress.decoder.kv import make_cache
 from compress.errors import CompressError
-from compress.kernels import packkv_cpu, packkv_pv, packkv_qk, packkv_ref
+from compress.kernels import native, packkv_cpu, packkv_pv, packkv_qk, packkv_ref
 
 
 def packed(n_chunks, seed, d=64, bh=3, spare=32):
@@ -42,8 +42,8 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def kernel():
-    """The compiled kernel (built here on first use); these tests need a C++ compiler."""
-    if packkv_cpu.library() is None:
+    """The compiled kernels (built here on first use); these tests need a C++ compiler."""
+    if native.library() is None:
         pytest.fail("the PackKV CPU kernel did not build on this machine (see the warning)")
     return packkv_cpu
 
@@ -107,9 +107,9 @@ def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
     cpu = torch.backends.cpu.get_cpu_capability()
     if ISAS.index(isa) >= ISAS.index(cpu if cpu in ISAS else "DEFAULT"):
         pytest.skip(f"this CPU ({cpu}) runs the {isa} build in every other test, or cannot run it")
-    lib = packkv_cpu._build(isa)
-    assert lib.packkv_simd() == bits
-    monkeypatch.setattr(packkv_cpu, "_LIB", {"lib": lib})
+    lib = native._build(isa)
+    assert lib.cpu_simd_bits() == bits
+    monkeypatch.setattr(native, "_LIB", {"lib": lib})
     p, x = packed(4, seed=3)
     q = torch.randn(3, 5, 64)
     w = torch.rand(3, 5, p.n).softmax(-1)
@@ -119,10 +119,10 @@ def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
 
 def test_a_second_process_reuses_the_build(kernel):
     """Built once into torch's extension directory: a new process loads it without compiling."""
-    lib = Path(kernel.library()._name)
+    lib = Path(native.library()._name)
     before = lib.stat().st_mtime_ns
-    code = "import sys; from compress.kernels import packkv_cpu; " \
-           "sys.exit(packkv_cpu.library() is None or packkv_cpu.library()._name != sys.argv[1])"
+    code = "import sys; from compress.kernels import native; " \
+           "sys.exit(native.library() is None or native.library()._name != sys.argv[1])"
     res = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -181,7 +181,7 @@ def test_cache_attends_the_same_through_the_kernel(kernel, monkeypatch):
 def test_no_compiler_warns_once_and_runs_the_reference(monkeypatch):
     """A machine without a C++ compiler: one warning naming it, then the reference's results."""
     monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
-    monkeypatch.setattr(packkv_cpu, "_LIB", {})
+    monkeypatch.setattr(native, "_LIB", {})
     monkeypatch.setenv("CXX", "no-such-c++")
     p, x = packed(2, seed=11)
     q, w = torch.randn(3, 2, 64), torch.rand(3, 2, p.n).softmax(-1)
@@ -190,7 +190,7 @@ def test_no_compiler_warns_once_and_runs_the_reference(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning would raise here
         mixed = packkv_pv(w, p)
-    assert packkv_cpu._LIB == {"lib": None}
+    assert native._LIB == {"lib": None}
     assert torch.equal(scores, packkv_ref.qk(q, p)) and torch.equal(mixed, packkv_ref.pv(w, p))
     assert rel(scores, q.double() @ x.transpose(1, 2)) < 1e-6
 
@@ -198,7 +198,7 @@ def test_no_compiler_warns_once_and_runs_the_reference(monkeypatch):
 def test_compile_error_warns_and_runs_the_reference(monkeypatch):
     """Any build failure (here: the compiler rejects the source) falls back the same way."""
     monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
-    monkeypatch.setattr(packkv_cpu, "_LIB", {})
+    monkeypatch.setattr(native, "_LIB", {})
 
     def fails(*args, **kwargs):
         raise RuntimeError("Error building extension 'compress_packkv_cpu': error: expected ';'")

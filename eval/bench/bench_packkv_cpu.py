@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from compress.decoder.kv import make_cache
-from compress.kernels import packkv_cpu, packkv_ref
+from compress.kernels import native, packkv_cpu, packkv_ref
 
 HKV, H, D, RESIDUAL = 3, 9, 64, 128
 
@@ -90,13 +90,13 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if packkv_cpu.library() is None:
+    if native.library() is None:
         raise SystemExit("the PackKV CPU kernel did not build (see the warning above)")
     g = torch.Generator().manual_seed(0)
     rows = [(t, bench(t, args.reps, g)) for t in args.tokens]
     names = [k for k in rows[0][1] if k != "packed"]
     print(f"PackKV CPU attention, one layer ({HKV} KV / {H} query heads, head_dim {D}), "
-          f"{args.threads} threads, decoder vector bits {packkv_cpu.simd()}; "
+          f"{args.threads} threads, vector bits {native.simd()}; "
           f"median ms of {args.reps}")
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t, _ in rows))
     for name in names:
