@@ -43,18 +43,18 @@ void kivi_qk(const float* q, float* out, int64_t BH, int64_t M, int64_t D, const
     const int64_t g1 = std::min(groups, g0 + chunk);
     const float* qb = q + bh * M * D;
     std::vector<float> z(D), s(D);
+    std::vector<f8> x(V);  // K_hat of one token
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t meta = (bh * (cap / G) + g) * D;
       for (int64_t c = 0; c < D; ++c)
         z[c] = half_to_float(kz[meta + c]), s[c] = half_to_float(ks[meta + c]);
       for (int64_t t = g * G; t < (g + 1) * G; ++t) {
         const int32_t* w = codes + (bh * cap + t) * W;
+        for (int64_t v = 0; v < V; ++v)
+          x[v] = load8(&z[8 * v]) + load8(&s[8 * v]) * codes8(w, (int)v, bits);
         for (int64_t m = 0; m < M; ++m) {
           f8 acc = {};
-          for (int64_t v = 0; v < V; ++v) {
-            const f8 x = load8(&z[8 * v]) + load8(&s[8 * v]) * codes8(w, (int)v, bits);
-            acc += load8(qb + m * D + 8 * v) * x;
-          }
+          for (int64_t v = 0; v < V; ++v) acc += load8(qb + m * D + 8 * v) * x[v];
           out[(bh * M + m) * n + t] = hsum(acc);
         }
       }
@@ -76,12 +76,15 @@ void kivi_pv(const float* p, float* out, int64_t BH, int64_t M, int64_t D, const
     const int64_t bh = u / per_bh, t0 = (u % per_bh) * chunk, t1 = std::min(n, t0 + chunk);
     const float* pb = p + bh * M * n;
     float* acc = &part[(size_t)u * M * D];
+    std::vector<float> z(GD), s(GD);
     for (int64_t t = t0; t < t1; ++t) {
       const int32_t* w = codes + (bh * cap + t) * W;
-      const uint16_t *zt = vz + (bh * cap + t) * GD, *st = vs + (bh * cap + t) * GD;
+      for (int64_t j = 0; j < GD; ++j) {
+        z[j] = half_to_float(vz[(bh * cap + t) * GD + j]);
+        s[j] = half_to_float(vs[(bh * cap + t) * GD + j]);
+      }
       for (int64_t v = 0; v < V; ++v) {
-        const int64_t grp = 8 * v / G;
-        const f8 x = half_to_float(zt[grp]) + half_to_float(st[grp]) * codes8(w, (int)v, bits);
+        const f8 x = z[8 * v / G] + s[8 * v / G] * codes8(w, (int)v, bits);
         for (int64_t m = 0; m < M; ++m)
           store8(acc + m * D + 8 * v, load8(acc + m * D + 8 * v) + pb[m * n + t] * x);
       }
