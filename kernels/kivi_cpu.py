@@ -15,7 +15,7 @@ vectors of 8 channels (:func:`supports`). Part of the library ``native.py`` buil
 import torch
 
 from compress.errors import CompressError
-from compress.kernels import native
+from compress.kernels.native import library
 
 
 def supports(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str) -> bool:
@@ -50,7 +50,7 @@ def qk(q: torch.Tensor, words, zero, scale, n: int, bits: int) -> torch.Tensor:
             or n % (words.shape[1] // zero.shape[1]):
         raise CompressError(f"KIVI K zero points {tuple(zero.shape)} are not per (token group, "
                             f"channel) of {D} channels, or {n} tokens are not whole groups.")
-    return _run(native.library().kivi_qk, q, words, zero, scale, n, bits, D,
+    return _run(library().kivi_qk, q, words, zero, scale, n, bits, D,
                 words.shape[1] // zero.shape[1], n)
 
 
@@ -60,5 +60,5 @@ def pv(p: torch.Tensor, words, zero, scale, n: int, bits: int) -> torch.Tensor:
     if zero.shape[1] != words.shape[1] or D % zero.shape[2]:
         raise CompressError(f"KIVI V zero points {tuple(zero.shape)} are not per (token, "
                             f"channel group) of {D} channels.")
-    return _run(native.library().kivi_pv, p, words, zero, scale, n, bits, n,
+    return _run(library().kivi_pv, p, words, zero, scale, n, bits, n,
                 D // zero.shape[2], D)

@@ -22,7 +22,7 @@ built ``compress.kernels`` runs the PyTorch reference instead.
 import torch
 
 from compress.errors import CompressError
-from compress.kernels import native
+from compress.kernels.native import library
 from compress.kernels.packkv_ref import PACK, Packed
 
 
@@ -54,10 +54,10 @@ def _check(x: torch.Tensor, packed: Packed, name: str, inner: int) -> None:
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` fp32, decoding ``k`` pack by pack."""
     _check(q, k, "qk", k.dim)
-    return _call(native.library().packkv_qk, q, k, (q.shape[0], q.shape[1], k.n), out)
+    return _call(library().packkv_qk, q, k, (q.shape[0], q.shape[1], k.n), out)
 
 
 def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` pack by pack."""
     _check(p, v, "pv", v.n)
-    return _call(native.library().packkv_pv, p, v, (p.shape[0], p.shape[1], v.dim), out)
+    return _call(library().packkv_pv, p, v, (p.shape[0], p.shape[1], v.dim), out)

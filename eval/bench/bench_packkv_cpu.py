@@ -1,11 +1,11 @@
-"""Time one decode attend of PackKV on the CPU: the C++ kernel against the reference (unpack into
-scratch, then matmul) and against the fp16 cache.
+"""Time one decode attend of PackKV (and KIVI-4) on the CPU: the C++ kernels against the
+references (dequantize into scratch, then matmul) and against the fp16 cache.
 
 One layer of the default model's shape (3 KV heads, 9 query heads, head_dim 64, batch 1), a
 history of random K and V of ``--tokens`` compressed tokens behind the 128-token fp16 window,
 one query token. Rows: the two products alone (``packkv_qk`` + ``packkv_pv``) and a whole
-``cache.attend``; the fp16 cache attends over the same number of tokens. Median milliseconds of
-``--reps`` runs, the variants taking turns.
+``cache.attend``; KIVI-4 and the fp16 cache attend over the same number of tokens. Median
+milliseconds of ``--reps`` runs, the variants taking turns.
 
     python -m compress.eval.bench.bench_packkv_cpu [--tokens 1408 7872] [--threads 2]
 """
@@ -38,10 +38,10 @@ def kernels(mode: str | None):
             os.environ["COMPRESS_KERNELS"] = old
 
 
-def filled(kind: str, n: int, g: torch.Generator):
+def filled(kind: str, n: int, g: torch.Generator, **opts):
     """A one-layer cache of ``kind`` holding ``n`` random tokens (K and V ~ N(0, 1)), whose
     history is compressed as in decoding."""
-    cache = make_cache(kind, 1, 1, HKV, D, n + 1)
+    cache = make_cache(kind, 1, 1, HKV, D, n + 1, **opts)
     k, v = torch.randn(2, 1, HKV, n, D, generator=g)
     cache.append(0, k[..., :-1, :], v[..., :-1, :])
     cache.append(0, k[..., -1:, :], v[..., -1:, :])  # the prefill's tokens leave the window now
@@ -62,6 +62,7 @@ def bench(tokens: int, reps: int, g: torch.Generator) -> dict:
     """Median ms of each variant for a history of ``tokens`` compressed tokens."""
     pk = filled("packkv", tokens + RESIDUAL, g)
     fp = filled("fp16", tokens + RESIDUAL, g)
+    kivi = filled("kivi", tokens + RESIDUAL, g, bits=4)
     n = pk.k[0].n
     q4 = torch.randn(1, H, 1, D, generator=g)
     q = q4.view(HKV, H // HKV, D)
@@ -78,6 +79,8 @@ def bench(tokens: int, reps: int, g: torch.Generator) -> dict:
 
     variants = {"qk+pv reference": products(packkv_ref), "qk+pv kernel": products(packkv_cpu),
                 "attend packkv reference": attend(pk, "ref"), "attend packkv kernel": attend(pk),
+                "attend kivi-4 reference": attend(kivi, "ref"),
+                "attend kivi-4 kernel": attend(kivi),
                 "attend fp16": attend(fp)}
     return {"packed": n, **{name: run(f, reps) for name, f in variants.items()}}
 
@@ -101,8 +104,9 @@ def main(argv=None):
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t, _ in rows))
     for name in names:
         print(f"{name:<26}" + "".join(f"{r[name]:>10.3f}" for _, r in rows))
-    fp16 = [r["attend fp16"] / r["attend packkv kernel"] for _, r in rows]
-    print(f"{'fp16 / kernel (attend)':<26}" + "".join(f"{x:>10.2f}" for x in fp16))
+    for kind in ("packkv", "kivi-4"):
+        ratio = [r["attend fp16"] / r[f"attend {kind} kernel"] for _, r in rows]
+        print(f"{f'fp16 / {kind} kernel':<26}" + "".join(f"{x:>10.2f}" for x in ratio))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class KIVICache(ResidualCache):
         return x.view(self.batch, self.n_kv_heads, C, self.head_dim)
 
     def stored(self, layer, which: str) -> tuple:
-        """``(codes, zero, scale)`` of K or V of ``layer`` (layout in ``compress.kernels.kivi_ref``)."""
+        """``(codes, zero, scale)`` of K or V of ``layer``, laid out as ``kernels.kivi_ref`` says."""
         if which == "k":
             return self.kq[layer], self.kz[layer], self.ks[layer]
         return self.vq[layer], self.vz[layer], self.vs[layer]
@@ -95,7 +95,8 @@ class KIVICache(ResidualCache):
 
     def history_mix(self, layer, p):
         B, H, M, C = p.shape
-        return kivi_pv(p.reshape(B * H, M, C), *self.stored(layer, "v"), C, self.bits).view(B, H, M, -1)
+        out = kivi_pv(p.reshape(B * H, M, C), *self.stored(layer, "v"), C, self.bits)
+        return out.view(B, H, M, -1)
 
     def nbytes(self) -> int:
         G, total = self.block, self.window_nbytes()
