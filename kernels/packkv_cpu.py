@@ -9,11 +9,11 @@ bit stream into a 16 x D fp32 tile that stays in the L1 cache, and multiplies it
     scores[m, s]  = sum_c q[m, c] x_hat[s, c]
     out[m, c]    += sum_s p[m, s] x_hat[s, c]
 
-so no copy of the history is ever made. Forming ``x_hat`` per slot costs the same as the
-factored ``tmin[s] sum_c q[m, c] + tstep[s] sum_c q[m, c] code[s, c]`` (decoding dominates) and
-keeps the error of the reference's matmul, where the factored pv lost digits to cancellation
-(``python -m compress.eval.bench.bench_packkv_cpu`` times it). Rows and ranges of pack rows are
-spread over ``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32.
+so no copy of the history is ever made. Forming ``x_hat`` per slot keeps the reference's
+rounding; the factored ``tmin[s] sum_c q[m, c] + tstep[s] sum_c q[m, c] code[s, c]`` was no
+faster (decoding dominates) and lost digits to cancellation in pv. Rows and ranges of pack rows
+are spread over ``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32
+(``python -m compress.eval.bench.bench_packkv_cpu`` times the kernels).
 
 The kernel is part of the library that ``native.py`` builds on first use; where it cannot be
 built ``compress.kernels`` runs the PyTorch reference instead.

@@ -114,3 +114,13 @@ def test_cache_attends_the_same_through_the_kernel(kernel, bits, monkeypatch):
     history = cache.history(0)  # the dequantized history still comes from the reference layout
     assert torch.equal(history[0].view(B * HKV, -1, D),
                        kivi_ref.k_hat(*cache.stored(0, "k"), 256, bits))
+
+
+def test_without_the_library_the_reference_runs(monkeypatch):
+    """Where the C++ kernels could not be built (``native.library()`` is None): the reference."""
+    monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
+    monkeypatch.setattr(native, "_LIB", {"lib": None})
+    words, k, v, k_hat, v_hat = stored(4, 2, 64, 64, 64, 32, seed=3)
+    q, p = torch.randn(2, 3, 64), torch.rand(2, 3, 64).softmax(-1)
+    assert torch.equal(kivi_qk(q, words, *k, 64, 4), kivi_ref.qk(q, words, *k, 64, 4))
+    assert rel(kivi_pv(p, words, *v, 64, 4), p.double() @ v_hat) < 1e-6
