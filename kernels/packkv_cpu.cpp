@@ -4,8 +4,8 @@
 // A work unit is a range of pack rows of one row bh. Per pack row it cuts each channel's 16
 // codes (code - pmin, the "rest") out of the bit stream into a D x 16 fp32 tile that stays in
 // L1, then forms x_hat = tmin + tstep (pmin + rest) per slot as packkv_ref.values does and
-//   qk: scores[m, s]  = sum_c q[m, c] x_hat[s, c]       (8-lane accumulators per query)
-//   pv: out[m, c]    += sum_s p[m, s] x_hat[s, c]       (8-lane accumulators per query, channel)
+//   qk: scores[m, s]  = sum_c q[m, c] x_hat[s, c]       (vector accumulators per query)
+//   pv: out[m, c]    += sum_s p[m, s] x_hat[s, c]       (vector accumulators per query, channel)
 // Queries go four at a time. With AVX2 or AVX-512 a channel's 16 codes come out of its w words
 // by one byte shuffle, one variable shift and one mask (tables per width), and the pack's
 // metadata fields eight at a time by a gather; otherwise by scalar shifts.

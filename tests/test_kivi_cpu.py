@@ -57,6 +57,22 @@ def test_products_match_float64(kernel, bits, bh, cap, n, d, group, M, threads):
         assert torch.equal(mixed, torch.zeros(bh, M, d))
 
 
+@pytest.mark.parametrize("isa, bits", [("DEFAULT", 0), ("AVX2", 256)])
+def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
+    """The library as CPUs without the wider instructions build it (see test_packkv_cpu)."""
+    isas = ("DEFAULT", "AVX2", "AVX512")
+    cpu = torch.backends.cpu.get_cpu_capability()
+    if isas.index(isa) >= isas.index(cpu if cpu in isas else "DEFAULT"):
+        pytest.skip(f"this CPU ({cpu}) runs the {isa} build in every other test, or cannot run it")
+    lib = native._build(isa)
+    assert lib.cpu_simd_bits() == bits
+    monkeypatch.setattr(native, "_LIB", {"lib": lib})
+    words, k, v, k_hat, v_hat = stored(2, 3, 128, 96, 64, 32, seed=4)
+    q, p = torch.randn(3, 5, 64), torch.rand(3, 5, 96).softmax(-1)
+    assert rel(kivi_cpu.qk(q, words, *k, 96, 2), q.double() @ k_hat.transpose(1, 2)) < 1e-6
+    assert rel(kivi_cpu.pv(p, words, *v, 96, 2), p.double() @ v_hat) < 1e-6
+
+
 def test_mismatched_inputs_are_refused_before_the_kernel(kernel):
     words, k, v, _, _ = stored(4, 2, 64, 64, 64, 32, seed=0)
     with pytest.raises(CompressError, match="do(es)? not fit"):
