@@ -8,6 +8,7 @@ from compress.decoder.kv import make_cache
 from compress.errors import CompressError
 from compress.formats.bitplanes import pack_planes
 from compress.kernels import kivi_cpu, kivi_pv, kivi_qk, kivi_ref, native
+from tests.test_packkv_cpu import NARROWER, use_narrower_build
 
 
 def stored(bits, bh, cap, n, d, group, seed):
@@ -57,16 +58,10 @@ def test_products_match_float64(kernel, bits, bh, cap, n, d, group, M, threads):
         assert torch.equal(mixed, torch.zeros(bh, M, d))
 
 
-@pytest.mark.parametrize("isa, bits", [("DEFAULT", 0), ("AVX2", 256)])
+@pytest.mark.parametrize("isa, bits", NARROWER)
 def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
-    """The library as CPUs without the wider instructions build it (see test_packkv_cpu)."""
-    isas = ("DEFAULT", "AVX2", "AVX512")
-    cpu = torch.backends.cpu.get_cpu_capability()
-    if isas.index(isa) >= isas.index(cpu if cpu in isas else "DEFAULT"):
-        pytest.skip(f"this CPU ({cpu}) runs the {isa} build in every other test, or cannot run it")
-    lib = native._build(isa)
-    assert lib.cpu_simd_bits() == bits
-    monkeypatch.setattr(native, "_LIB", {"lib": lib})
+    """The library as CPUs without the wider instructions build it."""
+    use_narrower_build(isa, bits, monkeypatch)
     words, k, v, k_hat, v_hat = stored(2, 3, 128, 96, 64, 32, seed=4)
     q, p = torch.randn(3, 5, 64), torch.rand(3, 5, 96).softmax(-1)
     assert rel(kivi_cpu.qk(q, words, *k, 96, 2), q.double() @ k_hat.transpose(1, 2)) < 1e-6

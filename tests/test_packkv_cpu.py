@@ -98,18 +98,24 @@ def test_empty_history(kernel):
 
 
 ISAS = ("DEFAULT", "AVX2", "AVX512")  # portable C++, then each wider decoder
+NARROWER = [("DEFAULT", 0), ("AVX2", 256)]
 
 
-@pytest.mark.parametrize("isa, bits", [("DEFAULT", 0), ("AVX2", 256)])
-def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
-    """The decoders this CPU does not pick by default (scalar shifts; AVX2 on an AVX-512 CPU),
-    as CPUs without the wider instructions build them."""
+def use_narrower_build(isa: str, bits: int, monkeypatch) -> None:
+    """Load the library as a CPU without the wider instructions builds it (skip the ISA this
+    CPU runs in every other test, or cannot run)."""
     cpu = torch.backends.cpu.get_cpu_capability()
     if ISAS.index(isa) >= ISAS.index(cpu if cpu in ISAS else "DEFAULT"):
         pytest.skip(f"this CPU ({cpu}) runs the {isa} build in every other test, or cannot run it")
     lib = native._build(isa)
     assert lib.cpu_simd_bits() == bits
     monkeypatch.setattr(native, "_LIB", {"lib": lib})
+
+
+@pytest.mark.parametrize("isa, bits", NARROWER)
+def test_narrower_builds_match_float64(kernel, isa, bits, monkeypatch):
+    """The decoders this CPU does not pick by default (scalar shifts; AVX2 on an AVX-512 CPU)."""
+    use_narrower_build(isa, bits, monkeypatch)
     p, x = packed(4, seed=3)
     q = torch.randn(3, 5, 64)
     w = torch.rand(3, 5, p.n).softmax(-1)
