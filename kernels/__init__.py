@@ -4,14 +4,18 @@
                                  (a QuantLinear)           reference: x @ layer.dequantize()^T
     int8_matmul(a, b, c_a, c_b)  LLM.int8's int8 GEMM and  int8_triton.py, int8_cpu.py,
                                  its epilogue              int8_matmul_ref.py
-    packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton); packkv_ref.py is
-    packkv_pv(p, v)              products                  both the CPU path and the reference
+    packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton), packkv_cpu.py
+    packkv_pv(p, v)              products                  (C++, built on first use),
+                                                           packkv_ref.py
+    kivi_qk(q, codes, z, s, ..)  KIVI's two attention      kivi_cpu.py (C++, built on first
+    kivi_pv(p, codes, z, s, ..)  products                  use), kivi_ref.py (also on CUDA)
 
 Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_KERNELS=ref``
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
 a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
-``torch.compile``. Triton is imported only when a CUDA input needs it. The kernels read the
-layouts of ``compress.formats`` and import no method package.
+``torch.compile`` or other compiled code (PackKV's products then run the reference). Triton is
+imported only when a CUDA input needs it. The kernels read the layouts of ``compress.formats``
+and import no method package.
 """
 
 import os
@@ -61,12 +65,20 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
 
 
 def _packkv(x: torch.Tensor, head_dim: int):
-    """The module computing PackKV's products for ``x``: ``packkv`` (Triton) or ``packkv_ref``."""
-    if backend(x) == "triton":
+    """The module computing PackKV's products for ``x``: ``packkv`` (Triton), ``packkv_cpu``
+    (when it builds and ``COMPRESS_KERNELS`` is not ``eager``) or ``packkv_ref``."""
+    where = backend(x)
+    if where == "triton":
         from compress.kernels import packkv
 
         if packkv.supports(head_dim):
             return packkv
+    elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
+            and not (x.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
+        from compress.kernels import native, packkv_cpu
+
+        if native.library() is not None:
+            return packkv_cpu
     from compress.kernels import packkv_ref
 
     return packkv_ref
@@ -80,3 +92,30 @@ def packkv_qk(q: torch.Tensor, k, out: torch.Tensor | None = None) -> torch.Tens
 def packkv_pv(p: torch.Tensor, v, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32 of a PackKV-packed ``v``."""
     return _packkv(p, v.dim).pv(p, v, out=out)
+
+
+def _kivi(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str):
+    """The module computing KIVI's products for ``x``: ``kivi_cpu`` (fp32 CPU inputs, when it
+    builds and ``COMPRESS_KERNELS`` is not ``eager``) or ``kivi_ref``."""
+    if backend(x) == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
+            and not (x.requires_grad and torch.is_grad_enabled()):
+        from compress.kernels import kivi_cpu, native
+
+        if kivi_cpu.supports(x, zero, head_dim, which) and native.library() is not None:
+            return kivi_cpu
+    from compress.kernels import kivi_ref
+
+    return kivi_ref
+
+
+def kivi_qk(q: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+            n: int, bits: int) -> torch.Tensor:
+    """Scores ``q [BH, M, D] @ K_hat^T -> [BH, M, n]`` of KIVI's K of one layer (layout in
+    ``kivi_ref``), in ``q``'s dtype."""
+    return _kivi(q, zero, q.shape[-1], "k").qk(q, codes, zero, scale, n, bits)
+
+
+def kivi_pv(p: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
+            n: int, bits: int) -> torch.Tensor:
+    """``p [BH, M, n] @ V_hat -> [BH, M, D]`` of KIVI's V of one layer, in ``p``'s dtype."""
+    return _kivi(p, zero, codes.shape[-1] * 32 // bits, "v").pv(p, codes, zero, scale, n, bits)

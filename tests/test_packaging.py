@@ -32,6 +32,8 @@ def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
                      for p in (ROOT / "recipes").rglob("*.yaml"))
     assert recipes and {f"compress/recipes/{r}" for r in recipes} <= names  # subfolders too
     assert "compress/kernels/__init__.py" in names and "compress/eval/report.py" in names
+    for source in ("packkv_cpu.cpp", "kivi_cpu.cpp", "cpu_simd.h"):  # built on first use
+        assert f"compress/kernels/{source}" in names
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -4,7 +4,8 @@ import torch
 
 from compress.decoder.kv.window import ResidualCache
 from compress.errors import CompressError
-from compress.formats.bitplanes import pack_planes, unpack_planes
+from compress.formats.bitplanes import pack_planes
+from compress.kernels import kivi_pv, kivi_qk, kivi_ref
 
 
 def minmax_quantize(x: torch.Tensor, bits: int, dim: int):
@@ -31,6 +32,9 @@ class KIVICache(ResidualCache):
         kq, vq : int32 [BH, cap, D*b/32]   codes along the channel axis, compress.formats.bitplanes planes
         kz, ks : fp16  [BH, cap/G, D]      K zero and scale per (token group, channel)
         vz, vs : fp16  [BH, cap, D/G]      V zero and scale per (token, channel group)
+
+    Attention products come from ``compress.kernels`` (C++ reading the codes in place on the CPU;
+    dequantize, then matmul, elsewhere).
     """
 
     OPTIONS = ("bits", "group", "residual")
@@ -70,25 +74,29 @@ class KIVICache(ResidualCache):
 
     def dequantize(self, layer, which: str) -> torch.Tensor:
         """``K_hat`` or ``V_hat`` ``[B, Hkv, C, D]`` in ``dtype``."""
-        BH, C, D, G = self.batch * self.n_kv_heads, self.ncomp[layer], self.head_dim, self.block
-        words = (self.kq if which == "k" else self.vq)[layer, :, :C]
-        codes = unpack_planes({f"w{self.bits}": words.reshape(BH * C, -1)}, self.bits).view(BH, C, D)
+        C, ref = self.ncomp[layer], kivi_ref.k_hat if which == "k" else kivi_ref.v_hat
+        x = ref(*self.stored(layer, which), C, self.bits, self.dtype)
+        return x.view(self.batch, self.n_kv_heads, C, self.head_dim)
+
+    def stored(self, layer, which: str) -> tuple:
+        """``(codes, zero, scale)`` of K or V of ``layer``, laid out as ``kernels.kivi_ref`` says."""
         if which == "k":
-            z, s = (t[layer, :, :C // G].repeat_interleave(G, 1) for t in (self.kz, self.ks))
-        else:
-            z, s = (t[layer, :, :C].repeat_interleave(G, 2) for t in (self.vz, self.vs))
-        x = z.to(self.dtype) + s.to(self.dtype) * codes.to(self.dtype)
-        return x.view(self.batch, self.n_kv_heads, C, D)
+            return self.kq[layer], self.kz[layer], self.ks[layer]
+        return self.vq[layer], self.vz[layer], self.vs[layer]
 
     def history(self, layer):
         """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` of the compressed positions, in position order."""
         return self.dequantize(layer, "k"), self.dequantize(layer, "v")
 
     def history_scores(self, layer, q4):
-        return q4 @ self.dequantize(layer, "k").transpose(-1, -2)
+        B, H, M, D = q4.shape
+        s = kivi_qk(q4.reshape(B * H, M, D), *self.stored(layer, "k"), self.ncomp[layer], self.bits)
+        return s.view(B, H, M, -1)
 
     def history_mix(self, layer, p):
-        return p @ self.dequantize(layer, "v")
+        B, H, M, C = p.shape
+        out = kivi_pv(p.reshape(B * H, M, C), *self.stored(layer, "v"), C, self.bits)
+        return out.view(B, H, M, -1)
 
     def nbytes(self) -> int:
         G, total = self.block, self.window_nbytes()

@@ -73,7 +73,7 @@ class PackKVCache(ResidualCache):
     (``python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536``).
 
     Attention products come from ``compress.kernels`` (Triton, decoding in registers, on CUDA;
-    unpack into a scratch tensor, then matmul, on the CPU). The staged tokens (under 16) are
+    C++ decoding pack by pack on the CPU). The staged tokens (under 16) are
     dequantized and multiplied in PyTorch.
     """
 
