@@ -178,7 +178,7 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
     raw = json.loads((folder / "config.json").read_text())
     qcfg = raw.pop("quantization_config", None)
     if "auto_map" in raw:  # a converted attention (cla, mla): compress's own classes, no remote code
-        import compress.attn.hf  # noqa: F401  (registers the model types with transformers)
+        import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
     config = AutoConfig.for_model(**raw)
     get_adapter(config)
     return config, qcfg

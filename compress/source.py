@@ -143,6 +143,8 @@ def load_model(path: str = DEFAULT_MODEL, dtype: str = "float32", trust_remote_c
     """Load ``(model, tokenizer, Source)`` in eval mode, validated."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    import compress.formats.attention  # noqa: F401  (converted attention folders load without remote code)
+
     where, name = resolve_path(path)
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)

@@ -14,7 +14,7 @@ from compress.attn.absorb import absorb_output, absorb_query, expand_kv
 from compress.attn.checks import check_rope
 from compress.attn.cla import convert_cla
 from compress.attn.gqa import mean_pool_kv
-from compress.attn.hf import folder_files
+from compress.formats.attention import folder_files
 from compress.attn.mla import convert_mla
 from compress.attn.rope_select import qk_pair_scores, select_pairs
 from compress.checkpoint import load_run, save_checkpoint

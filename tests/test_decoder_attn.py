@@ -16,10 +16,10 @@ def convert(kind: str):
     """(converted HF model, files its folder carries) of a tiny 4-layer Llama, head_dim 16."""
     from compress.attn.cla import convert_cla
     from compress.attn.gqa import mean_pool_kv
-    from compress.attn.hf import folder_files
+    from compress.formats.attention import folder_files
     from compress.attn.mla import convert_mla, full_rank
 
-    hf = tiny_hf(num_hidden_layers=4)
+    hf = tiny_hf(num_hidden_layers=4, max_position_embeddings=512)
     tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
     if kind == "gqa":
         return mean_pool_kv(hf, 1), {}
@@ -47,6 +47,7 @@ def test_decoder_matches_transformers_on_converted(kind, tmp_path):
     logits over the whole sequence (mla: K/V expanded from the latent), and the cache holds
     exactly the kind's bytes per token."""
     hf, ours = converted(kind, tmp_path)
+    folder = tmp_path
     ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -57,6 +58,12 @@ def test_decoder_matches_transformers_on_converted(kind, tmp_path):
         full = new_cache(ours, "full", 2, 24)
         out = torch.cat([ours(ids[:, :16], full)] + [ours(ids[:, t:t + 1], full) for t in range(16, 24)], 1)
     assert rel_err(out, ref) < 1e-5
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=kind != "gqa").eval()
+    long = torch.randint(2, 300, (1, 256), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():  # the folder as transformers reads it, on 256 tokens
+        assert rel_err(ours(long, new_cache(ours, "full", 1, 256)), loaded(long).logits) < 1e-4
     c = hf.config
     per_layer = {"gqa": 2 * 1 * 16, "cla": 2 * 2 * 16 / 2,
                  "mla": getattr(c, "kv_lora_rank", 0) + 2 * getattr(c, "mla_rope_pairs", 0) * c.num_key_value_heads}
@@ -94,3 +101,39 @@ def test_kv_quality_parallel_pass_runs_converted_models(kind, tmp_path):
     with torch.no_grad():
         assert rel_err(ours(ids, mix), ours(ids, cache)) < 1e-5
     assert mix.held == cache.nbytes()
+
+
+def test_absorbed_latent_decode_equals_expanded_every_step(tmp_path):
+    """A 64-token greedy run of the decoder (latent attention absorbed, one token a step): at every
+    step its logits equal transformers' (K/V expanded from the latent) on the same tokens."""
+    hf, ours = converted("mla", tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    cache = new_cache(ours, "full", 1, ids.shape[1] + 64)
+    steps = []
+    with torch.no_grad():
+        logits = ours(ids, cache)[:, -1:]
+        for _ in range(64):
+            steps.append(logits)
+            ids = torch.cat([ids, logits.argmax(-1)], 1)
+            logits = ours(ids[:, -1:], cache)
+        ref = hf(ids).logits[:, 7:-1]
+    errs = [rel_err(a, ref[:, t:t + 1]) for t, a in enumerate(steps)]
+    assert max(errs) < 1e-5, errs
+
+
+def test_quantized_cross_layer_folder_composes(tiny_dir, tmp_path):
+    """rtn_int4 on a cla run folder: the pipeline quantizes it and evaluates it, and the decoder
+    runs the result as transformers' loader of the same folder does."""
+    import compress
+    from compress.checkpoint import load_run
+
+    tiny = {"eval": {"windows": 2, "seqlen": 64}, "calib": {"samples": 4, "seqlen": 64},
+            "decode": {"enabled": False}}
+    cla = compress.run("cla", model=tiny_dir, out=tmp_path / "cla", distill={"tokens": 0}, **tiny)
+    int4 = compress.run("rtn_int4", model=cla.path, out=tmp_path / "int4", **tiny)
+    assert int4.report["ppl"] > 0
+    ours, _ = load(int4.path)
+    ref, _ = load_run(int4.path)
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert rel_err(ours(ids, new_cache(ours, "full", 1, 40)), ref(ids).logits) < 1e-4

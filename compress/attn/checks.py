@@ -1,6 +1,6 @@
 """What every attention conversion refuses: converted folders, and RoPE it cannot re-split."""
 
-from compress.attn.hf import KINDS
+from compress.formats.attention import KINDS
 from compress.errors import CompressError
 
 ROPE_TYPES = ("default", "linear", "llama3")  # one frequency per pair, rotate_half layout

@@ -76,7 +76,7 @@ def projection(linear) -> torch.Tensor:
 
 def convert_cla(model, share: int, init: str = "lstsq", tokens: torch.Tensor | None = None):
     """A ``CLAForCausalLM`` with ``model``'s weights, K/V shared in groups of ``share`` layers."""
-    from compress.attn.hf import CLAConfig, CLAForCausalLM, converted_config
+    from compress.formats.attention import CLAConfig, CLAForCausalLM, converted_config
 
     config = model.config
     check_share(config, share, init)

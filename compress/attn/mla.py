@@ -95,7 +95,7 @@ def convert_mla(model, d_kv: int = 16, rope_pairs: int = 4, rope_select: str = "
                 tokens: torch.Tensor | None = None, svd: str = "weights"):
     """An ``MLAForCausalLM`` from ``model``; ``tokens`` (calibration) for ``2norm`` and
     ``svd=activations``."""
-    from compress.attn.hf import MLAConfig, MLAForCausalLM, converted_config
+    from compress.formats.attention import MLAConfig, MLAForCausalLM, converted_config
 
     config = model.config
     check_mla(config, d_kv, rope_pairs, rope_select, svd)

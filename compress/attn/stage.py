@@ -10,14 +10,14 @@ Recipe keys::
     mla.rope_select: mla: 2norm | uniform | high | low
     mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
 
-``cla`` and ``mla`` give models of their own type (``compress.attn.hf``), whose modeling files
+``cla`` and ``mla`` give models of their own type (``compress.formats.attention``), whose modeling files
 the run folder carries. report.json gets ``attn`` (what was converted, with which settings).
 """
 
 import logging
 
 from compress.attn.checks import check_rope, check_source
-from compress.attn.hf import folder_files
+from compress.formats.attention import folder_files
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--kv", choices=("fp16", "kivi", "packkv", "full"), default="fp16",
+    from compress.decoder.kv import KV_KINDS
+
+    p.add_argument("--kv", choices=KV_KINDS, default="fp16",
                    help="KV cache; full: the model's dtype, exact")
     p.add_argument("--kv-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="cache option, e.g. --kv-opt bits=2 (repeatable)")
