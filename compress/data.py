@@ -5,7 +5,7 @@ A source is a local text file or a ``datasets`` id written
 ``Salesforce/wikitext:wikitext-2-raw-v1:test``). The shipped data configs read
 WikiText-2 from ``$COMPRESS_DATA_DIR/wikitext-2/``.
 
-Eval windows (DESIGN.md): tokenize the whole text once, cut it into
+Eval windows: tokenize the whole text once, cut it into
 non-overlapping windows of ``seqlen`` tokens. Calibration samples: random
 non-overlapping blocks of ``seqlen`` tokens from the calibration text, seeded.
 """

@@ -1,4 +1,4 @@
-"""The built-in decoder on a run folder: the speed figures of ``report.json`` (DESIGN "Run folder contract").
+"""The built-in decoder on a run folder: the speed figures of ``report.json``.
 
 The pipeline calls :func:`measure` on the folder it has just written, so every run is loaded
 and run by ``compress.decoder`` (its own model and kernels, not transformers), batch 1::

@@ -376,11 +376,11 @@ def run_recipe(recipe, model_dir, out, *extra):
 @pytest.mark.parametrize("recipe", ["gqa", "cla", "mla"])
 def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer):
     """distill.tokens=0: the run folder holds the conversion of the source on the recipe's
-    calibration text; the decoder's refusal of cla/mla folders is recorded, the run completes."""
+    calibration text, and the built-in decoder measures its cache: exactly the kind's bytes."""
     from safetensors.torch import load_file
 
     from compress.data import calib_samples, read_text
-    from compress.models import load_model
+    from compress.source import load_model
     from tests.conftest import compose
 
     out = tmp_path / "run"
@@ -404,7 +404,10 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
         assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2}
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 32 * 2  # the decoder runs it: 1 KV head
         return
-    assert "decode_error" in report and report["ppl"] > 0
+    c = raw  # tiny: 2 layers, 2 KV heads of 32 dims; the decoder's fp16 cache, 2 bytes a value
+    per_layer = {"cla": 2 * 2 * 32 / 2, "mla": c.get("kv_lora_rank", 0) + 2 * c.get("mla_rope_pairs", 0) * 2}
+    assert "decode_error" not in report and report["ppl"] > 0
+    assert report["kv_bytes_per_token"] == 2 * 2 * per_layer[recipe]
     assert "trust_remote_code=True)" in card and "vllm" not in card
     assert set(raw["auto_map"].values()) == {f"{f[:-3]}.{c}" for f, c in zip(
         sorted(folder_files(raw["model_type"])), ("CLAConfig", "CLAForCausalLM") if recipe == "cla"

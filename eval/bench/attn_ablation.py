@@ -24,7 +24,7 @@ from compress.attn.gqa import mean_pool_kv
 from compress.attn.mla import convert_mla, full_rank
 from compress.data import calib_samples, eval_windows, read_text
 from compress.eval.perplexity import evaluate
-from compress.models import load_model
+from compress.source import load_model
 
 
 def variants(kind: str, config, d_kv: int, svd: str):

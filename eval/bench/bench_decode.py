@@ -1,4 +1,4 @@
-"""Batch-1 decode and prefill speed, and peak memory, side by side in one run (DESIGN.md "Speed").
+"""Batch-1 decode and prefill speed, and peak memory, side by side in one run.
 
     python -m compress.eval.bench.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
         [--new 128] [--prompt-len 32] [--prefill-len 512] [--json OUT]
