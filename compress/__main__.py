@@ -103,9 +103,11 @@ def main() -> None:
         except CompressError as e:
             log.error("%s", e)
             sys.exit(2)
-        print(f"ppl {report['ppl']:.3f}  kl {report.get('kl_vs_source', float('nan')):.4f}  "
-              f"weight_bytes {report['weight_bytes']:,}  decode {report.get('decode_tok_s', float('nan')):.1f} tok/s  "
-              f"elapsed {report['elapsed_s']:.0f}s")
+        print(
+            f"ppl {report['ppl']:.3f}  kl {report.get('kl_vs_source', float('nan')):.4f}  "
+            f"weight_bytes {report['weight_bytes']:,}  decode {report.get('decode_tok_s', float('nan')):.1f} tok/s  "
+            f"elapsed {report['elapsed_s']:.0f}s"
+        )
 
     try:
         _run()

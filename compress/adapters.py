@@ -27,8 +27,12 @@ class Adapter:
     mlp: str = "mlp"  # the MLP block: x -> y
     # role -> path inside one decoder layer
     linears: tuple = (
-        ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-        ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+        ("q", "self_attn.q_proj"),
+        ("k", "self_attn.k_proj"),
+        ("v", "self_attn.v_proj"),
+        ("o", "self_attn.o_proj"),
+        ("gate", "mlp.gate_proj"),
+        ("up", "mlp.up_proj"),
         ("down", "mlp.down_proj"),
     )
     optional: tuple = ()  # roles some layers lack (cross-layer attention: k and v)
@@ -41,8 +45,11 @@ class Adapter:
 
     def named_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
         """``{path inside the layer: module}`` for the layer's projections."""
-        return {path: layer.get_submodule(path) for role, path in self.linears
-                if role not in self.optional or _has(layer, path)}
+        return {
+            path: layer.get_submodule(path)
+            for role, path in self.linears
+            if role not in self.optional or _has(layer, path)
+        }
 
     def linear_shapes(self, config) -> dict[str, tuple[int, int]]:
         """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
@@ -50,8 +57,15 @@ class Adapter:
         hidden, inter = config.hidden_size, config.intermediate_size
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        shapes = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
-                  "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        shapes = {
+            "q": (q, hidden),
+            "k": (kv, hidden),
+            "v": (kv, hidden),
+            "o": (hidden, q),
+            "gate": (inter, hidden),
+            "up": (inter, hidden),
+            "down": (hidden, inter),
+        }
         return {path: shapes[role] for role, path in self.linears}
 
     def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -75,12 +89,27 @@ LLAMA = Adapter(family="llama")
 # compress.attn's converted Llamas: CLA layers after a group's first lack k/v; MLA (DeepSeek-like
 # names) has a RoPE key projection, a latent down-projection and the K/V up-projections.
 CLA = Adapter(family="compress_cla", optional=("k", "v"))
-MLA = Adapter(family="compress_mla", linears=(
-    ("q", "self_attn.q_proj"), ("k_rope", "self_attn.k_rope_proj"), ("kv_a", "self_attn.kv_a_proj"),
-    ("k_b", "self_attn.k_b_proj"), ("v_b", "self_attn.v_b_proj"), ("o", "self_attn.o_proj"),
-    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
-))
-ADAPTERS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "compress_cla": CLA, "compress_mla": MLA}
+MLA = Adapter(
+    family="compress_mla",
+    linears=(
+        ("q", "self_attn.q_proj"),
+        ("k_rope", "self_attn.k_rope_proj"),
+        ("kv_a", "self_attn.kv_a_proj"),
+        ("k_b", "self_attn.k_b_proj"),
+        ("v_b", "self_attn.v_b_proj"),
+        ("o", "self_attn.o_proj"),
+        ("gate", "mlp.gate_proj"),
+        ("up", "mlp.up_proj"),
+        ("down", "mlp.down_proj"),
+    ),
+)
+ADAPTERS = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "compress_cla": CLA,
+    "compress_mla": MLA,
+}
 
 
 def get_adapter(config) -> Adapter:

@@ -200,7 +200,9 @@ def save(model, folder, tokenizer=None) -> Path:
     try:
         qcfg = qcfg if isinstance(qcfg, dict) else None
         dtype = unquantized_dtype(model, getattr(model.config, "dtype", None)) if qcfg else None
-        save_checkpoint(model, tokenizer, tmp, qcfg, dtype)  # unquantized tensors as a recipe run saves them
+        save_checkpoint(
+            model, tokenizer, tmp, qcfg, dtype
+        )  # unquantized tensors as a recipe run saves them
         commit_dir(tmp, folder)
     except BaseException:
         import shutil

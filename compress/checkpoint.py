@@ -50,8 +50,11 @@ def guard_safetensors(where):
 
 def quantized_modules(model: nn.Module) -> list[str]:
     """Names of the decoder linears a quantized layer has replaced (no longer ``nn.Linear``)."""
-    return [name for name, m in get_adapter(model.config).all_linears(model).items()
-            if not isinstance(m, nn.Linear)]
+    return [
+        name
+        for name, m in get_adapter(model.config).all_linears(model).items()
+        if not isinstance(m, nn.Linear)
+    ]
 
 
 def _unquantized(model: nn.Module, sd: dict) -> list[str]:
@@ -70,8 +73,9 @@ def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
     limit = torch.finfo(torch.float16).max
     for name in _unquantized(model, sd):
         if sd[name].numel() and sd[name].abs().max() > limit:
-            log.warning("tensor '%s' exceeds float16's range: unquantized tensors saved in "
-                        "bfloat16", name)
+            log.warning(
+                "tensor '%s' exceeds float16's range: unquantized tensors saved in bfloat16", name
+            )
             return torch.bfloat16
     return torch.float16
 
@@ -82,12 +86,18 @@ def state_dict_for_save(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     cast = set(_unquantized(model, sd)) if dtype is not None else set()
-    return {k: (v.detach().to(dtype) if k in cast else v.detach()).contiguous()
-            for k, v in sd.items()}
+    return {
+        k: (v.detach().to(dtype) if k in cast else v.detach()).contiguous() for k, v in sd.items()
+    }
 
 
-def save_checkpoint(model: nn.Module, tokenizer, folder: Path, quantization_config: dict | None,
-                    dtype: torch.dtype | None = None) -> None:
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer,
+    folder: Path,
+    quantization_config: dict | None,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Write config.json, model.safetensors and the tokenizer into ``folder``.
 
     ``dtype``: the unquantized tensors' dtype on disk (``unquantized_dtype``); None keeps the
@@ -131,8 +141,10 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise CompressError(f"run folder '{folder}' has no *.safetensors file; the run did not finish "
-                            f"or the folder is not a checkpoint.")
+        raise CompressError(
+            f"run folder '{folder}' has no *.safetensors file; the run did not finish "
+            f"or the folder is not a checkpoint."
+        )
     out = {}
     with guard_safetensors(folder):
         for f in files:
@@ -148,18 +160,26 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
         if name not in tensors:
             if tied and name == "lm_head.weight":
                 continue
-            raise CompressError(f"'{where}' lacks tensor '{name}' (expected shape {tuple(ref.shape)}); "
-                                f"the checkpoint does not match its config.json.")
+            raise CompressError(
+                f"'{where}' lacks tensor '{name}' (expected shape {tuple(ref.shape)}); "
+                f"the checkpoint does not match its config.json."
+            )
         t = tensors[name]
         if t.shape != ref.shape:
-            raise CompressError(f"tensor '{name}' in '{where}' has shape {tuple(t.shape)}, but the config "
-                                f"expects {tuple(ref.shape)}; the checkpoint does not match its config.json.")
+            raise CompressError(
+                f"tensor '{name}' in '{where}' has shape {tuple(t.shape)}, but the config "
+                f"expects {tuple(ref.shape)}; the checkpoint does not match its config.json."
+            )
         if t.is_floating_point() != ref.is_floating_point():
-            raise CompressError(f"tensor '{name}' in '{where}' has dtype {t.dtype}, expected {ref.dtype}.")
+            raise CompressError(
+                f"tensor '{name}' in '{where}' has dtype {t.dtype}, expected {ref.dtype}."
+            )
     extra = sorted(set(tensors) - set(expected))
     if extra:
-        raise CompressError(f"'{where}' has tensors the config does not use, e.g. '{extra[0]}'; "
-                            f"the checkpoint does not match its config.json.")
+        raise CompressError(
+            f"'{where}' has tensors the config does not use, e.g. '{extra[0]}'; "
+            f"the checkpoint does not match its config.json."
+        )
     with torch.no_grad():
         for name, ref in expected.items():
             if name in tensors:
@@ -173,11 +193,15 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
     from transformers import AutoConfig
 
     if not (folder / "config.json").is_file():
-        raise CompressError(f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
-                            f"Pass the folder a recipe wrote (outputs/...).")
+        raise CompressError(
+            f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
+            f"Pass the folder a recipe wrote (outputs/...)."
+        )
     raw = json.loads((folder / "config.json").read_text())
     qcfg = raw.pop("quantization_config", None)
-    if "auto_map" in raw:  # a converted attention (cla, mla): compress's own classes, no remote code
+    if (
+        "auto_map" in raw
+    ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
     config = AutoConfig.for_model(**raw)
     get_adapter(config)
@@ -187,7 +211,11 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
 def read_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+    return (
+        AutoTokenizer.from_pretrained(folder)
+        if (folder / "tokenizer_config.json").exists()
+        else None
+    )
 
 
 def check_finite(model: nn.Module, where: str) -> None:

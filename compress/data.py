@@ -81,8 +81,10 @@ def eval_windows(tokenizer, text: str, seqlen: int, windows: int | None = None) 
     ids = tokenize(tokenizer, text)
     n = ids.numel() // seqlen
     if n == 0:
-        raise CompressError(f"eval text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
-                            f"lower eval.seqlen or use a longer text.")
+        raise CompressError(
+            f"eval text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
+            f"lower eval.seqlen or use a longer text."
+        )
     if windows:
         n = min(n, int(windows))
     return ids[: n * seqlen].reshape(n, seqlen)
@@ -93,8 +95,10 @@ def calib_samples(tokenizer, text: str, samples: int, seqlen: int, seed: int = 0
     ids = tokenize(tokenizer, text)
     blocks = ids.numel() // seqlen
     if blocks < samples:
-        raise CompressError(f"calibration text has {blocks} blocks of {seqlen} tokens, fewer than "
-                            f"the {samples} samples asked for; lower calib.samples or calib.seqlen.")
+        raise CompressError(
+            f"calibration text has {blocks} blocks of {seqlen} tokens, fewer than "
+            f"the {samples} samples asked for; lower calib.samples or calib.seqlen."
+        )
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(blocks, generator=g)[:samples].sort().values
     return ids[: blocks * seqlen].reshape(blocks, seqlen)[pick]

@@ -39,20 +39,27 @@ def upload_plan(run_dir: Path) -> list[tuple[str, int]]:
 
     run_dir = Path(run_dir)
     paths = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file())
-    return [(p, (run_dir / p).stat().st_size) for p in filter_repo_objects(paths, ignore_patterns=DEFAULT_IGNORE_PATTERNS)]
+    return [
+        (p, (run_dir / p).stat().st_size)
+        for p in filter_repo_objects(paths, ignore_patterns=DEFAULT_IGNORE_PATTERNS)
+    ]
 
 
 def check_run_folder(run_dir: Path) -> None:
     """A complete run folder: manifest.json present, and every file it lists there with its size."""
     run_dir = Path(run_dir)
     if not (run_dir / "manifest.json").is_file():
-        raise CompressError(f"'{run_dir}' is not a run folder (no manifest.json). Push the folder a recipe "
-                            f"wrote, e.g. outputs/RUN.")
+        raise CompressError(
+            f"'{run_dir}' is not a run folder (no manifest.json). Push the folder a recipe "
+            f"wrote, e.g. outputs/RUN."
+        )
     for name, entry in json.loads((run_dir / "manifest.json").read_text())["files"].items():
         path = run_dir / name
         if not path.is_file() or path.stat().st_size != entry["bytes"]:
-            raise CompressError(f"'{path}' is missing or changed since the run (manifest.json says "
-                                f"{entry['bytes']:,} bytes). Re-run the recipe rather than pushing a damaged folder.")
+            raise CompressError(
+                f"'{path}' is missing or changed since the run (manifest.json says "
+                f"{entry['bytes']:,} bytes). Re-run the recipe rather than pushing a damaged folder."
+            )
 
 
 @contextlib.contextmanager
@@ -82,7 +89,9 @@ def _git_blob_id(path: Path) -> str:
     return h.hexdigest()
 
 
-def remote_matches(api, repo_id: str, revision: str | None, run_dir: Path, files: list[str]) -> list[str]:
+def remote_matches(
+    api, repo_id: str, revision: str | None, run_dir: Path, files: list[str]
+) -> list[str]:
     """The files whose content on the Hub (at ``revision``) equals the local file."""
     from compress.run_folder import sha256_file
 
@@ -90,14 +99,30 @@ def remote_matches(api, repo_id: str, revision: str | None, run_dir: Path, files
     same = []
     for name in files:
         r = remote.get(name)
-        if r is not None and r.size == (run_dir / name).stat().st_size and (
-                r.lfs.sha256 == sha256_file(run_dir / name) if r.lfs else r.blob_id == _git_blob_id(run_dir / name)):
+        if (
+            r is not None
+            and r.size == (run_dir / name).stat().st_size
+            and (
+                r.lfs.sha256 == sha256_file(run_dir / name)
+                if r.lfs
+                else r.blob_id == _git_blob_id(run_dir / name)
+            )
+        ):
             same.append(name)
     return same
 
 
-def _failure(step: str, error: Exception, api, repo_id: str, revision: str | None, run_dir: Path,
-             files: list[str], token: str | None, sent: Path | None = None) -> CompressError:
+def _failure(
+    step: str,
+    error: Exception,
+    api,
+    repo_id: str,
+    revision: str | None,
+    run_dir: Path,
+    files: list[str],
+    token: str | None,
+    sent: Path | None = None,
+) -> CompressError:
     """A CompressError naming the failed step and what the Hub holds of the run folder
     (compared with ``sent``, the folder the push uploads; default ``run_dir``)."""
     where = f"{repo_id}@{revision or 'main'}"
@@ -107,9 +132,11 @@ def _failure(step: str, error: Exception, api, repo_id: str, revision: str | Non
         try:
             same = remote_matches(api, repo_id, revision, sent or run_dir, files)
             missing = [f for f in files if f not in same]
-            held = (f"{where} now holds {len(same)} of the {len(files)} files of the run folder"
-                    + (f" ({', '.join(same)})" if same else "")
-                    + (f"; not uploaded, or different there: {', '.join(missing)}." if missing else "."))
+            held = (
+                f"{where} now holds {len(same)} of the {len(files)} files of the run folder"
+                + (f" ({', '.join(same)})" if same else "")
+                + (f"; not uploaded, or different there: {', '.join(missing)}." if missing else ".")
+            )
         except Exception as check_error:  # the network is often down for this too
             held = f"Could not check what {where} holds ({type(check_error).__name__}): nothing is confirmed uploaded."
     causes, e = [], error
@@ -122,11 +149,19 @@ def _failure(step: str, error: Exception, api, repo_id: str, revision: str | Non
     return CompressError(
         f"push of '{run_dir}' to {where} failed at step '{step}': {reason}\n{held}\n"
         f"The local run folder was not modified. Re-run the push to retry; files the Hub already holds "
-        f"are not sent again.")
+        f"are not sent again."
+    )
 
 
-def push(run_dir: Path, repo_id: str, *, private: bool = False, revision: str | None = None,
-         dry_run: bool = False, endpoint: str | None = None) -> str | None:
+def push(
+    run_dir: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    dry_run: bool = False,
+    endpoint: str | None = None,
+) -> str | None:
     """Upload the run folder as one ``upload_folder`` call; returns the commit URL (None for a dry run)."""
     from huggingface_hub import HfApi
 
@@ -136,21 +171,26 @@ def push(run_dir: Path, repo_id: str, *, private: bool = False, revision: str | 
         return _push(run_dir, sent, repo_id, private, revision, dry_run, HfApi(endpoint=endpoint))
 
 
-def _push(run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str | None,
-          dry_run: bool, api) -> str | None:
+def _push(
+    run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool, api
+) -> str | None:
     """``push``, uploading the folder ``sent`` (``card_for_repo`` of ``run_dir``)."""
     from huggingface_hub import get_token
 
     plan = upload_plan(sent)
     target = f"{api.endpoint}/{repo_id} ({'private' if private else 'public'}, revision {revision or 'main'})"
     if dry_run:
-        print(f"dry run: would upload {len(plan)} files, {sum(s for _, s in plan):,} bytes, to {target}")
+        print(
+            f"dry run: would upload {len(plan)} files, {sum(s for _, s in plan):,} bytes, to {target}"
+        )
         for name, size in plan:
             print(f"  {size:>15,}  {name}")
         return None
     token = get_token()
     if not token:
-        raise CompressError("no Hugging Face token: set HF_TOKEN, or log in once with `hf auth login`.")
+        raise CompressError(
+            "no Hugging Face token: set HF_TOKEN, or log in once with `hf auth login`."
+        )
     if not (run_dir / "README.md").exists():
         log.warning("%s has no model card (README.md); the Hub page will be empty", run_dir)
     log.info("pushing %d files (%s bytes) to %s", len(plan), f"{sum(s for _, s in plan):,}", target)
@@ -159,14 +199,20 @@ def _push(run_dir: Path, sent: Path, repo_id: str, private: bool, revision: str 
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if private and not api.repo_info(repo_id).private:
-            raise CompressError(f"{repo_id} already exists and is public, so --private cannot hold; nothing "
-                                f"was uploaded. Make it private on the Hub, or push to another repo id.")
+            raise CompressError(
+                f"{repo_id} already exists and is public, so --private cannot hold; nothing "
+                f"was uploaded. Make it private on the Hub, or push to another repo id."
+            )
         if revision and revision != "main":
             step = f"create the branch '{revision}'"
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         step = "upload and commit the files"
-        info = api.upload_folder(repo_id=repo_id, folder_path=sent, revision=revision,
-                                 commit_message=f"compress run {run_dir.name}")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=sent,
+            revision=revision,
+            commit_message=f"compress run {run_dir.name}",
+        )
     except CompressError:
         raise
     except Exception as e:
@@ -184,8 +230,10 @@ def check_config(hub_cfg) -> None:
     if not hub_cfg.get("repo_id"):
         raise CompressError("hub.push=true needs hub.repo_id=ORG/NAME.")
     if not get_token():
-        raise CompressError("hub.push=true needs a Hugging Face token: set HF_TOKEN, or log in once with "
-                            "`hf auth login`.")
+        raise CompressError(
+            "hub.push=true needs a Hugging Face token: set HF_TOKEN, or log in once with "
+            "`hf auth login`."
+        )
 
 
 def push_after_run(run_dir: Path, hub_cfg) -> str | None:
@@ -193,10 +241,17 @@ def push_after_run(run_dir: Path, hub_cfg) -> str | None:
     if not hub_cfg or not hub_cfg.get("push"):
         return None
     try:
-        return push(run_dir, hub_cfg.repo_id, private=bool(hub_cfg.get("private")), revision=hub_cfg.get("revision"))
+        return push(
+            run_dir,
+            hub_cfg.repo_id,
+            private=bool(hub_cfg.get("private")),
+            revision=hub_cfg.get("revision"),
+        )
     except CompressError as e:
-        raise CompressError(f"{e}\nThe run folder '{run_dir}' is complete; push it later with "
-                            f"`python -m compress.hub push {run_dir} --repo-id {hub_cfg.repo_id}`.") from e
+        raise CompressError(
+            f"{e}\nThe run folder '{run_dir}' is complete; push it later with "
+            f"`python -m compress.hub push {run_dir} --repo-id {hub_cfg.repo_id}`."
+        ) from e
 
 
 def main(argv=None) -> None:
@@ -207,13 +262,21 @@ def main(argv=None) -> None:
     q.add_argument("--repo-id", required=True, help="ORG/NAME")
     q.add_argument("--private", action="store_true", help="create the repository private")
     q.add_argument("--revision", help="branch to commit to (created from main if missing)")
-    q.add_argument("--dry-run", action="store_true", help="list files, sizes and target; upload nothing")
+    q.add_argument(
+        "--dry-run", action="store_true", help="list files, sizes and target; upload nothing"
+    )
     q.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        url = push(args.run, args.repo_id, private=args.private, revision=args.revision,
-                   dry_run=args.dry_run, endpoint=args.endpoint)
+        url = push(
+            args.run,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            dry_run=args.dry_run,
+            endpoint=args.endpoint,
+        )
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

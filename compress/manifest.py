@@ -17,17 +17,24 @@ from compress.version import __version__
 def git_commit() -> str | None:
     repo = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
 
 
-def write_manifest(folder: Path, recipe: dict, source, stages: dict, trust_remote_code: bool) -> dict:
+def write_manifest(
+    folder: Path, recipe: dict, source, stages: dict, trust_remote_code: bool
+) -> dict:
     files = {
         str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
     }
     manifest = {
         "recipe": recipe,

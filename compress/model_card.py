@@ -51,16 +51,19 @@ def provenance(info: dict) -> str | None:
     kind = re.search(r"\.((?:I?Q\d\w*)|F16|BF16|F32)\.gguf$", info["gguf"], re.IGNORECASE)
     where = f" shipped in the `{info['package']}` package" if info.get("package") else ""
     base = info.get("base_model", "the base model")
-    return (f"The source is `{base}` dequantized to float32 from the "
-            f"{kind.group(1) + ' ' if kind else ''}GGUF file `{info['gguf']}`{where}"
-            + (f" (sha256 `{info['sha256']}`)" if info.get("sha256") else "")
-            + ", not the original checkpoint: its figures are those of that GGUF's weights.")
+    return (
+        f"The source is `{base}` dequantized to float32 from the "
+        f"{kind.group(1) + ' ' if kind else ''}GGUF file `{info['gguf']}`{where}"
+        + (f" (sha256 `{info['sha256']}`)" if info.get("sha256") else "")
+        + ", not the original checkpoint: its figures are those of that GGUF's weights."
+    )
 
 
 def public_recipe(recipe: dict) -> dict:
     """The resolved recipe without local paths: no ``hydra`` group, and every string that is a
     local path (absolute, ``~``, ``./``, ``../``, or a relative path that exists here) replaced by
     ``<local>/`` and its file name."""
+
     def local(v: str) -> bool:
         return v.startswith(("/", "~", "./", "../")) or ("/" in v and Path(v).exists())
 
@@ -83,9 +86,14 @@ def loaders(config: dict, stages: list) -> list[str]:
         return ["transformers", "vllm"]
     if method == "bitsandbytes":
         return ["transformers"]
-    if config.get("auto_map"):  # converted attention (cla, mla): the folder carries its modeling file
+    if config.get(
+        "auto_map"
+    ):  # converted attention (cla, mla): the folder carries its modeling file
         return ["transformers"]
-    if method is None and set(stages) <= {"gqa", "distill"}:  # unmodified, or GQA: a plain checkpoint
+    if method is None and set(stages) <= {
+        "gqa",
+        "distill",
+    }:  # unmodified, or GQA: a plain checkpoint
         return ["transformers", "vllm"]
     return []  # our own formats (quant_method compress, MLA/CLA configs)
 
@@ -98,67 +106,119 @@ def metadata(report: dict, config: dict, recipe: dict, source: dict) -> dict:
     meta = {k: v for k, v in source_info(source).items() if k in ("base_model", "license")}
     if qcfg and "base_model" in meta:
         meta["base_model_relation"] = "quantized"
-    meta["library_name"] = "transformers" if loaders(config, recipe.get("stages", [])) else "compress"
+    meta["library_name"] = (
+        "transformers" if loaders(config, recipe.get("stages", [])) else "compress"
+    )
     meta["pipeline_tag"] = "text-generation"
     meta["tags"] = list(dict.fromkeys(t for t in tags if t))
     return meta
 
 
-def _how_to_load(repo_id: str, libs: list[str], method: str | None, remote: bool = False) -> list[str]:
+def _how_to_load(
+    repo_id: str, libs: list[str], method: str | None, remote: bool = False
+) -> list[str]:
     lines = ["## How to load", ""]
     if "transformers" in libs:
-        needs = {"awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
-                 "bitsandbytes": "`pip install bitsandbytes`"}.get(method)
+        needs = {
+            "awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
+            "bitsandbytes": "`pip install bitsandbytes`",
+        }.get(method)
         if remote:
             needs = "`trust_remote_code=True`: the attention is this repository's modeling file"
-        lines += ["With transformers" + (f" (needs {needs}):" if needs else ":"), "", "```python",
-                  "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                  f'tok = AutoTokenizer.from_pretrained("{repo_id}")',
-                  f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto"'
-                  + (", trust_remote_code=True)" if remote else ")"),
-                  "```", ""]
+        lines += [
+            "With transformers" + (f" (needs {needs}):" if needs else ":"),
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'tok = AutoTokenizer.from_pretrained("{repo_id}")',
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", device_map="auto"'
+            + (", trust_remote_code=True)" if remote else ")"),
+            "```",
+            "",
+        ]
     if "vllm" in libs:
-        lines += ["With vLLM:", "", "```bash",
-                  f"vllm serve {repo_id}" + (" --quantization awq" if method == "awq" else ""), "```", ""]
+        lines += [
+            "With vLLM:",
+            "",
+            "```bash",
+            f"vllm serve {repo_id}" + (" --quantization awq" if method == "awq" else ""),
+            "```",
+            "",
+        ]
     folder = repo_id.split("/")[-1]
-    lines += ["With compress's own decoder (every format compress writes):", "", "```bash",
-              f"hf download {repo_id} --local-dir {folder}",
-              f'python -m compress.decoder {folder} --prompt "The capital of France is"', "```"]
+    lines += [
+        "With compress's own decoder (every format compress writes):",
+        "",
+        "```bash",
+        f"hf download {repo_id} --local-dir {folder}",
+        f'python -m compress.decoder {folder} --prompt "The capital of France is"',
+        "```",
+    ]
     return lines
 
 
-def render(report: dict, config: dict, recipe: dict, source: dict, repo_id: str | None = None) -> str:
+def render(
+    report: dict, config: dict, recipe: dict, source: dict, repo_id: str | None = None
+) -> str:
     """The model card's text."""
     repo_id = repo_id or PLACEHOLDER_REPO
     meta = metadata(report, config, recipe, source)
     qcfg = config.get("quantization_config") or {}
     stages = recipe.get("stages") or []
     base = meta.get("base_model") or Path(report["model"]).name  # not a local path
-    done = (f"`{base}` compressed by compress with the recipe `{report['recipe']}` "
-            f"(stages: {', '.join(stages) or 'none, the uncompressed baseline'}).")
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
-             f"# {report['recipe']}: {base}", "", done, ""]
+    done = (
+        f"`{base}` compressed by compress with the recipe `{report['recipe']}` "
+        f"(stages: {', '.join(stages) or 'none, the uncompressed baseline'})."
+    )
+    lines = [
+        "---",
+        yaml.safe_dump(meta, sort_keys=False).rstrip(),
+        "---",
+        "",
+        f"# {report['recipe']}: {base}",
+        "",
+        done,
+        "",
+    ]
     if origin := provenance(source_info(source)):
         lines += [origin, ""]
     if qcfg:
         lines += [f"On-disk format: `quantization_config` = `{json.dumps(qcfg)}`.", ""]
     if repo_id == PLACEHOLDER_REPO:
         lines += [PLACEHOLDER_NOTE, ""]
-    lines += ["## Evaluation", "", protocol(report) + " Perplexity is exp(mean token NLL); KL is "
-              "KL(source ‖ this model) in nats per token.", "", *metrics_table(report), "",
-              "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
-              "the source model's sha256 and the compress version.", "",
-              *_how_to_load(repo_id, loaders(config, stages), qcfg.get("quant_method"),
-                            bool(config.get("auto_map"))), "",
-              "## Resolved recipe", "", "```yaml",
-              yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(), "```"]
+    lines += [
+        "## Evaluation",
+        "",
+        protocol(report) + " Perplexity is exp(mean token NLL); KL is "
+        "KL(source ‖ this model) in nats per token.",
+        "",
+        *metrics_table(report),
+        "",
+        "Every figure is in `report.json`; `manifest.json` lists the size and sha256 of every file, "
+        "the source model's sha256 and the compress version.",
+        "",
+        *_how_to_load(
+            repo_id, loaders(config, stages), qcfg.get("quant_method"), bool(config.get("auto_map"))
+        ),
+        "",
+        "## Resolved recipe",
+        "",
+        "```yaml",
+        yaml.safe_dump(public_recipe(recipe), sort_keys=False).rstrip(),
+        "```",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def write_model_card(folder: Path, report: dict, recipe: dict, source: dict) -> Path:
     """Write ``folder/README.md`` from the run's report, its config.json and the resolved recipe."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    config = (
+        json.loads((folder / "config.json").read_text())
+        if (folder / "config.json").exists()
+        else {}
+    )
     repo_id = (recipe.get("hub") or {}).get("repo_id")
     path = folder / "README.md"
     path.write_text(render(report, config, recipe, source, repo_id))

@@ -41,8 +41,12 @@ class Context:
     tokenizer: object
     quantization_config: dict | None = None
     record: dict = field(default_factory=dict)  # extra report fields: bits, per-layer stats, ...
-    run_dir: Path | None = None  # the final run folder (resumable stages keep checkpoints beside it)
-    files: dict = field(default_factory=dict)  # extra files for the run folder: {relative name: path to copy}
+    run_dir: Path | None = (
+        None  # the final run folder (resumable stages keep checkpoints beside it)
+    )
+    files: dict = field(
+        default_factory=dict
+    )  # extra files for the run folder: {relative name: path to copy}
     calib_tokens: torch.Tensor | None = None  # given tokens instead of cfg.data.calib.source
 
     def calibration(self) -> torch.Tensor:
@@ -88,8 +92,10 @@ def save_dtype(model, source, trust_remote_code: bool):
 
 def _check_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise CompressError(f"run folder '{run_dir}' already exists and is not empty; pick another "
-                            f"hydra.run.dir, or remove that folder.")
+        raise CompressError(
+            f"run folder '{run_dir}' already exists and is not empty; pick another "
+            f"hydra.run.dir, or remove that folder."
+        )
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
@@ -114,8 +120,14 @@ def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
     """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
     from compress.eval.decode_speed import measure
 
-    log.info("decoder: %d tokens after a %d-token prompt (%s, kv %s%s)", dcfg.new_tokens, dcfg.prompt_tokens,
-             dcfg.dtype, dcfg.kv, ", compiled" if dcfg.compile else "")
+    log.info(
+        "decoder: %d tokens after a %d-token prompt (%s, kv %s%s)",
+        dcfg.new_tokens,
+        dcfg.prompt_tokens,
+        dcfg.dtype,
+        dcfg.kv,
+        ", compiled" if dcfg.compile else "",
+    )
     try:
         return measure(folder, ids, dcfg)
     except CompressError as e:
@@ -150,11 +162,19 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         timings["export"] = round(time.time() - t, 2)
 
         t = time.time()
-        windows = eval_windows(tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows)
+        windows = eval_windows(
+            tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows
+        )
         device = eval_device(cfg.eval.get("device", "auto"))
         compressed = load_run(tmp)[0].to(device)  # evaluate what was saved, not the in-memory model
-        reference = load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device) if cfg.eval.compare_source else None
-        cache = cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
+        reference = (
+            load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
+            if cfg.eval.compare_source
+            else None
+        )
+        cache = (
+            cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
+        )
         figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
@@ -165,10 +185,14 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             timings["decode"] = round(time.time() - t, 2)
 
         report = {
-            "recipe": cfg.name, "model": source.name, **figures,
-            "weight_bytes": weight_bytes, "linear_weight_bytes": linear_bytes,
+            "recipe": cfg.name,
+            "model": source.name,
+            **figures,
+            "weight_bytes": weight_bytes,
+            "linear_weight_bytes": linear_bytes,
             **ctx.record,
-            "stages": timings, "elapsed_s": round(time.time() - start, 2),
+            "stages": timings,
+            "elapsed_s": round(time.time() - start, 2),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "trust_remote_code": bool(m.trust_remote_code),
         }

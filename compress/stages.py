@@ -16,8 +16,16 @@ from compress.quant.llm_int8 import llm_int8
 from compress.quant.rtn import rtn
 from compress.train.distill import distill
 
-STAGES = {"rtn": rtn, "awq": awq, "llm_int8": llm_int8, "prune": prune, "distill": distill,
-          "gqa": gqa, "cla": cla, "mla": mla}
+STAGES = {
+    "rtn": rtn,
+    "awq": awq,
+    "llm_int8": llm_int8,
+    "prune": prune,
+    "distill": distill,
+    "gqa": gqa,
+    "cla": cla,
+    "mla": mla,
+}
 
 
 def get_stage(name: str):

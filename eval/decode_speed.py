@@ -30,9 +30,11 @@ log = logging.getLogger(__name__)
 def check_threads(n) -> None:
     """``decode.threads``: a whole number >= 1, or None (torch's default)."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise CompressError(f"decode.threads={n!r}: use a whole number of threads >= 1 (1 is "
-                            f"fastest for batch-1 decoding on a busy machine), or null for "
-                            f"torch's default.")
+        raise CompressError(
+            f"decode.threads={n!r}: use a whole number of threads >= 1 (1 is "
+            f"fastest for batch-1 decoding on a busy machine), or null for "
+            f"torch's default."
+        )
 
 
 @contextlib.contextmanager
@@ -61,8 +63,9 @@ def measure(folder, ids: list[int], cfg) -> dict:
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
         model, _ = load(folder, dtype=getattr(torch, cfg.dtype))
         prompt = ids[: cfg.prompt_tokens]
-        kw = dict(kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile,
-                  ignore_eos=True)
+        kw = dict(
+            kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True
+        )
         phase("warm-up, 2 tokens%s", " (compiling the decode step)" if cfg.compile else "")
         generate(model, [prompt], 2, **kw)  # a prefill and a decode step: kernel forms, compiling
         phase("decoding %d tokens after a %d-token prompt", cfg.new_tokens, len(prompt))
@@ -71,5 +74,9 @@ def measure(folder, ids: list[int], cfg) -> dict:
         p = generate(model, [ids[: cfg.prefill_tokens]], 1, kv=cfg.kv, ignore_eos=True)
         phase("done: %.1f tok/s decode, %.0f tok/s prefill", r.decode_tok_s, p.prefill_tok_s)
         threads = torch.get_num_threads()
-    return {"decode_tok_s": r.decode_tok_s, "prefill_tok_s": p.prefill_tok_s,
-            "kv_bytes_per_token": r.kv_bytes_per_token, "decode_threads": threads}
+    return {
+        "decode_tok_s": r.decode_tok_s,
+        "prefill_tok_s": p.prefill_tok_s,
+        "kv_bytes_per_token": r.kv_bytes_per_token,
+        "decode_threads": threads,
+    }

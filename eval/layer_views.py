@@ -13,7 +13,19 @@ from typing import Callable
 
 
 # panels in the order a decoder layer runs them (report.json stores its keys sorted)
-ORDER = ("qkv", "q_proj", "k_proj", "v_proj", "o", "o_proj", "gate_up", "gate_proj", "up_proj", "down", "down_proj")
+ORDER = (
+    "qkv",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o",
+    "o_proj",
+    "gate_up",
+    "gate_proj",
+    "up_proj",
+    "down",
+    "down_proj",
+)
 
 
 def _order(name: str) -> tuple:
@@ -37,7 +49,9 @@ def outlier_dims(report: dict) -> dict | None:
     """
     series = {}
     for name, row in (report.get("outliers") or {}).items():
-        m = re.search(r"\.(\d+)\.(.+)$", name)  # model.layers.3.self_attn.q_proj -> 3, self_attn.q_proj
+        m = re.search(
+            r"\.(\d+)\.(.+)$", name
+        )  # model.layers.3.self_attn.q_proj -> 3, self_attn.q_proj
         if m:
             series.setdefault(m.group(2).split(".")[-1], {})[int(m.group(1))] = row["dims"]
     merged = {}
@@ -59,10 +73,18 @@ class View:
 
 
 VIEWS = {
-    "awq_alpha": View(awq_alpha, "AWQ: chosen scale exponent α per layer",
-                      "α (s = mean|x|^α, dimensionless)", "layers_awq_alpha.png"),
-    "outliers": View(outlier_dims, "LLM.int8: outlier input dims per layer (calibration)",
-                     "input dims with |x| > threshold (count)", "layers_int8_outliers.png"),
+    "awq_alpha": View(
+        awq_alpha,
+        "AWQ: chosen scale exponent α per layer",
+        "α (s = mean|x|^α, dimensionless)",
+        "layers_awq_alpha.png",
+    ),
+    "outliers": View(
+        outlier_dims,
+        "LLM.int8: outlier input dims per layer (calibration)",
+        "input dims with |x| > threshold (count)",
+        "layers_int8_outliers.png",
+    ),
 }
 
 
@@ -89,7 +111,7 @@ def plot_view(view: View, runs: list[tuple[str, dict]], path: Path) -> Path:
         ax.set_ylabel(view.ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    for ax in axes[len(groups):]:
+    for ax in axes[len(groups) :]:
         ax.set_visible(False)
     fig.suptitle(view.title)
     fig.savefig(path, dpi=110)

@@ -32,7 +32,9 @@ def _log_probs(model, window: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
-def _source_log_probs(source, window: torch.Tensor, cache: Path | None, source_sha: str) -> torch.Tensor:
+def _source_log_probs(
+    source, window: torch.Tensor, cache: Path | None, source_sha: str
+) -> torch.Tensor:
     if cache is None:
         return _log_probs(source, window)
     from safetensors.torch import load_file, save_file
@@ -50,8 +52,14 @@ def _source_log_probs(source, window: torch.Tensor, cache: Path | None, source_s
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, source=None, desc: str = "eval",
-             cache: Path | None = None, source_sha: str = "") -> dict:
+def evaluate(
+    model,
+    windows: torch.Tensor,
+    source=None,
+    desc: str = "eval",
+    cache: Path | None = None,
+    source_sha: str = "",
+) -> dict:
     """Figures of ``model`` on ``windows [n, seqlen]``; KL and top-1 against ``source`` if given."""
     nll, source_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     for window in tqdm(windows, desc=desc, unit="window"):
@@ -66,8 +74,12 @@ def evaluate(model, windows: torch.Tensor, source=None, desc: str = "eval",
             del lp
         count += target.numel()
         del lq
-    out = {"ppl": math.exp(nll / count), "ppl_windows": int(windows.shape[0]),
-           "seqlen": int(windows.shape[1]), "tokens": count}
+    out = {
+        "ppl": math.exp(nll / count),
+        "ppl_windows": int(windows.shape[0]),
+        "seqlen": int(windows.shape[1]),
+        "tokens": count,
+    }
     if source is not None:
         out["source_ppl"] = math.exp(source_nll / count)
         out["kl_vs_source"] = kl / count

@@ -24,7 +24,9 @@ def find_runs(root: Path) -> list[Path]:
     """Folders under ``root`` (itself included) that hold a report.json; skips unfinished temp folders."""
     root = Path(root)
     found = [p.parent for p in root.rglob("report.json")]
-    return sorted(p for p in found if not any(part.startswith(".") for part in p.relative_to(root).parts))
+    return sorted(
+        p for p in found if not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
 
 
 def _json(path: Path) -> dict:
@@ -34,16 +36,25 @@ def _json(path: Path) -> dict:
 def load_run(folder: Path, root: Path) -> dict:
     """What the comparison needs of one run folder: report, resolved recipe, config, relative path."""
     manifest = _json(folder / "manifest.json")
-    return {"folder": folder, "rel": folder.relative_to(root).as_posix() or ".", "report": _json(folder / "report.json"),
-            "recipe": manifest.get("recipe", {}), "config": _json(folder / "config.json"),
-            "has_manifest": bool(manifest)}
+    return {
+        "folder": folder,
+        "rel": folder.relative_to(root).as_posix() or ".",
+        "report": _json(folder / "report.json"),
+        "recipe": manifest.get("recipe", {}),
+        "config": _json(folder / "config.json"),
+        "has_manifest": bool(manifest),
+    }
 
 
 def label_runs(runs: list[dict]) -> None:
     """``run["label"]``: the recipe name, with the folder where two runs share a recipe."""
     names = [r["report"].get("recipe", r["folder"].name) for r in runs]
     for run, name in zip(runs, names):
-        run["label"] = name if names.count(name) == 1 or run["folder"].name == name else f"{name} ({run['folder'].name})"
+        run["label"] = (
+            name
+            if names.count(name) == 1 or run["folder"].name == name
+            else f"{name} ({run['folder'].name})"
+        )
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -89,7 +100,12 @@ COLUMNS = [  # header, cell
     ("run time (s)", lambda r: _num(r["report"].get("elapsed_s"), ",.0f")),
     ("eval windows × tokens", lambda r: _protocol(r) or MISSING),
     ("run", lambda r: f"[{r['rel']}]({quote(r['rel'])}/)"),
-    ("manifest", lambda r: f"[manifest.json]({quote(r['rel'])}/manifest.json)" if r["has_manifest"] else MISSING),
+    (
+        "manifest",
+        lambda r: (
+            f"[manifest.json]({quote(r['rel'])}/manifest.json)" if r["has_manifest"] else MISSING
+        ),
+    ),
 ]
 
 
@@ -114,7 +130,11 @@ def _mb(v):
 
 def _protocol(run: dict) -> str | None:
     rep = run["report"]
-    return f"{rep['ppl_windows']} × {rep['seqlen']}" if "ppl_windows" in rep and "seqlen" in rep else None
+    return (
+        f"{rep['ppl_windows']} × {rep['seqlen']}"
+        if "ppl_windows" in rep and "seqlen" in rep
+        else None
+    )
 
 
 def table(runs: list[dict]) -> list[str]:
@@ -138,8 +158,15 @@ def _scatter(ax, runs: list[dict], x, y) -> list[dict]:
     markers = "osD^vP*Xh<>p"
     shown = [(i, r) for i, r in enumerate(runs) if x(r) is not None and y(r) is not None]
     for i, r in shown:
-        ax.scatter(x(r), y(r), marker=markers[i % len(markers)], color=f"C{i % 10}", s=60, zorder=3,
-                   label=r["label"])
+        ax.scatter(
+            x(r),
+            y(r),
+            marker=markers[i % len(markers)],
+            color=f"C{i % 10}",
+            s=60,
+            zorder=3,
+            label=r["label"],
+        )
     ax.grid(alpha=0.3)
     return [r for _, r in shown]
 
@@ -152,9 +179,23 @@ def plot_pareto(runs: list[dict], path: Path) -> Path | None:
     if not shown:
         return None
     front = sorted((shown[i] for i in pareto_front([(x(r), y(r)) for r in shown])), key=x)
-    ax.step([x(r) for r in front], [y(r) for r in front], where="post", ls="--", color="k", lw=1,
-            label="Pareto front")
-    ax.scatter([x(r) for r in front], [y(r) for r in front], s=220, facecolors="none", edgecolors="k", zorder=2)
+    ax.step(
+        [x(r) for r in front],
+        [y(r) for r in front],
+        where="post",
+        ls="--",
+        color="k",
+        lw=1,
+        label="Pareto front",
+    )
+    ax.scatter(
+        [x(r) for r in front],
+        [y(r) for r in front],
+        s=220,
+        facecolors="none",
+        edgecolors="k",
+        zorder=2,
+    )
     ppls = [y(r) for r in shown]
     if max(ppls) / min(ppls) > 3:
         from matplotlib.ticker import FuncFormatter
@@ -163,14 +204,19 @@ def plot_pareto(runs: list[dict], path: Path) -> Path | None:
         for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("weight bytes (MB, 10⁶ bytes: every saved tensor)")
-    ax.set_ylabel("WikiText-2 perplexity (lower is better" + (", log scale)" if ax.get_yscale() == "log" else ")"))
+    ax.set_ylabel(
+        "WikiText-2 perplexity (lower is better"
+        + (", log scale)" if ax.get_yscale() == "log" else ")")
+    )
     ax.set_title("Perplexity against size")
     ax.legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return path
 
 
-def plot_xy(runs: list[dict], path: Path, x_key: str, y_key: str, xlabel: str, ylabel: str, title: str):
+def plot_xy(
+    runs: list[dict], path: Path, x_key: str, y_key: str, xlabel: str, ylabel: str, title: str
+):
     """A scatter of two report.json figures, when at least one run has both."""
     fig, ax = _figure()
     if not _scatter(ax, runs, lambda r: r["report"].get(x_key), lambda r: r["report"].get(y_key)):
@@ -198,30 +244,65 @@ def write_comparison(root: Path) -> Path:
     root = Path(root)
     runs = [load_run(f, root) for f in find_runs(root)]
     if not runs:
-        raise CompressError(f"no run folders under '{root}' (folders with a report.json). Run a recipe first: "
-                            f"`python -m compress recipe=awq_int4`.")
+        raise CompressError(
+            f"no run folders under '{root}' (folders with a report.json). Run a recipe first: "
+            f"`python -m compress recipe=awq_int4`."
+        )
     label_runs(runs)
-    runs.sort(key=lambda r: (r["report"].get("model", ""), -(r["report"].get("weight_bytes") or 0), r["label"]))
+    runs.sort(
+        key=lambda r: (
+            r["report"].get("model", ""),
+            -(r["report"].get("weight_bytes") or 0),
+            r["label"],
+        )
+    )
     plots = [  # (caption, path or None when no run has the figures)
-        ("Perplexity against weight bytes, Pareto front marked", plot_pareto(runs, root / "ppl_vs_weight_bytes.png")),
-        ("Decode tokens/s against perplexity", plot_xy(
-            runs, root / "decode_vs_ppl.png", "ppl", "decode_tok_s", "WikiText-2 perplexity (lower is better)",
-            "decode tokens/s (batch 1, higher is better)", "Decode speed against perplexity")),
-        ("KV-cache bytes per token against KL", plot_xy(
-            runs, root / "kv_vs_kl.png", "kv_bytes_per_token", "kl_vs_source",
-            "KV-cache size per token (bytes, as stored)", "KL(source ‖ run) (nats/token)",
-            "KV-cache size against divergence from the source")),
+        (
+            "Perplexity against weight bytes, Pareto front marked",
+            plot_pareto(runs, root / "ppl_vs_weight_bytes.png"),
+        ),
+        (
+            "Decode tokens/s against perplexity",
+            plot_xy(
+                runs,
+                root / "decode_vs_ppl.png",
+                "ppl",
+                "decode_tok_s",
+                "WikiText-2 perplexity (lower is better)",
+                "decode tokens/s (batch 1, higher is better)",
+                "Decode speed against perplexity",
+            ),
+        ),
+        (
+            "KV-cache bytes per token against KL",
+            plot_xy(
+                runs,
+                root / "kv_vs_kl.png",
+                "kv_bytes_per_token",
+                "kl_vs_source",
+                "KV-cache size per token (bytes, as stored)",
+                "KL(source ‖ run) (nats/token)",
+                "KV-cache size against divergence from the source",
+            ),
+        ),
         *plot_layer_views(runs, root),
     ]
-    lines = [f"# Comparison of {len(runs)} run{'s' if len(runs) != 1 else ''}", "",
-             "Perplexity: WikiText-2 raw test, non-overlapping windows (column *eval windows × tokens*); KL and "
-             "top-1 agreement against the uncompressed source on the same windows. Weight bytes: every saved "
-             "tensor. Compression time: the recipe's stages; run time: the whole run, with "
-             f"loading, export, eval and the decoder. {MISSING}: not measured in that run.", ""]
+    lines = [
+        f"# Comparison of {len(runs)} run{'s' if len(runs) != 1 else ''}",
+        "",
+        "Perplexity: WikiText-2 raw test, non-overlapping windows (column *eval windows × tokens*); KL and "
+        "top-1 agreement against the uncompressed source on the same windows. Weight bytes: every saved "
+        "tensor. Compression time: the recipe's stages; run time: the whole run, with "
+        f"loading, export, eval and the decoder. {MISSING}: not measured in that run.",
+        "",
+    ]
     protocols = {(r["report"].get("model"), _protocol(r)) for r in runs}
     if len(protocols) > 1:
-        lines += ["**Note:** these runs differ in model or eval windows; compare perplexity only between runs "
-                  "with the same model and windows.", ""]
+        lines += [
+            "**Note:** these runs differ in model or eval windows; compare perplexity only between runs "
+            "with the same model and windows.",
+            "",
+        ]
     lines += table(runs)
     for caption, path in plots:
         if path:
@@ -232,7 +313,9 @@ def write_comparison(root: Path) -> Path:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m compress.eval.report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m compress.eval.report", description=__doc__.splitlines()[0]
+    )
     p.add_argument("path", type=Path, help="folder holding run folders, e.g. outputs/")
     args = p.parse_args(argv)
     try:

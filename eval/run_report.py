@@ -39,8 +39,10 @@ def bit_width(report: dict, config: dict, recipe: dict) -> int | None:
 
 def protocol(report: dict) -> str:
     """The eval protocol behind the figures, in one sentence."""
-    return (f"WikiText-2 test, first {report['ppl_windows']} windows of {report['seqlen']} tokens; "
-            f"KL and top-1 against the uncompressed source on the same windows.")
+    return (
+        f"WikiText-2 test, first {report['ppl_windows']} windows of {report['seqlen']} tokens; "
+        f"KL and top-1 against the uncompressed source on the same windows."
+    )
 
 
 def ppl_delta(report: dict) -> str | None:
@@ -56,11 +58,27 @@ def metrics_table(report: dict) -> list[str]:
     follow the run's."""
     lines = ["| metric | value |", "|---|---|"]
     delta = ppl_delta(report)
-    for key in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source", "weight_bytes",
-                "linear_weight_bytes", "params", "distill_tokens", "bits", "group_size",
-                "llm_int8_threshold", "llm_int8_threshold_reason", "decode_tok_s",
-                "prefill_tok_s", "decode_threads", "kv_bytes_per_token", "decode_error",
-                "peak_rss_bytes", "elapsed_s"):
+    for key in (
+        "ppl",
+        "source_ppl",
+        "kl_vs_source",
+        "top1_vs_source",
+        "weight_bytes",
+        "linear_weight_bytes",
+        "params",
+        "distill_tokens",
+        "bits",
+        "group_size",
+        "llm_int8_threshold",
+        "llm_int8_threshold_reason",
+        "decode_tok_s",
+        "prefill_tok_s",
+        "decode_threads",
+        "kv_bytes_per_token",
+        "decode_error",
+        "peak_rss_bytes",
+        "elapsed_s",
+    ):
         if key in report:
             lines.append(f"| {key} | {_fmt(report[key])} |")
         if key == "source_ppl" and delta:
@@ -73,7 +91,13 @@ def write_report(folder: Path, report: dict) -> None:
     from compress.eval.layer_views import plot_run_views
 
     (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
-    lines = [f"# {report['recipe']} on {report['model']}", "", protocol(report), "", *metrics_table(report)]
+    lines = [
+        f"# {report['recipe']} on {report['model']}",
+        "",
+        protocol(report),
+        "",
+        *metrics_table(report),
+    ]
     lines += ["", "| stage | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in report["stages"].items()]
     for title, file in plot_run_views(folder, report, report["recipe"]):

@@ -49,9 +49,14 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     return cpu_quant_matmul(x, layer)
 
 
-def int8_matmul(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
-                col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int8_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_absmax: torch.Tensor,
+    col_absmax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``(a @ b^T) * row_absmax[:, None] * col_absmax / 127^2 + bias`` -> ``[M, N]`` in
     ``out_dtype``, from int8 ``a [M, K]``, ``b [N, K]`` and absmax vectors ``[M]``, ``[N]``."""
     where = backend(a)
@@ -73,8 +78,11 @@ def _packkv(x: torch.Tensor, head_dim: int):
 
         if packkv.supports(head_dim):
             return packkv
-    elif where == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
-            and not (x.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
+    elif (
+        where == "cpu"
+        and os.environ.get("COMPRESS_KERNELS") != "eager"
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):  # the kernel has no backward
         from compress.kernels import native, packkv_cpu
 
         if native.library() is not None:
@@ -97,8 +105,11 @@ def packkv_pv(p: torch.Tensor, v, out: torch.Tensor | None = None) -> torch.Tens
 def _kivi(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str):
     """The module computing KIVI's products for ``x``: ``kivi_cpu`` (fp32 CPU inputs, when it
     builds and ``COMPRESS_KERNELS`` is not ``eager``) or ``kivi_ref``."""
-    if backend(x) == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager" \
-            and not (x.requires_grad and torch.is_grad_enabled()):
+    if (
+        backend(x) == "cpu"
+        and os.environ.get("COMPRESS_KERNELS") != "eager"
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
         from compress.kernels import kivi_cpu, native
 
         if kivi_cpu.supports(x, zero, head_dim, which) and native.library() is not None:
@@ -108,14 +119,16 @@ def _kivi(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str):
     return kivi_ref
 
 
-def kivi_qk(q: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
-            n: int, bits: int) -> torch.Tensor:
+def kivi_qk(
+    q: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, n: int, bits: int
+) -> torch.Tensor:
     """Scores ``q [BH, M, D] @ K_hat^T -> [BH, M, n]`` of KIVI's K of one layer (layout in
     ``kivi_ref``), in ``q``'s dtype."""
     return _kivi(q, zero, q.shape[-1], "k").qk(q, codes, zero, scale, n, bits)
 
 
-def kivi_pv(p: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor,
-            n: int, bits: int) -> torch.Tensor:
+def kivi_pv(
+    p: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, n: int, bits: int
+) -> torch.Tensor:
     """``p [BH, M, n] @ V_hat -> [BH, M, D]`` of KIVI's V of one layer, in ``p``'s dtype."""
     return _kivi(p, zero, codes.shape[-1] * 32 // bits, "v").pv(p, codes, zero, scale, n, bits)

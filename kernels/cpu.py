@@ -75,6 +75,7 @@ def _codes(layer) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- int4pack: ATen's bfloat16 kernel, one call per nibble of the codes ------------------------
 
+
 def prepare_int4pack(layer, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(w, scales_and_zeros)`` per nibble: ``q - z = sum_i m_i (n_i - 8) + b`` (see the module
     docstring)."""
@@ -113,8 +114,10 @@ def int4pack_mm(x: torch.Tensor, layer) -> torch.Tensor:
 
 # ---- kplanes: codes packed along K, compiled unpack-and-accumulate -----------------------------
 
-def prepare_kplanes(layer) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor,
-                                     torch.Tensor]:
+
+def prepare_kplanes(
+    layer,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor, torch.Tensor]:
     """``(planes, widths, s, z)``: the codes packed along K (``pack_planes`` of ``q^T``, each
     plane transposed to ``[in*p/32, out]``), their widths, and fp32 scales and zeros."""
     q, z = _codes(layer)
@@ -144,8 +147,10 @@ def gemv(x, packed, widths, s, z, unroll: int):
     M, K = x.shape
     q = _unpack_k(packed, widths).reshape(G, K // G // unroll, unroll, N).float()
     xg = x.reshape(M, G, -1, unroll, 1)
-    rows = [(sum((xg[m, :, :, u] * q[:, :, u]).sum(1) for u in range(unroll)) * s).sum(0)
-            for m in range(M)]
+    rows = [
+        (sum((xg[m, :, :, u] * q[:, :, u]).sum(1) for u in range(unroll)) * s).sum(0)
+        for m in range(M)
+    ]
     return torch.stack(rows) - x.reshape(M, G, -1).sum(-1) @ (z * s)
 
 
@@ -178,8 +183,10 @@ class _Compiled:
             return self.compiled(*args)
         except Exception as e:  # no C++ compiler, an inductor bug
             self.failed = True
-            warnings.warn(f"torch.compile of the CPU dequant kernel failed "
-                          f"({type(e).__name__}: {e}); running it eagerly, which is slower.")
+            warnings.warn(
+                f"torch.compile of the CPU dequant kernel failed "
+                f"({type(e).__name__}: {e}); running it eagerly, which is slower."
+            )
             return self.fn(*args)
 
 
@@ -229,14 +236,21 @@ def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
     return x @ layer.dequantize(x.dtype).t()
 
 
-PATHS = {"int4pack": int4pack_mm, "kplanes-gemv": kplanes_gemv,
-         "kplanes-dequant": kplanes_dequant_mm, "reference": reference_mm}
+PATHS = {
+    "int4pack": int4pack_mm,
+    "kplanes-gemv": kplanes_gemv,
+    "kplanes-dequant": kplanes_dequant_mm,
+    "reference": reference_mm,
+}
 
 
 def int4pack_fits(x: torch.Tensor, layer) -> bool:
     """ATen's int4pack kernel takes bfloat16, out % 16 == 0 and g in 32..256."""
-    return (x.dtype == torch.bfloat16 and layer.out_features % 16 == 0
-            and layer.group_size in (32, 64, 128, 256))
+    return (
+        x.dtype == torch.bfloat16
+        and layer.out_features % 16 == 0
+        and layer.group_size in (32, 64, 128, 256)
+    )
 
 
 def kplanes_fit(layer) -> bool:
@@ -267,10 +281,12 @@ def cpu_path(x: torch.Tensor, layer) -> str:
     """Name of the measured-fastest exact CPU path for ``x``'s dtype, the layer and ``M``."""
     if layer.cache.get("lean"):
         if x.dtype != torch.bfloat16:
-            raise CompressError(f"this quantized layer [{layer.in_features} -> "
-                                f"{layer.out_features}] was loaded lean (only its bfloat16 "
-                                f"int4pack form is kept), so it takes bfloat16 inputs, not "
-                                f"{x.dtype}; load without lean to compute in other dtypes.")
+            raise CompressError(
+                f"this quantized layer [{layer.in_features} -> "
+                f"{layer.out_features}] was loaded lean (only its bfloat16 "
+                f"int4pack form is kept), so it takes bfloat16 inputs, not "
+                f"{x.dtype}; load without lean to compute in other dtypes."
+            )
         return "int4pack"
     if int4pack_fits(x, layer) and x.shape[0] <= INT4PACK_MAX_M[1 if layer.bits <= 4 else 2]:
         return "int4pack"
@@ -284,6 +300,7 @@ def cpu_quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 # ---- the same products as modules, for a torch.compile'd graph ---------------------------------
+
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
@@ -324,8 +341,9 @@ class KPlanesLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = tuple(getattr(self, f"q{p}") for p in self.widths)
-        y = gemv(x.reshape(-1, x.shape[-1]).float(), packed, self.widths, self.s, self.z,
-                 self.unroll)
+        y = gemv(
+            x.reshape(-1, x.shape[-1]).float(), packed, self.widths, self.s, self.z, self.unroll
+        )
         return _add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features), self.bias)
 
 

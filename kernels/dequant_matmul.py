@@ -33,8 +33,9 @@ MIN_BLOCK_K = 16  # tl.dot's smallest K
 def _plane(ptr, rows, cols, col_mask, N, P: tl.constexpr, AWQ: tl.constexpr):
     """Bits of one ``P``-bit plane, int32 ``[rows, cols]``; the plane is int32 ``[*, N*P/32]``."""
     PER: tl.constexpr = 32 // P
-    words = tl.load(ptr + rows[:, None] * (N // PER) + (cols // PER)[None, :],
-                    mask=col_mask[None, :], other=0)
+    words = tl.load(
+        ptr + rows[:, None] * (N // PER) + (cols // PER)[None, :], mask=col_mask[None, :], other=0
+    )
     if AWQ:
         slot = (cols % 8) // 2 + (cols % 2) * 4  # nibble of column 8*j + r: AWQ_ORDER inverted
     else:
@@ -43,8 +44,17 @@ def _plane(ptr, rows, cols, col_mask, N, P: tl.constexpr, AWQ: tl.constexpr):
 
 
 @triton.jit
-def _codes(ptrs, rows, cols, col_mask, N, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
-           NUM_PLANES: tl.constexpr, AWQ: tl.constexpr):
+def _codes(
+    ptrs,
+    rows,
+    cols,
+    col_mask,
+    N,
+    WIDTHS: tl.constexpr,
+    LOWS: tl.constexpr,
+    NUM_PLANES: tl.constexpr,
+    AWQ: tl.constexpr,
+):
     """Codes ``[rows, cols]`` from their bit planes: plane ``i`` holds bits ``LOWS[i] ..
     LOWS[i] + WIDTHS[i]``."""
     q = _plane(ptrs[0], rows, cols, col_mask, N, WIDTHS[0], AWQ)
@@ -54,8 +64,21 @@ def _codes(ptrs, rows, cols, col_mask, N, WIDTHS: tl.constexpr, LOWS: tl.constex
 
 
 @triton.jit
-def _dequant_tile(qw, qz, s_ptr, k0, rk, rn, n_mask, N, G: tl.constexpr, WIDTHS: tl.constexpr,
-                  LOWS: tl.constexpr, NUM_PLANES: tl.constexpr, AWQ: tl.constexpr):
+def _dequant_tile(
+    qw,
+    qz,
+    s_ptr,
+    k0,
+    rk,
+    rn,
+    n_mask,
+    N,
+    G: tl.constexpr,
+    WIDTHS: tl.constexpr,
+    LOWS: tl.constexpr,
+    NUM_PLANES: tl.constexpr,
+    AWQ: tl.constexpr,
+):
     """fp32 ``W_hat^T[k0 + rk, rn]``; the K block lies inside group ``k0 // G``."""
     g = k0 // G
     q = _codes(qw, k0 + rk, rn, n_mask, N, WIDTHS, LOWS, NUM_PLANES, AWQ)
@@ -65,18 +88,34 @@ def _dequant_tile(qw, qz, s_ptr, k0, rk, rn, n_mask, N, G: tl.constexpr, WIDTHS:
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, stride_xm,
-                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
-                 NUM_PLANES: tl.constexpr, AWQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_kernel(
+    x_ptr,
+    out_ptr,
+    qw,
+    qz,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    G: tl.constexpr,
+    WIDTHS: tl.constexpr,
+    LOWS: tl.constexpr,
+    NUM_PLANES: tl.constexpr,
+    AWQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None],
-                    other=0.0)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0
+        )
         w = _dequant_tile(qw, qz, s_ptr, k0, rk, rn, n_mask, N, G, WIDTHS, LOWS, NUM_PLANES, AWQ)
         acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
     out = out_ptr + rm[:, None] * N + rn[None, :]
@@ -84,10 +123,26 @@ def _gemm_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, stride_xm,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, qw, qz, s_ptr, M, N, K, K_SPLIT, stride_xm,
-                 G: tl.constexpr, WIDTHS: tl.constexpr, LOWS: tl.constexpr,
-                 NUM_PLANES: tl.constexpr, AWQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    out_ptr,
+    qw,
+    qz,
+    s_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_xm,
+    G: tl.constexpr,
+    WIDTHS: tl.constexpr,
+    LOWS: tl.constexpr,
+    NUM_PLANES: tl.constexpr,
+    AWQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Writes ``out[split, m, n]``: the sum over K split ``split`` (program axis 1) of rows
     ``m < M``."""
     split = tl.program_id(1)
@@ -115,7 +170,8 @@ def block_k(group_size: int, cap: int = 64) -> int:
         raise CompressError(
             f"group size {group_size} is not a multiple of {MIN_BLOCK_K}, the Triton kernel's "
             f"smallest K block; re-quantize with a group size that is a multiple of {MIN_BLOCK_K} "
-            f"(e.g. 32, 64, 128).")
+            f"(e.g. 32, 64, 128)."
+        )
     return bk
 
 
@@ -123,13 +179,15 @@ def _launch_args(layer) -> tuple[tuple, tuple, dict]:
     ps = planes(layer)
     widths = tuple(p for p, _, _ in ps)
     lows = tuple(sum(widths[:i]) for i in range(len(widths)))
-    meta = dict(G=layer.group_size, WIDTHS=widths, LOWS=lows, NUM_PLANES=len(ps),
-                AWQ=layer.format == "awq")
+    meta = dict(
+        G=layer.group_size, WIDTHS=widths, LOWS=lows, NUM_PLANES=len(ps), AWQ=layer.format == "awq"
+    )
     return tuple(t.contiguous() for _, t, _ in ps), tuple(t.contiguous() for _, _, t in ps), meta
 
 
-def gemv(x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1,
-         block_n: int = 64) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1, block_n: int = 64
+) -> torch.Tensor:
     """``out [M, N] = x @ W_hat^T`` for ``M <= 8``, with K split over ``split_k`` programs."""
     M, K = x.shape
     N = layer.out_features
@@ -141,23 +199,51 @@ def gemv(x: torch.Tensor, layer, out: torch.Tensor, split_k: int = 1,
     part = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     qw, qz, meta = _launch_args(layer)
     grid = (triton.cdiv(N, block_n), split_k)
-    _gemv_kernel[grid](x, part, qw, qz, layer.scales, M, N, K, k_split, x.stride(0),
-                       BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=bk, **meta)
+    _gemv_kernel[grid](
+        x,
+        part,
+        qw,
+        qz,
+        layer.scales,
+        M,
+        N,
+        K,
+        k_split,
+        x.stride(0),
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=block_n,
+        BLOCK_K=bk,
+        **meta,
+    )
     if split_k > 1:
         out.copy_(part.sum(0))
     return out
 
 
-def gemm(x: torch.Tensor, layer, out: torch.Tensor, block_m: int = 64,
-         block_n: int = 64) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, layer, out: torch.Tensor, block_m: int = 64, block_n: int = 64
+) -> torch.Tensor:
     """``out [M, N] = x @ W_hat^T`` as tiles of ``block_m x block_n``."""
     M, K = x.shape
     N = layer.out_features
     block_m = min(block_m, max(16, triton.next_power_of_2(M)))
     qw, qz, meta = _launch_args(layer)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _gemm_kernel[grid](x, out, qw, qz, layer.scales, M, N, K, x.stride(0),
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(layer.group_size), **meta)
+    _gemm_kernel[grid](
+        x,
+        out,
+        qw,
+        qz,
+        layer.scales,
+        M,
+        N,
+        K,
+        x.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k(layer.group_size),
+        **meta,
+    )
     return out
 
 
@@ -178,8 +264,10 @@ def triton_quant_matmul(x: torch.Tensor, layer, out: torch.Tensor | None = None)
     if out is None:
         out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype, device=x.device)
     if out.shape != (x.shape[0], layer.out_features) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{x.shape[0]}, {layer.out_features}] tensor, "
-                         f"got {tuple(out.shape)} with strides {out.stride()}")
+        raise ValueError(
+            f"out must be a contiguous [{x.shape[0]}, {layer.out_features}] tensor, "
+            f"got {tuple(out.shape)} with strides {out.stride()}"
+        )
     if x.shape[0] == 0:
         return out
     if x.shape[0] <= GEMV_MAX_M:

@@ -18,9 +18,14 @@ several times faster than a contiguous ``[K, N]`` copy at M = 1, one thread::
 import torch
 
 
-def int8_matmul_dequant_cpu(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
-                            col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
-                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int8_matmul_dequant_cpu(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_absmax: torch.Tensor,
+    col_absmax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``(a @ b.T) * row_absmax[:, None] * col_absmax[None, :] / 127^2 + bias`` via
     ``torch._int_mm``."""
     acc = torch._int_mm(a, b.t())

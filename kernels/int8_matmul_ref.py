@@ -15,9 +15,14 @@ the ground truth the CPU path (``int8_cpu.py``) and the Triton kernel
 import torch
 
 
-def int8_matmul_dequant_ref(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
-                            col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
-                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int8_matmul_dequant_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_absmax: torch.Tensor,
+    col_absmax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``C [M, N]`` from ``a [M, K]`` int8, ``b [N, K]`` int8 and the absmax vectors ``[M]``,
     ``[N]``."""
     acc = a.double() @ b.double().t()

@@ -24,11 +24,26 @@ import triton.language as tl
 
 @triton.jit
 def _int8_matmul_dequant_kernel(
-    a_ptr, b_ptr, ra_ptr, rb_ptr, bias_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    a_ptr,
+    b_ptr,
+    ra_ptr,
+    rb_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -71,10 +86,15 @@ def _blocks(M: int) -> tuple[int, int, int]:
     return block_m, 128, 64
 
 
-def int8_matmul_dequant_triton(a: torch.Tensor, b: torch.Tensor, row_absmax: torch.Tensor,
-                               col_absmax: torch.Tensor, bias: torch.Tensor | None = None,
-                               out_dtype: torch.dtype = torch.float32,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+def int8_matmul_dequant_triton(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_absmax: torch.Tensor,
+    col_absmax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``C [M, N]`` from ``a [M, K]`` int8, ``b [N, K]`` int8 and absmax vectors ``[M]``, ``[N]``.
 
     ``out`` (optional, ``[M, N]``) is written in place; otherwise a new ``out_dtype`` tensor is
@@ -83,18 +103,35 @@ def int8_matmul_dequant_triton(a: torch.Tensor, b: torch.Tensor, row_absmax: tor
     M, K = a.shape
     N = b.shape[0]
     if a.dtype != torch.int8 or b.dtype != torch.int8 or b.shape[1] != K:
-        raise ValueError(f"int8 GEMM wants a [M, K] and b [N, K] int8, got {a.dtype} "
-                         f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+        raise ValueError(
+            f"int8 GEMM wants a [M, K] and b [N, K] int8, got {a.dtype} "
+            f"{tuple(a.shape)} and {b.dtype} {tuple(b.shape)}"
+        )
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if out is None else out
     block_m, block_n, block_k = _blocks(M)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _int8_matmul_dequant_kernel[grid](
-        a, b, row_absmax.contiguous(), col_absmax.contiguous(),
-        bias.contiguous() if bias is not None else c, c,
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a,
+        b,
+        row_absmax.contiguous(),
+        col_absmax.contiguous(),
+        bias.contiguous() if bias is not None else c,
+        c,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=4, num_stages=3,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        num_warps=4,
+        num_stages=3,
     )
     return c

@@ -30,7 +30,7 @@ def k_hat(words, zero, scale, n: int, bits: int, dtype=torch.float32) -> torch.T
     """``K_hat [BH, n, D]`` in ``dtype``: zero and scale per group of ``cap / zero.shape[1]``
     tokens."""
     G = words.shape[1] // zero.shape[1]
-    z, s = (t[:, :n // G].repeat_interleave(G, 1).to(dtype) for t in (zero, scale))
+    z, s = (t[:, : n // G].repeat_interleave(G, 1).to(dtype) for t in (zero, scale))
     return z + s * codes(words, n, bits).to(dtype)
 
 

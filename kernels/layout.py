@@ -22,8 +22,10 @@ def planes(layer) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """``(p, qweight, qzeros)`` for each bit plane of ``layer``, low bits first."""
     if layer.format == "awq":
         return [(4, layer.qweight, layer.qzeros)]
-    return [(p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}"))
-            for p in plane_widths(layer.bits)]
+    return [
+        (p, getattr(layer, f"qweight_w{p}"), getattr(layer, f"qzeros_w{p}"))
+        for p in plane_widths(layer.bits)
+    ]
 
 
 def stamp(layer) -> tuple:
@@ -32,8 +34,10 @@ def stamp(layer) -> tuple:
 
 
 def _where(layer) -> str:
-    return (f"quantized layer [{layer.in_features} -> {layer.out_features}], {layer.bits}-bit, "
-            f"group size {layer.group_size}")
+    return (
+        f"quantized layer [{layer.in_features} -> {layer.out_features}], {layer.bits}-bit, "
+        f"group size {layer.group_size}"
+    )
 
 
 def check_layer(layer) -> None:
@@ -41,42 +45,56 @@ def check_layer(layer) -> None:
     k, n, g = layer.in_features, layer.out_features, layer.group_size
     where = _where(layer)
     if g <= 0 or k % g:
-        raise CompressError(f"{where}: in_features {k} is not a multiple of the group size "
-                            f"{g}; re-quantize with a group size that divides {k} (e.g. 128, 64 "
-                            f"or 32).")
+        raise CompressError(
+            f"{where}: in_features {k} is not a multiple of the group size "
+            f"{g}; re-quantize with a group size that divides {k} (e.g. 128, 64 "
+            f"or 32)."
+        )
     pack = 8 if layer.format == "awq" else 32
     if n % pack:
-        raise CompressError(f"{where}: out_features {n} is not a multiple of {pack}, the "
-                            f"columns per packed int32 word of the '{layer.format}' format; pad "
-                            f"the layer or leave it unquantized.")
+        raise CompressError(
+            f"{where}: out_features {n} is not a multiple of {pack}, the "
+            f"columns per packed int32 word of the '{layer.format}' format; pad "
+            f"the layer or leave it unquantized."
+        )
     if layer.scales.shape != (k // g, n) or not layer.scales.is_floating_point():
-        raise CompressError(f"{where}: scales have shape {tuple(layer.scales.shape)} and dtype "
-                            f"{layer.scales.dtype}, expected a float tensor [{k // g}, {n}]; the "
-                            f"checkpoint is corrupt.")
+        raise CompressError(
+            f"{where}: scales have shape {tuple(layer.scales.shape)} and dtype "
+            f"{layer.scales.dtype}, expected a float tensor [{k // g}, {n}]; the "
+            f"checkpoint is corrupt."
+        )
     for p, qw, qz in planes(layer):
         for name, t, rows in (("qweight", qw, k), ("qzeros", qz, k // g)):
             shape = (rows, n * p // 32)
             if t.dtype != torch.int32 or t.shape != shape or t.device != layer.scales.device:
-                raise CompressError(f"{where}: {p}-bit plane of {name} has shape "
-                                    f"{tuple(t.shape)}, dtype {t.dtype} and device {t.device}, "
-                                    f"expected int32 [{rows}, {n * p // 32}] on "
-                                    f"{layer.scales.device}; the checkpoint is corrupt.")
+                raise CompressError(
+                    f"{where}: {p}-bit plane of {name} has shape "
+                    f"{tuple(t.shape)}, dtype {t.dtype} and device {t.device}, "
+                    f"expected int32 [{rows}, {n * p // 32}] on "
+                    f"{layer.scales.device}; the checkpoint is corrupt."
+                )
 
 
 def check_inputs(x: torch.Tensor, layer) -> None:
     """Raise ``CompressError`` unless ``x [M, in]`` and ``layer`` fit the kernels (the layer once
     per change)."""
     if x.dim() != 2 or x.shape[1] != layer.in_features:
-        raise CompressError(f"{_where(layer)}: input of shape {tuple(x.shape)} is not "
-                            f"[M, {layer.in_features}]; flatten the leading dimensions to "
-                            f"[M, in_features] first.")
+        raise CompressError(
+            f"{_where(layer)}: input of shape {tuple(x.shape)} is not "
+            f"[M, {layer.in_features}]; flatten the leading dimensions to "
+            f"[M, in_features] first."
+        )
     if x.dtype not in FLOAT_DTYPES:
-        raise CompressError(f"{_where(layer)}: input dtype {x.dtype} is not supported; "
-                            f"cast it to float16, bfloat16 or float32.")
+        raise CompressError(
+            f"{_where(layer)}: input dtype {x.dtype} is not supported; "
+            f"cast it to float16, bfloat16 or float32."
+        )
     if layer.scales.device != x.device:
-        raise CompressError(f"{_where(layer)}: input is on {x.device} but the packed weight is "
-                            f"on {layer.scales.device}; move the model and its inputs to the same "
-                            f"device.")
+        raise CompressError(
+            f"{_where(layer)}: input is on {x.device} but the packed weight is "
+            f"on {layer.scales.device}; move the model and its inputs to the same "
+            f"device."
+        )
     current = stamp(layer)
     if layer.cache.get("checked") != current:
         check_layer(layer)

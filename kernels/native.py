@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(f) for f in ("packkv_cpu.cpp", "kivi_cpu.cpp")]
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
-             "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
 P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {  # argument types of the exported functions (all return void)
     "packkv_qk": [P, P, I64, I64, I64, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
@@ -42,21 +44,28 @@ def _build(capability: str | None = None) -> ctypes.CDLL:
 
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
-        raise BuildError(f"no C++ compiler: '{cxx}' is not on PATH (install g++ or clang, or "
-                         f"set CXX)")
+        raise BuildError(
+            f"no C++ compiler: '{cxx}' is not on PATH (install g++ or clang, or set CXX)"
+        )
     if not cpp_extension.is_ninja_available():
         raise BuildError("torch's extension builder needs ninja (pip install ninja)")
     capability = capability or torch.backends.cpu.get_cpu_capability()
     first = None
     # the CPU's widest build with OpenMP threads, then fallbacks for compilers without its
     # instructions or without OpenMP: portable C++, then portable C++ on one thread
-    for isa, omp in dict.fromkeys([(capability if capability in ISA_FLAGS else None, True),
-                                   (None, True), (None, False)]):
+    for isa, omp in dict.fromkeys(
+        [(capability if capability in ISA_FLAGS else None, True), (None, True), (None, False)]
+    ):
         flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, []) + ["-fopenmp"] * omp
         name = "compress_cpu_kernels" + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t")
         try:
-            path = cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags,
-                                      extra_ldflags=["-fopenmp"] * omp, is_python_module=False)
+            path = cpp_extension.load(
+                name,
+                [str(s) for s in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"] * omp,
+                is_python_module=False,
+            )
             break
         except Exception as e:
             first = first or e
@@ -77,11 +86,14 @@ def library() -> ctypes.CDLL | None:
             _LIB["lib"] = None
             reason = " ".join(str(e).split())
             reason = reason if len(reason) <= 400 else reason[:400] + " ..."
-            warnings.warn(f"the C++ CPU kernels could not be built ({type(e).__name__}: "
-                          f"{reason}); PackKV and KIVI attention run the PyTorch path instead "
-                          f"(it dequantizes the history into scratch each step: slower at long "
-                          f"contexts). Set COMPRESS_KERNELS=ref to skip the build.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"the C++ CPU kernels could not be built ({type(e).__name__}: "
+                f"{reason}); PackKV and KIVI attention run the PyTorch path instead "
+                f"(it dequantizes the history into scratch each step: slower at long "
+                f"contexts). Set COMPRESS_KERNELS=ref to skip the build.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return _LIB["lib"]
 
 

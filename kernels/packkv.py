@@ -26,7 +26,9 @@ import triton.language as tl
 from compress.kernels.packkv_ref import PACK, STEPS_PER_OCTAVE, Packed
 
 BLOCK_T = 64
-STEPS = tl.constexpr(STEPS_PER_OCTAVE)  # a global a compiled kernel may read (annotating it is not enough)
+STEPS = tl.constexpr(
+    STEPS_PER_OCTAVE
+)  # a global a compiled kernel may read (annotating it is not enough)
 
 
 @triton.jit
@@ -39,8 +41,23 @@ def _bits(words, idx, n_words, bitpos, width, mask):
 
 
 @triton.jit
-def _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, bh, s0,
-                 D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _decode_tile(
+    tmin,
+    lstep,
+    pmeta,
+    poff,
+    data,
+    n_words,
+    n,
+    cap,
+    meta_words,
+    mbits,
+    fbits,
+    bh,
+    s0,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """``x_hat [BLOCK_T, D]`` fp32 of slots ``s0 ..`` of row ``bh``; zeros past ``n``."""
     slot = s0 + tl.arange(0, BLOCK_T)
     ok = (slot < n)[:, None]
@@ -57,35 +74,108 @@ def _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mb
 
 
 @triton.jit
-def _qk_kernel(q, out, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits, M,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+def _qk_kernel(
+    q,
+    out,
+    tmin,
+    lstep,
+    pmeta,
+    poff,
+    data,
+    n_words,
+    n,
+    cap,
+    meta_words,
+    mbits,
+    fbits,
+    M,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     bh, s0 = tl.program_id(0), tl.program_id(1) * BLOCK_T
-    x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits,
-                     bh, s0, D, BLOCK_T)
+    x = _decode_tile(
+        tmin,
+        lstep,
+        pmeta,
+        poff,
+        data,
+        n_words,
+        n,
+        cap,
+        meta_words,
+        mbits,
+        fbits,
+        bh,
+        s0,
+        D,
+        BLOCK_T,
+    )
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     qt = tl.load(q + (bh * M + m[:, None]) * D + ch[None, :], mask=m[:, None] < M, other=0.0)
     s = tl.dot(qt, tl.trans(x), input_precision="ieee")
     slot = s0 + tl.arange(0, BLOCK_T)
-    tl.store(out + (bh * M + m[:, None]) * n + slot[None, :], s,
-             mask=(m[:, None] < M) & (slot[None, :] < n))
+    tl.store(
+        out + (bh * M + m[:, None]) * n + slot[None, :],
+        s,
+        mask=(m[:, None] < M) & (slot[None, :] < n),
+    )
 
 
 @triton.jit
-def _pv_kernel(p, part, tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits, fbits,
-               M, BH, tiles, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+def _pv_kernel(
+    p,
+    part,
+    tmin,
+    lstep,
+    pmeta,
+    poff,
+    data,
+    n_words,
+    n,
+    cap,
+    meta_words,
+    mbits,
+    fbits,
+    M,
+    BH,
+    tiles,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     bh, split = tl.program_id(0), tl.program_id(1)
     m, ch = tl.arange(0, BLOCK_M), tl.arange(0, D)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for t in range(split * tiles, (split + 1) * tiles):
         s0 = t * BLOCK_T
-        x = _decode_tile(tmin, lstep, pmeta, poff, data, n_words, n, cap, meta_words, mbits,
-                         fbits, bh, s0, D, BLOCK_T)
+        x = _decode_tile(
+            tmin,
+            lstep,
+            pmeta,
+            poff,
+            data,
+            n_words,
+            n,
+            cap,
+            meta_words,
+            mbits,
+            fbits,
+            bh,
+            s0,
+            D,
+            BLOCK_T,
+        )
         slot = s0 + tl.arange(0, BLOCK_T)
-        pt = tl.load(p + (bh * M + m[:, None]) * n + slot[None, :],
-                     mask=(m[:, None] < M) & (slot[None, :] < n), other=0.0)
+        pt = tl.load(
+            p + (bh * M + m[:, None]) * n + slot[None, :],
+            mask=(m[:, None] < M) & (slot[None, :] < n),
+            other=0.0,
+        )
         acc += tl.dot(pt, x, input_precision="ieee")
-    tl.store(part + ((split * BH + bh) * M + m[:, None]) * D + ch[None, :], acc,
-             mask=m[:, None] < M)
+    tl.store(
+        part + ((split * BH + bh) * M + m[:, None]) * D + ch[None, :], acc, mask=m[:, None] < M
+    )
 
 
 def supports(head_dim: int) -> bool:
@@ -94,8 +184,19 @@ def supports(head_dim: int) -> bool:
 
 
 def _args(x: Packed):
-    return (x.tmin, x.lstep, x.pmeta, x.poff, x.data, x.data.numel(), x.n, x.tmin.shape[1],
-            x.pmeta.shape[-1], x.mbits, x.fbits)
+    return (
+        x.tmin,
+        x.lstep,
+        x.pmeta,
+        x.poff,
+        x.data,
+        x.data.numel(),
+        x.n,
+        x.tmin.shape[1],
+        x.pmeta.shape[-1],
+        x.mbits,
+        x.fbits,
+    )
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,13 +205,21 @@ def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Ten
     out = torch.empty(BH, M, k.n, dtype=torch.float32, device=q.device) if out is None else out
     if k.n:
         grid = (BH, triton.cdiv(k.n, BLOCK_T))
-        _qk_kernel[grid](q.float().contiguous(), out, *_args(k), M, D=D,
-                         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_T=BLOCK_T)
+        _qk_kernel[grid](
+            q.float().contiguous(),
+            out,
+            *_args(k),
+            M,
+            D=D,
+            BLOCK_M=max(16, triton.next_power_of_2(M)),
+            BLOCK_T=BLOCK_T,
+        )
     return out
 
 
-def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None,
-       splits: int | None = None) -> torch.Tensor:
+def pv(
+    p: torch.Tensor, v: Packed, out: torch.Tensor | None = None, splits: int | None = None
+) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32, decoding ``v`` in registers."""
     BH, M, n = p.shape
     D = v.dim
@@ -118,8 +227,17 @@ def pv(p: torch.Tensor, v: Packed, out: torch.Tensor | None = None,
     splits = max(1, min(n_tiles, splits or triton.cdiv(n_tiles, 8)))
     tiles = triton.cdiv(n_tiles, splits)
     part = torch.empty(splits, BH, M, D, dtype=torch.float32, device=p.device)
-    _pv_kernel[(BH, splits)](p.float().contiguous(), part, *_args(v), M, BH, tiles, D=D,
-                             BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_T=BLOCK_T)
+    _pv_kernel[(BH, splits)](
+        p.float().contiguous(),
+        part,
+        *_args(v),
+        M,
+        BH,
+        tiles,
+        D=D,
+        BLOCK_M=max(16, triton.next_power_of_2(M)),
+        BLOCK_T=BLOCK_T,
+    )
     return torch.sum(part, 0, out=out)
 
 

@@ -29,14 +29,31 @@ from compress.kernels.packkv_ref import PACK, Packed
 def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor | None):
     """Runs ``fn`` on contiguous fp32 ``x``, into ``out`` (or a new tensor) of ``shape``."""
     x = x.float().contiguous()
-    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() \
+    direct = (
+        out is not None
+        and out.dtype == torch.float32
+        and out.is_contiguous()
         and tuple(out.shape) == shape
+    )
     res = out if direct else torch.empty(shape, dtype=torch.float32)
-    parts = [t.contiguous() for t in (packed.tmin, packed.lstep, packed.pmeta, packed.poff,
-                                      packed.data)]
-    fn(x.data_ptr(), res.data_ptr(), shape[0], x.shape[1], packed.dim,
-       *(t.data_ptr() for t in parts), packed.data.numel(), packed.n, packed.tmin.shape[1],
-       packed.pmeta.shape[-1], packed.mbits, packed.fbits, torch.get_num_threads())
+    parts = [
+        t.contiguous() for t in (packed.tmin, packed.lstep, packed.pmeta, packed.poff, packed.data)
+    ]
+    fn(
+        x.data_ptr(),
+        res.data_ptr(),
+        shape[0],
+        x.shape[1],
+        packed.dim,
+        *(t.data_ptr() for t in parts),
+        packed.data.numel(),
+        packed.n,
+        packed.tmin.shape[1],
+        packed.pmeta.shape[-1],
+        packed.mbits,
+        packed.fbits,
+        torch.get_num_threads(),
+    )
     if out is not None and not direct:
         return out.copy_(res)
     return res
@@ -44,11 +61,18 @@ def _call(fn, x: torch.Tensor, packed: Packed, shape: tuple, out: torch.Tensor |
 
 def _check(x: torch.Tensor, packed: Packed, name: str, inner: int) -> None:
     """The shapes the kernel indexes by: it reads memory, so a mismatch must not reach it."""
-    if x.dim() != 3 or x.shape[0] != packed.tmin.shape[0] or x.shape[2] != inner \
-            or packed.n % PACK or x.device.type != "cpu":
-        raise CompressError(f"PackKV {name}: got {tuple(x.shape)} on {x.device} for a packed "
-                            f"tensor of {packed.tmin.shape[0]} rows, {packed.n} slots of "
-                            f"{packed.dim} channels; expected a CPU tensor [rows, M, {inner}].")
+    if (
+        x.dim() != 3
+        or x.shape[0] != packed.tmin.shape[0]
+        or x.shape[2] != inner
+        or packed.n % PACK
+        or x.device.type != "cpu"
+    ):
+        raise CompressError(
+            f"PackKV {name}: got {tuple(x.shape)} on {x.device} for a packed "
+            f"tensor of {packed.tmin.shape[0]} rows, {packed.n} slots of "
+            f"{packed.dim} channels; expected a CPU tensor [rows, M, {inner}]."
+        )
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:

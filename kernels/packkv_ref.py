@@ -80,7 +80,7 @@ def quantize_tokens(x: torch.Tensor, rel: float):
     x = x.float()
     lo, hi = x.amin(-1), x.amax(-1)
     tmin = lo.half()
-    step = ((hi - lo) * rel).clamp(min=2.0 ** -14)
+    step = ((hi - lo) * rel).clamp(min=2.0**-14)
     lstep = torch.floor(torch.log2(step) * STEPS_PER_OCTAVE).clamp(MIN_LSTEP, 127)
     lstep = lstep - (step_of(lstep) > step).float()  # log2's rounding must not put tstep above step
     codes = torch.round((x - tmin.float()[..., None]) / step_of(lstep)[..., None])
@@ -116,9 +116,9 @@ def pack_rows(codes: torch.Tensor):
     """
     N, P, D = codes.shape
     pmin = codes.amin(1)
-    width = bit_width(codes.amax(1) - pmin)                                      # [N, D]
-    bitpos = torch.arange(P, device=codes.device) * width[..., None]             # [N, D, 16]
-    words = put_bits((codes - pmin[:, None]).transpose(1, 2), bitpos, 8)        # [N, D, 8]
+    width = bit_width(codes.amax(1) - pmin)  # [N, D]
+    bitpos = torch.arange(P, device=codes.device) * width[..., None]  # [N, D, 16]
+    words = put_bits((codes - pmin[:, None]).transpose(1, 2), bitpos, 8)  # [N, D, 8]
     return pmin, width, words[torch.arange(8, device=codes.device) < width[..., None]]
 
 
@@ -136,7 +136,7 @@ class Packed:
     pmeta: torch.Tensor
     poff: torch.Tensor
     data: torch.Tensor
-    dim: int    # D, channels per token
+    dim: int  # D, channels per token
     mbits: int  # bits of a pack minimum; a pack's field is mbits + bit length of mbits
     n: int = 0
 
@@ -149,11 +149,15 @@ class Packed:
         """Room for ``cap`` tokens (a multiple of 16) of codes up to ``cmax``."""
         rows, mbits = cap // PACK, cmax.bit_length()
         meta_words = -(-d * (mbits + mbits.bit_length()) // 16)
-        return cls(tmin=torch.zeros(bh, cap, dtype=torch.float16, device=device),
-                   lstep=torch.zeros(bh, cap, dtype=torch.int8, device=device),
-                   pmeta=torch.zeros(bh, rows, meta_words, dtype=torch.int16, device=device),
-                   poff=torch.zeros(bh, rows, dtype=torch.int32, device=device),
-                   data=torch.zeros(0, dtype=torch.int16, device=device), dim=d, mbits=mbits)
+        return cls(
+            tmin=torch.zeros(bh, cap, dtype=torch.float16, device=device),
+            lstep=torch.zeros(bh, cap, dtype=torch.int8, device=device),
+            pmeta=torch.zeros(bh, rows, meta_words, dtype=torch.int16, device=device),
+            poff=torch.zeros(bh, rows, dtype=torch.int32, device=device),
+            data=torch.zeros(0, dtype=torch.int16, device=device),
+            dim=d,
+            mbits=mbits,
+        )
 
     def append(self, codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> None:
         """Store ``codes [BH, T, D]`` (T a multiple of 16, codes < 2**mbits) with their per-token
@@ -165,9 +169,9 @@ class Packed:
         meta = put_bits(pmin | width << self.mbits, meta_pos, self.pmeta.shape[-1])
         sizes = width.sum(-1)
         offs = max(self.data.numel() - 1, 0) + sizes.cumsum(0) - sizes
-        self.tmin[:, s:s + T], self.lstep[:, s:s + T] = tmin, lstep
-        self.pmeta[:, r:r + nr] = to_int16(meta).view(bh, nr, -1)
-        self.poff[:, r:r + nr] = offs.view(bh, nr).to(torch.int32)
+        self.tmin[:, s : s + T], self.lstep[:, s : s + T] = tmin, lstep
+        self.pmeta[:, r : r + nr] = to_int16(meta).view(bh, nr, -1)
+        self.poff[:, r : r + nr] = offs.view(bh, nr).to(torch.int32)
         guard = torch.zeros(1, dtype=torch.int16, device=words.device)
         self.data = torch.cat([self.data[:-1], to_int16(words), guard])
         self.n += T
@@ -175,7 +179,11 @@ class Packed:
     def pop(self, n: int):
         """``(codes uint8, tmin, lstep)`` of slots ``n ..``, which are then forgotten (see
         :meth:`truncate`)."""
-        out = unpack_codes(self, n).to(torch.uint8), self.tmin[:, n:self.n], self.lstep[:, n:self.n]
+        out = (
+            unpack_codes(self, n).to(torch.uint8),
+            self.tmin[:, n : self.n],
+            self.lstep[:, n : self.n],
+        )
         self.truncate(n)
         return out
 
@@ -204,7 +212,7 @@ class Packed:
 def unpack_meta(p: Packed, start: int = 0):
     """``(pmin, width)``, int32 ``[BH, rows, D]`` of the pack rows of slots ``start .. n-1``."""
     bitpos = torch.arange(p.dim, device=p.data.device, dtype=torch.int32) * p.fbits
-    pairs = word_pairs(p.pmeta[:, start // PACK:p.n // PACK])
+    pairs = word_pairs(p.pmeta[:, start // PACK : p.n // PACK])
     fields = field(pairs[..., bitpos >> 4], bitpos, p.fbits)
     return fields & ((1 << p.mbits) - 1), fields >> p.mbits
 
@@ -229,7 +237,7 @@ def values(codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> torc
 
 def dequantize(p: Packed) -> torch.Tensor:
     """``x_hat [BH, n, D]`` fp32 of the stored tokens."""
-    return values(unpack_codes(p), p.tmin[:, :p.n], p.lstep[:, :p.n])
+    return values(unpack_codes(p), p.tmin[:, : p.n], p.lstep[:, : p.n])
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if not torch.cuda.is_available():  # Triton decides at import whether to interpret: before any test imports a kernel
+if (
+    not torch.cuda.is_available()
+):  # Triton decides at import whether to interpret: before any test imports a kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -43,9 +45,17 @@ def own_environment(monkeypatch, tmp_path):
 def tiny_config(**overrides):
     from transformers import LlamaConfig
 
-    kw = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              tie_word_embeddings=True, rope_theta=10000.0)
+    kw = dict(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
@@ -93,7 +103,13 @@ def compose(recipe: str, overrides=()):
         return hydra_compose(config_name=recipe, overrides=list(overrides))
 
 
-TINY_OVERRIDES = ["eval.windows=2", "eval.seqlen=64", "calib.samples=4", "calib.seqlen=64", "decode.new_tokens=16"]
+TINY_OVERRIDES = [
+    "eval.windows=2",
+    "eval.seqlen=64",
+    "calib.samples=4",
+    "calib.seqlen=64",
+    "decode.new_tokens=16",
+]
 
 
 @pytest.fixture(scope="session")
@@ -103,10 +119,14 @@ def distill_dirs(tmp_path_factory, tokenizer):
     from compress.prune.prune import prune_model
 
     root = tmp_path_factory.mktemp("distill")
-    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    small = dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
     teacher = make_tiny_model(**small)
     x = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
-    student = prune_model(teacher, activation_importance(teacher, x, progress=False), {"intermediate_size": 64})
+    student = prune_model(
+        teacher, activation_importance(teacher, x, progress=False), {"intermediate_size": 64}
+    )
     for name, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
+
 def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -39,7 +40,9 @@ class FakeHub(ThreadingHTTPServer):
         self.fail, self.lock = None, threading.Lock()
 
     def __enter__(self):
-        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
         return self
 
     def __exit__(self, *exc):
@@ -100,19 +103,35 @@ class Handler(BaseHTTPRequestHandler):
         hub = self.server
         if (method, path) == ("POST", "/api/repos/create"):
             req = json.loads(data)
-            repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+            repo_id = (
+                f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+            )
             if repo_id in hub.repos:
-                return 409, {"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo_id}"}
-            hub.repos[repo_id] = {"private": req.get("visibility") == "private", "branches": {"main": {}},
-                                  "commits": []}
+                return 409, {
+                    "error": "You already created this model repo",
+                    "url": f"{hub.endpoint}/{repo_id}",
+                }
+            hub.repos[repo_id] = {
+                "private": req.get("visibility") == "private",
+                "branches": {"main": {}},
+                "commits": [],
+            }
             return 200, {"url": f"{hub.endpoint}/{repo_id}"}
         if (method, path) == ("POST", "/api/validate-yaml"):
             return _validate_yaml(json.loads(data)["content"])
         if path.endswith(".git/info/lfs/objects/batch"):
             req = json.loads(data)
-            return 200, {"transfer": "basic", "objects": [
-                {"oid": o["oid"], "size": o["size"],
-                 "actions": {"upload": {"href": f"{hub.endpoint}/lfs/{o['oid']}"}}} for o in req["objects"]]}
+            return 200, {
+                "transfer": "basic",
+                "objects": [
+                    {
+                        "oid": o["oid"],
+                        "size": o["size"],
+                        "actions": {"upload": {"href": f"{hub.endpoint}/lfs/{o['oid']}"}},
+                    }
+                    for o in req["objects"]
+                ],
+            }
         if method == "PUT" and path.startswith("/lfs/"):
             oid = path.split("/")[-1]
             if hashlib.sha256(data).hexdigest() != oid:
@@ -133,14 +152,25 @@ class Handler(BaseHTTPRequestHandler):
             return 200, {}
         files = repo["branches"][rev]
         if action == "preupload":
-            return 200, {"files": [{"path": f["path"], "shouldIgnore": False,
-                                    "uploadMode": "lfs" if f["path"].endswith(hub.lfs_suffixes) else "regular"}
-                                   for f in json.loads(data)["files"]]}
+            return 200, {
+                "files": [
+                    {
+                        "path": f["path"],
+                        "shouldIgnore": False,
+                        "uploadMode": "lfs" if f["path"].endswith(hub.lfs_suffixes) else "regular",
+                    }
+                    for f in json.loads(data)["files"]
+                ]
+            }
         if action == "paths-info":
             wanted = parse_qs(data.decode())["paths"]
-            return 200, [_file_info(p, files[p], p.endswith(hub.lfs_suffixes)) for p in wanted if p in files]
+            return 200, [
+                _file_info(p, files[p], p.endswith(hub.lfs_suffixes)) for p in wanted if p in files
+            ]
         if action == "commit":
-            return self.commit(repo_id, rev, [json.loads(line) for line in data.splitlines() if line.strip()])
+            return self.commit(
+                repo_id, rev, [json.loads(line) for line in data.splitlines() if line.strip()]
+            )
         return 404, {"error": f"no route for {method} {path}"}
 
     def commit(self, repo_id, rev, lines):
@@ -158,8 +188,9 @@ class Handler(BaseHTTPRequestHandler):
         files = hub.repos[repo_id]["branches"][rev]
         files.update(staged)
         oid = _tree_sha(files)
-        hub.repos[repo_id]["commits"].append({"revision": rev, "summary": header["summary"],
-                                              "files": sorted(staged), "oid": oid})
+        hub.repos[repo_id]["commits"].append(
+            {"revision": rev, "summary": header["summary"], "files": sorted(staged), "oid": oid}
+        )
         return 200, {"commitUrl": f"{hub.endpoint}/{repo_id}/commit/{oid}", "commitOid": oid}
 
 
@@ -174,11 +205,17 @@ def _validate_yaml(content: str):
 
 
 def _tree_sha(files: dict) -> str:
-    return hashlib.sha1(json.dumps({p: git_blob_id(b) for p, b in sorted(files.items())}).encode()).hexdigest()
+    return hashlib.sha1(
+        json.dumps({p: git_blob_id(b) for p, b in sorted(files.items())}).encode()
+    ).hexdigest()
 
 
 def _file_info(path: str, data: bytes, lfs: bool) -> dict:
     info = {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
     if lfs:
-        info["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+        info["lfs"] = {
+            "oid": hashlib.sha256(data).hexdigest(),
+            "size": len(data),
+            "pointerSize": 134,
+        }
     return info

@@ -34,6 +34,7 @@ def rel(a, b):
 
 # ---- a float64 Llama, written from the equations, with the conversions' options -----------------
 
+
 def reference_logits(model, tokens, kv=None, kv_layer=None, rope_keep=None):
     """Logits of ``model``'s weights in float64 for one sequence ``tokens [t]``.
 
@@ -47,11 +48,12 @@ def reference_logits(model, tokens, kv=None, kv_layer=None, rope_keep=None):
     theta = cfg.rope_parameters["rope_theta"]
     t = tokens.shape[0]
     ang = torch.arange(t, dtype=torch.float64)[:, None] / theta ** (
-        torch.arange(0, D, 2, dtype=torch.float64) / D)
+        torch.arange(0, D, 2, dtype=torch.float64) / D
+    )
     cos, sin = ang.cos(), ang.sin()  # [t, D/2]
 
     def rope(v, keep):  # v [heads, t, D]; keep [heads, D/2]
-        x1, x2 = v[..., :D // 2], v[..., D // 2:]
+        x1, x2 = v[..., : D // 2], v[..., D // 2 :]
         c = torch.where(keep[:, None], cos, torch.ones_like(cos))
         s = torch.where(keep[:, None], sin, torch.zeros_like(sin))
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
@@ -67,20 +69,26 @@ def reference_logits(model, tokens, kv=None, kv_layer=None, rope_keep=None):
         h = rms(x, sd[p + "input_layernorm.weight"])
         src = kv_layer[i] if kv_layer is not None else i
         if src == i:
-            wk, wv = kv[i] if kv and i in kv else (sd[p + "self_attn.k_proj.weight"],
-                                                   sd[p + "self_attn.v_proj.weight"])
+            wk, wv = (
+                kv[i]
+                if kv and i in kv
+                else (sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"])
+            )
             G = wk.shape[0] // D
-            keep = (rope_keep[i] if rope_keep is not None
-                    else torch.ones(G, D // 2, dtype=torch.bool))
+            keep = (
+                rope_keep[i] if rope_keep is not None else torch.ones(G, D // 2, dtype=torch.bool)
+            )
             k = rope((h @ wk.double().T).view(t, G, D).transpose(0, 1), keep)
             v = (h @ wv.double().T).view(t, G, D).transpose(0, 1)
             cache[i] = (k, v, keep)
         k, v, keep = cache[src]
         G = k.shape[0]
-        q = rope((h @ sd[p + "self_attn.q_proj.weight"].T).view(t, H, D).transpose(0, 1),
-                 keep.repeat_interleave(H // G, 0))
+        q = rope(
+            (h @ sd[p + "self_attn.q_proj.weight"].T).view(t, H, D).transpose(0, 1),
+            keep.repeat_interleave(H // G, 0),
+        )
         k, v = k.repeat_interleave(H // G, 0), v.repeat_interleave(H // G, 0)
-        att = torch.softmax(q @ k.transpose(1, 2) / D ** 0.5 + mask, dim=-1) @ v
+        att = torch.softmax(q @ k.transpose(1, 2) / D**0.5 + mask, dim=-1) @ v
         x = x + att.transpose(0, 1).reshape(t, H * D) @ sd[p + "self_attn.o_proj.weight"].T
         h = rms(x, sd[p + "post_attention_layernorm.weight"])
         gate, up = h @ sd[p + "mlp.gate_proj.weight"].T, h @ sd[p + "mlp.up_proj.weight"].T
@@ -92,11 +100,14 @@ def attention_inputs_f64(model, tokens):
     """Every layer's attention input, from transformers' hidden states (independent of hooks)."""
     with torch.no_grad():
         hs = model(tokens, output_hidden_states=True).hidden_states
-    return [layer.input_layernorm(hs[i]).reshape(-1, hs[i].shape[-1]).double()
-            for i, layer in enumerate(model.model.layers)]
+    return [
+        layer.input_layernorm(hs[i]).reshape(-1, hs[i].shape[-1]).double()
+        for i, layer in enumerate(model.model.layers)
+    ]
 
 
 # ---- gqa ------------------------------------------------------------------------------------
+
 
 def test_gqa_same_kv_heads_is_the_source():
     model = make_tiny_model()
@@ -110,9 +121,13 @@ def test_mqa_equals_mean_pooled_float64(heads, kv):
     model = make_tiny_model(num_attention_heads=heads, num_key_value_heads=kv)
     x = ids(batch=1)
     D = model.config.head_dim
-    pooled = {i: tuple(layer.self_attn.get_submodule(n).weight.detach().double()
-                       .view(kv, D, -1).mean(0) for n in ("k_proj", "v_proj"))
-              for i, layer in enumerate(model.model.layers)}
+    pooled = {
+        i: tuple(
+            layer.self_attn.get_submodule(n).weight.detach().double().view(kv, D, -1).mean(0)
+            for n in ("k_proj", "v_proj")
+        )
+        for i, layer in enumerate(model.model.layers)
+    }
     ref = reference_logits(model, x[0], kv=pooled)
     mqa = mean_pool_kv(model, 1)
     assert mqa.config.num_key_value_heads == 1
@@ -133,6 +148,7 @@ def test_gqa_folder_is_plain_llama(tmp_path, tokenizer):
 
 # ---- cla ------------------------------------------------------------------------------------
 
+
 def test_cla_first_matches_float64_cross_layer_attention():
     model = make_tiny_model(num_hidden_layers=4)
     x = ids(batch=1)
@@ -152,8 +168,10 @@ def test_cla_lstsq_solves_the_stacked_least_squares():
     cla = convert_cla(model, 2, "lstsq", calib)
     for f in (0, 2):
         for name in ("k_proj", "v_proj"):
-            ws = [model.model.layers[i].self_attn.get_submodule(name).weight.double()
-                  for i in (f, f + 1)]
+            ws = [
+                model.model.layers[i].self_attn.get_submodule(name).weight.double()
+                for i in (f, f + 1)
+            ]
             a = torch.cat((xs[f], xs[f]))
             b = torch.cat((xs[f] @ ws[0].T, xs[f + 1] @ ws[1].T))
             expected = torch.linalg.lstsq(a, b).solution.T
@@ -179,6 +197,7 @@ def test_cla_cache_holds_first_layers_only():
 
 
 # ---- mla ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("heads,kv", [(4, 4), (4, 2)])
 def test_mla_full_rank_all_pairs_is_the_source(heads, kv):
@@ -221,7 +240,7 @@ def test_mla_truncation_error_is_the_discarded_spectrum():
     up = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double()
     approx = up @ attn.kv_a_proj.weight.double()
     s = torch.linalg.svdvals(target)
-    assert abs((target - approx).norm() ** 2 / s[G * d_kv:].pow(2).sum() - 1) < 1e-4
+    assert abs((target - approx).norm() ** 2 / s[G * d_kv :].pow(2).sum() - 1) < 1e-4
     rope = src.k_proj.weight.view(G, D, -1)[:, [j for j in range(D) if j % (D // 2) < p]]
     assert torch.equal(attn.k_rope_proj.weight, rope.reshape(-1, model.config.hidden_size))
 
@@ -238,12 +257,16 @@ def test_mla_activation_svd_minimises_the_kv_error_on_calibration_text():
     for svd in ("activations", "weights"):
         attn = convert_mla(model, d_kv, p, "high", calib, svd=svd).model.layers[1].self_attn
         src = model.model.layers[1].self_attn
-        w = torch.cat((src.k_proj.weight.view(G, D, -1)[:, keep].reshape(G * (D - 2 * p), -1),
-                       src.v_proj.weight)).double()
+        w = torch.cat(
+            (
+                src.k_proj.weight.view(G, D, -1)[:, keep].reshape(G * (D - 2 * p), -1),
+                src.v_proj.weight,
+            )
+        ).double()
         up = torch.cat((attn.k_b_proj.weight, attn.v_b_proj.weight)).double()
         approx = up @ attn.kv_a_proj.weight.double()
         errors[svd] = (xs[1] @ (w - approx).T).norm() ** 2
-    tail = torch.linalg.svdvals(xs[1] @ w.T)[G * d_kv:].pow(2).sum()
+    tail = torch.linalg.svdvals(xs[1] @ w.T)[G * d_kv :].pow(2).sum()
     assert abs(errors["activations"] / tail - 1) < 1e-3
     assert errors["activations"] < errors["weights"]
 
@@ -295,20 +318,22 @@ def test_absorbed_attention_equals_expanded():
     # expanded, float64
     k_n, v = expand_kv(c, k_b, v_b, G)
     k = torch.cat((k_r, k_n), -1).repeat_interleave(H // G, 0)
-    w = torch.softmax(q @ k.transpose(1, 2) / D ** 0.5, -1)
+    w = torch.softmax(q @ k.transpose(1, 2) / D**0.5, -1)
     ref = (w @ v.repeat_interleave(H // G, 0)).transpose(0, 1).reshape(1, H * D) @ o.T
 
     # absorbed, float32: scores against c directly, output through W_ol
     f = lambda t: t.float()  # noqa: E731
-    q_lat = absorb_query(f(q[..., 2 * p:]), f(k_b), G)  # [H, 1, L]
-    score = (f(q[..., :2 * p]) @ f(k_r).repeat_interleave(H // G, 0).transpose(1, 2)
-             + q_lat @ f(c).T) / D ** 0.5
+    q_lat = absorb_query(f(q[..., 2 * p :]), f(k_b), G)  # [H, 1, L]
+    score = (
+        f(q[..., : 2 * p]) @ f(k_r).repeat_interleave(H // G, 0).transpose(1, 2) + q_lat @ f(c).T
+    ) / D**0.5
     u = torch.softmax(score, -1) @ f(c)  # [H, 1, L]
     out = u.transpose(0, 1).reshape(1, H * L) @ absorb_output(f(o), f(v_b), H).T
     assert rel(out, ref) < 1e-5
 
 
 # ---- transformers round trip -------------------------------------------------------------
+
 
 def save_converted(model, tokenizer, folder):
     save_checkpoint(model, tokenizer, folder, None)
@@ -321,20 +346,36 @@ def save_converted(model, tokenizer, folder):
 def test_from_pretrained_remote_code_equals_in_memory(kind, tmp_path, tokenizer):
     model = make_tiny_model(num_hidden_layers=4)
     x = ids(n=40)
-    converted = (convert_cla(model, 2, "lstsq", x) if kind == "cla"
-                 else convert_mla(model, 16, 4, "2norm", x))
+    converted = (
+        convert_cla(model, 2, "lstsq", x)
+        if kind == "cla"
+        else convert_mla(model, 16, 4, "2norm", x)
+    )
     save_converted(converted, tokenizer, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["model_type"] == f"compress_{kind}" and "AutoModelForCausalLM" in raw["auto_map"]
     torch.save(x, tmp_path / "ids.pt")
     # a user's process, without compress imported: the folder's own modeling file must run
-    script = ("import sys, torch; from transformers import AutoModelForCausalLM; "
-              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
-              "assert 'compress' not in sys.modules; "
-              "assert type(m).__module__.startswith('transformers_modules'); "
-              "torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path), str(tmp_path / "ids.pt"),
-                    str(tmp_path / "logits.pt")], check=True, cwd=tmp_path, timeout=300)
+    script = (
+        "import sys, torch; from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True); "
+        "assert 'compress' not in sys.modules; "
+        "assert type(m).__module__.startswith('transformers_modules'); "
+        "torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(tmp_path),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        check=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     ours, _ = load_run(tmp_path)
     ref = converted(x).logits
     assert rel(torch.load(tmp_path / "logits.pt"), ref) < 1e-4
@@ -342,6 +383,7 @@ def test_from_pretrained_remote_code_equals_in_memory(kind, tmp_path, tokenizer)
 
 
 # ---- bad input ----------------------------------------------------------------------------
+
 
 def test_check_rope_refuses_no_rope_and_unknown_types():
     with pytest.raises(CompressError, match="rotary position"):
@@ -366,6 +408,7 @@ def test_direct_calls_refuse_bad_sizes():
 
 # ---- the recipes through the pipeline ------------------------------------------------------
 
+
 def run_recipe(recipe, model_dir, out, *extra):
     from compress.pipeline import run
     from tests.conftest import TINY_OVERRIDES, compose
@@ -388,9 +431,11 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     cfg = compose(recipe, [f"model.path={tiny_dir}", "calib.samples=4", "calib.seqlen=64"])
     calib = calib_samples(tokenizer, read_text(cfg.data.calib.source, role="calib"), 4, 64, seed=0)
     source = load_model(str(tiny_dir))[0]
-    expected = {"gqa": lambda: mean_pool_kv(source, 1),
-                "cla": lambda: convert_cla(source, 2, "lstsq", calib),
-                "mla": lambda: convert_mla(source, 16, 4, "2norm", calib, "activations")}[recipe]()
+    expected = {
+        "gqa": lambda: mean_pool_kv(source, 1),
+        "cla": lambda: convert_cla(source, 2, "lstsq", calib),
+        "mla": lambda: convert_mla(source, 16, 4, "2norm", calib, "activations"),
+    }[recipe]()
     ours, _ = load_run(out)
     x = ids()
     assert rel(ours(x).logits, expected(x).logits) < 1e-6
@@ -405,36 +450,66 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 32 * 2  # the decoder runs it: 1 KV head
         return
     c = raw  # tiny: 2 layers, 2 KV heads of 32 dims; the decoder's fp16 cache, 2 bytes a value
-    per_layer = {"cla": 2 * 2 * 32 / 2, "mla": c.get("kv_lora_rank", 0) + 2 * c.get("mla_rope_pairs", 0) * 2}
+    per_layer = {
+        "cla": 2 * 2 * 32 / 2,
+        "mla": c.get("kv_lora_rank", 0) + 2 * c.get("mla_rope_pairs", 0) * 2,
+    }
     assert "decode_error" not in report and report["ppl"] > 0
     assert report["kv_bytes_per_token"] == 2 * 2 * per_layer[recipe]
     assert "trust_remote_code=True)" in card and "vllm" not in card
-    assert set(raw["auto_map"].values()) == {f"{f[:-3]}.{c}" for f, c in zip(
-        sorted(folder_files(raw["model_type"])), ("CLAConfig", "CLAForCausalLM") if recipe == "cla"
-        else ("MLAConfig", "MLAForCausalLM"))}
+    assert set(raw["auto_map"].values()) == {
+        f"{f[:-3]}.{c}"
+        for f, c in zip(
+            sorted(folder_files(raw["model_type"])),
+            ("CLAConfig", "CLAForCausalLM") if recipe == "cla" else ("MLAConfig", "MLAForCausalLM"),
+        )
+    }
     assert all((out / name).is_file() for name in folder_files(raw["model_type"]))
     if recipe == "cla":
         assert raw["cla_share"] == 2 and report["attn"]["cla_init"] == "lstsq"
         assert "model.layers.0.self_attn.k_proj.weight" in tensors
-        assert not any(k.startswith("model.layers.1.self_attn.")
-                       and ("k_proj" in k or "v_proj" in k) for k in tensors)
+        assert not any(
+            k.startswith("model.layers.1.self_attn.") and ("k_proj" in k or "v_proj" in k)
+            for k in tensors
+        )
     else:
         assert raw["kv_lora_rank"] == 32 and raw["mla_rope_pairs"] == 4 and raw["mla_d_kv"] == 16
         p = "model.layers.1.self_attn."
-        shapes = {n: tuple(tensors[p + n].shape) for n in (
-            "q_proj.weight", "k_rope_proj.weight", "kv_a_proj.weight", "k_b_proj.weight",
-            "v_b_proj.weight", "o_proj.weight", "rope_index")}
-        assert shapes == {"q_proj.weight": (128, 128), "k_rope_proj.weight": (16, 128),
-                          "kv_a_proj.weight": (32, 128), "k_b_proj.weight": (48, 32),
-                          "v_b_proj.weight": (64, 32), "o_proj.weight": (128, 128),
-                          "rope_index": (2, 4)}
+        shapes = {
+            n: tuple(tensors[p + n].shape)
+            for n in (
+                "q_proj.weight",
+                "k_rope_proj.weight",
+                "kv_a_proj.weight",
+                "k_b_proj.weight",
+                "v_b_proj.weight",
+                "o_proj.weight",
+                "rope_index",
+            )
+        }
+        assert shapes == {
+            "q_proj.weight": (128, 128),
+            "k_rope_proj.weight": (16, 128),
+            "kv_a_proj.weight": (32, 128),
+            "k_b_proj.weight": (48, 32),
+            "v_b_proj.weight": (64, 32),
+            "o_proj.weight": (128, 128),
+            "rope_index": (2, 4),
+        }
 
 
 @pytest.mark.slow
 def test_cla_with_mqa_and_distillation(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    report = run_recipe("cla", tiny_dir, out, "attn.kv_heads=1", "distill.tokens=64",
-                        "distill.seqlen=32", "distill.grad_accum=1")
+    report = run_recipe(
+        "cla",
+        tiny_dir,
+        out,
+        "attn.kv_heads=1",
+        "distill.tokens=64",
+        "distill.seqlen=32",
+        "distill.grad_accum=1",
+    )
     assert report["distill_tokens"] == 64 and report["distill"]["steps"] == 2
     assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2, "share": 2, "cla_init": "lstsq"}
     raw = json.loads((out / "config.json").read_text())
@@ -446,27 +521,37 @@ def odd_dirs(tmp_path_factory, tokenizer):
     """(a cla-converted folder, a tiny Llama with yarn RoPE), each with the tokenizer."""
     root = tmp_path_factory.mktemp("odd")
     save_converted(convert_cla(make_tiny_model(), 2, "first"), tokenizer, root / "cla")
-    yarn = make_tiny_model(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
-                                            "factor": 2.0, "original_max_position_embeddings": 256})
+    yarn = make_tiny_model(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 256,
+        }
+    )
     yarn.save_pretrained(root / "yarn")
     tokenizer.save_pretrained(root / "yarn")
     return {"cla": root / "cla", "yarn": root / "yarn"}
 
 
-@pytest.mark.parametrize("recipe,extra,folder,match", [
-    ("gqa", ["attn.kv_heads=3"], None, "valid values: 1, 2"),
-    ("cla", ["attn.share=3"], None, "must divide the model's 2 layers"),
-    ("cla", ["attn.cla_init=mean"], None, "cla_init"),
-    ("mla", ["mla.d_kv=57"], None, "full rank 56"),
-    ("mla", ["mla.rope_pairs=17"], None, "rope_pairs=17"),
-    ("mla", ["mla.rope_select=middle"], None, "rope_select"),
-    ("mla", [], "yarn", "'yarn'"),
-    ("cla", [], "cla", "already converted"),
-    ("mla", [], "cla", "already converted"),
-])
+@pytest.mark.parametrize(
+    "recipe,extra,folder,match",
+    [
+        ("gqa", ["attn.kv_heads=3"], None, "valid values: 1, 2"),
+        ("cla", ["attn.share=3"], None, "must divide the model's 2 layers"),
+        ("cla", ["attn.cla_init=mean"], None, "cla_init"),
+        ("mla", ["mla.d_kv=57"], None, "full rank 56"),
+        ("mla", ["mla.rope_pairs=17"], None, "rope_pairs=17"),
+        ("mla", ["mla.rope_select=middle"], None, "rope_select"),
+        ("mla", [], "yarn", "'yarn'"),
+        ("cla", [], "cla", "already converted"),
+        ("mla", [], "cla", "already converted"),
+    ],
+)
 def test_bad_input_leaves_no_run_folder(recipe, extra, folder, match, tiny_dir, odd_dirs, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(CompressError, match=match):
-        run_recipe(recipe, odd_dirs[folder] if folder else tiny_dir, out, "distill.tokens=0",
-                   *extra)
+        run_recipe(
+            recipe, odd_dirs[folder] if folder else tiny_dir, out, "distill.tokens=0", *extra
+        )
     assert not out.exists() and not list(tmp_path.iterdir())

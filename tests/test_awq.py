@@ -95,9 +95,19 @@ def test_awq_saved_int4_reproduces_chosen_weights(tiny_dir, tmp_path, monkeypatc
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "awq" and qcfg["version"] == "gemm" and qcfg["group_size"] == 128
     t = load_file(str(tmp_path / "run" / "model.safetensors"))
-    names = [f"model.layers.{i}.{p}" for i in range(2) for p in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    names = [
+        f"model.layers.{i}.{p}"
+        for i in range(2)
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     assert len(chosen) == len(names)
     for i, name in enumerate(names):
         q = decode_awq_spec(t[name + ".qweight"])
@@ -136,5 +146,7 @@ def test_v_to_o_group_when_shapes_match():
     model = make_tiny_model(num_key_value_heads=4)
     from compress.adapters import get_adapter
 
-    names = [g["name"] for g in awq_mod.scale_groups(model.model.layers[0], get_adapter(model.config))]
+    names = [
+        g["name"] for g in awq_mod.scale_groups(model.model.layers[0], get_adapter(model.config))
+    ]
     assert names == ["qkv", "o", "gate_up", "down"]

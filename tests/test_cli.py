@@ -168,7 +168,9 @@ def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr[-2000:]
     if sig == signal.SIGINT:
-        assert stderr.strip().splitlines()[-1] == f"interrupted; removed the temporary folder {tmp[0]}"
+        assert (
+            stderr.strip().splitlines()[-1] == f"interrupted; removed the temporary folder {tmp[0]}"
+        )
     assert "Traceback" not in stderr
     assert list(tmp_path.iterdir()) == []
 

@@ -31,17 +31,32 @@ def test_measure_runs_with_decode_threads_and_restores(tiny_dir, monkeypatch, ca
 
     monkeypatch.setattr(gen_mod, "generate", spy)
     torch.set_num_threads(2)
-    cfg = OmegaConf.create({"prompt_tokens": 8, "new_tokens": 4, "prefill_tokens": 16, "kv": "fp16",
-                            "dtype": "float32", "compile": False, "threads": 1})
+    cfg = OmegaConf.create(
+        {
+            "prompt_tokens": 8,
+            "new_tokens": 4,
+            "prefill_tokens": 16,
+            "kv": "fp16",
+            "dtype": "float32",
+            "compile": False,
+            "threads": 1,
+        }
+    )
     caplog.set_level(logging.INFO, logger=decode_speed.__name__)
     figures = decode_speed.measure(tiny_dir, list(range(100, 140)), cfg)
     assert seen == [1, 1, 1]  # warm-up, decode, prefill: all with one thread
     assert torch.get_num_threads() == 2  # restored
     assert figures["decode_threads"] == 1 and figures["decode_tok_s"] > 0
-    phases = [r.getMessage().split(": ", 1)[1] for r in caplog.records
-              if r.name == decode_speed.__name__]
-    assert [p.split(" ")[0] for p in phases] == ["loading", "warm-up,", "decoding", "prefill",
-                                                 "done:"]
+    phases = [
+        r.getMessage().split(": ", 1)[1] for r in caplog.records if r.name == decode_speed.__name__
+    ]
+    assert [p.split(" ")[0] for p in phases] == [
+        "loading",
+        "warm-up,",
+        "decoding",
+        "prefill",
+        "done:",
+    ]
     assert "decoding 4 tokens after a 8-token prompt" in phases[2]
 
 

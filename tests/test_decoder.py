@@ -27,8 +27,11 @@ def tiny_tokenizer():
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
 
@@ -36,10 +39,22 @@ def tiny_tokenizer():
 def tiny_hf(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-              rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.2, eos_token_id=None,
-              pad_token_id=0, bos_token_id=None)
+    kw = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_theta=1e5,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     kw.update(overrides)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
@@ -72,9 +87,18 @@ def forward(model, ids, kv="full", start=None):
 
 VARIANTS = {
     "llama": {},
-    "llama3-rope+bias": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama3-rope+bias": dict(
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
@@ -94,8 +118,17 @@ def test_qwen2_biases_match_transformers(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)).eval()
+    hf = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+        )
+    ).eval()
     with torch.no_grad():
         for layer in hf.model.layers:  # HF initialises biases to zero; make them matter
             layer.self_attn.q_proj.bias.normal_()
@@ -110,9 +143,19 @@ def test_mistral_matches_transformers_and_refuses_its_sliding_window(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    hf = MistralForCausalLM(MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                          sliding_window=48, initializer_range=0.2)).eval()
+    hf = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=48,
+            initializer_range=0.2,
+        )
+    ).eval()
     model, _ = load(save(hf, tmp_path))
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -127,7 +170,9 @@ def test_prefill_then_decode_matches_one_pass(ours):
     ids = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(3))
     cache = new_cache(model, "full", 1, 30)
     with torch.no_grad():
-        steps = [model(ids[:, :20], cache)] + [model(ids[:, t:t + 1], cache) for t in range(20, 30)]
+        steps = [model(ids[:, :20], cache)] + [
+            model(ids[:, t : t + 1], cache) for t in range(20, 30)
+        ]
     assert cache.length == 30
     assert rel_err(torch.cat(steps, 1), forward(model, ids)) < 1e-5
 
@@ -137,9 +182,11 @@ def test_greedy_matches_transformers_generate(tiny, ours):
     model, _ = ours
     prompt = [5, 17, 42, 99, 7]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None
+        )
     r = generate(model, [prompt], 40, kv="full")
-    assert r.tokens[0] == ref[0, len(prompt):].tolist()
+    assert r.tokens[0] == ref[0, len(prompt) :].tolist()
     assert r.decode_steps == 39 and r.kv_tokens == len(prompt) + 39
 
 
@@ -164,13 +211,21 @@ def test_compressed_cache_batch_equals_each_alone(kv, opts, tmp_path):
     """Left padding and compression together: a batch row decodes as its prompt does alone (the
     newest ``residual`` positions are the same tokens either way), the history really compressed.
     Not KIVI: its K groups sit at fixed positions, so padding shifts which tokens share a group."""
-    model, _ = load(save(tiny_hf(head_dim=32, num_attention_heads=2, num_key_value_heads=1), tmp_path))
-    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [21], [22, 23, 24, 25, 26]]
+    model, _ = load(
+        save(tiny_hf(head_dim=32, num_attention_heads=2, num_key_value_heads=1), tmp_path)
+    )
+    prompts = [
+        [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+        [21],
+        [22, 23, 24, 25, 26],
+    ]
     batch = generate(model, prompts, 90, kv=kv, kv_opts=opts, ignore_eos=True)
     for b, p in enumerate(prompts):
         alone = generate(model, [p], 90, kv=kv, kv_opts=opts, ignore_eos=True)
         assert batch.tokens[b] == alone.tokens[0]
-        assert alone.kv_bytes_per_token < 0.5 * 2 * 2 * 2 * 32  # fp16 K and V, 2 layers x 1 head x 32 dims
+        assert (
+            alone.kv_bytes_per_token < 0.5 * 2 * 2 * 2 * 32
+        )  # fp16 K and V, 2 layers x 1 head x 32 dims
 
 
 def test_sampling_reproducible_with_seed(ours):
@@ -181,7 +236,10 @@ def test_sampling_reproducible_with_seed(ours):
     s.seed = 124
     assert generate(model, [[5, 6, 7]], 30, sampling=s).tokens != a
     greedy = generate(model, [[5, 6, 7]], 30).tokens
-    assert generate(model, [[5, 6, 7]], 30, sampling=Sampling(temperature=1.0, top_k=1, seed=0)).tokens == greedy
+    assert (
+        generate(model, [[5, 6, 7]], 30, sampling=Sampling(temperature=1.0, top_k=1, seed=0)).tokens
+        == greedy
+    )
 
 
 def test_top_k_top_p_probabilities():
@@ -205,9 +263,11 @@ def test_stops_on_eos_and_stop_string(tiny):
     assert generate(model, [prompt], 30, kv="full").tokens[0] == full.tokens[0][:first]
 
     model.config.eos_token_id = None
-    stop = full.texts[0][len(full.texts[0]) // 2:][:3]
+    stop = full.texts[0][len(full.texts[0]) // 2 :][:3]
     pieces = []
-    r = generate(model, [prompt], 30, tok, kv="full", stop=(stop,), on_text=lambda b, t: pieces.append(t))
+    r = generate(
+        model, [prompt], 30, tok, kv="full", stop=(stop,), on_text=lambda b, t: pieces.append(t)
+    )
     cut = full.texts[0].index(stop)
     assert r.texts[0] == full.texts[0][:cut] == "".join(pieces)
     assert len(r.tokens[0]) < 30
@@ -234,7 +294,9 @@ def test_tensor_not_matching_config(tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name] = tensors[name][:16]
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(CompressError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(32, 64\)"):
+    with pytest.raises(
+        CompressError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(32, 64\)"
+    ):
         load(folder)
 
 
@@ -244,7 +306,9 @@ def test_empty_and_too_long_prompts(ours):
         generate(model, [[]], 5)
     with pytest.raises(CompressError, match="empty"):
         generate(model, [[1, 2], []], 5)
-    with pytest.raises(CompressError, match="prompt has 130 tokens"):  # max_position_embeddings is 128
+    with pytest.raises(
+        CompressError, match="prompt has 130 tokens"
+    ):  # max_position_embeddings is 128
         generate(model, [[5] * 130], 5)
     with pytest.raises(CompressError, match="prompt has 20 tokens"):
         generate(model, [[5] * 20], 5, max_len=20)
@@ -293,7 +357,14 @@ def test_cli_json_and_errors(tiny, capsys):
     folder, _, tok = tiny
     cli([str(folder), "--prompt", "the quick", "--max-new-tokens", "12", "--kv", "full", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"text", "ttft_s", "decode_tok_s", "prefill_tok_s", "peak_mem_bytes", "kv_bytes_per_token"}
+    assert set(out) == {
+        "text",
+        "ttft_s",
+        "decode_tok_s",
+        "prefill_tok_s",
+        "peak_mem_bytes",
+        "kv_bytes_per_token",
+    }
     model, _ = load(folder)
     ref = generate(model, [tok("the quick").input_ids], 12, tok, kv="full")
     assert out["text"] == ref.texts[0]
@@ -314,7 +385,9 @@ def test_compiled_step_matches_eager(ours):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     eager = generate(model, prompts, 16, kv="full")
     compiled = generate(model, prompts, 16, kv="full", compile=True)
-    assert compiled.tokens == eager.tokens and compiled.kv_bytes_per_token == eager.kv_bytes_per_token
+    assert (
+        compiled.tokens == eager.tokens and compiled.kv_bytes_per_token == eager.kv_bytes_per_token
+    )
     step = model.static_steps[2]
     ids = torch.tensor([[p[-1]] for p in prompts])
     start = torch.tensor([0, 4])
@@ -335,13 +408,20 @@ def test_compiled_step_quantized(dtype, tmp_path):
     from compress.kernels.cpu import Int4PackLinear, KPlanesLinear
     from compress.quant.rtn import pack_model, quantization_config
 
-    folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
+    folder = save(
+        pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32)
+    )
     model, _ = load(folder, dtype=getattr(torch, dtype))
     prompt = [[5, 6, 7, 8, 9]]
     compiled = generate(model, prompt, 12, compile=True)
     step = model.static_steps[1]
-    assert isinstance(step.model.model.layers[0].mlp.down_proj, KPlanesLinear if dtype == "float32" else Int4PackLinear)
-    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the model keeps its own layers
+    assert isinstance(
+        step.model.model.layers[0].mlp.down_proj,
+        KPlanesLinear if dtype == "float32" else Int4PackLinear,
+    )
+    assert isinstance(
+        model.model.layers[0].mlp.down_proj, QuantLinear
+    )  # the model keeps its own layers
     a, b = static_cache(new_cache(model, "fp16", 1, 64)), new_cache(model, "fp16", 1, 64)
     with torch.no_grad():
         model(torch.tensor(prompt), a), model(torch.tensor(prompt), b)
@@ -357,18 +437,28 @@ def test_lean_load_keeps_one_form(tmp_path):
     from compress.formats import QuantLinear
     from compress.quant.rtn import pack_model, quantization_config
 
-    folder = save(pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32))
+    folder = save(
+        pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32)
+    )
     full, _ = load(folder, dtype=torch.bfloat16)
     lean, _ = load(folder, dtype=torch.bfloat16, lean=True)
     layers = [m for m in lean.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.qweight.numel() == 0 and m.cache["lean"] for m in layers)
     ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        assert torch.equal(forward(lean, ids, "fp16"), forward(full, ids, "fp16"))  # M <= 32: int4pack in both
+        assert torch.equal(
+            forward(lean, ids, "fp16"), forward(full, ids, "fp16")
+        )  # M <= 32: int4pack in both
         long = torch.randint(0, 300, (1, 100), generator=torch.Generator().manual_seed(6))
-        exact = forward(load(folder)[0], long, "full").double()  # fp32: the bfloat16 runs' reference
-        err = [(forward(m, long, "fp16").double() - exact).norm() / exact.norm() for m in (lean, full)]
-        assert err[0] < 1.5 * err[1] + 1e-3  # int4pack at M = 100 is as exact as dequantize + matmul
+        exact = forward(
+            load(folder)[0], long, "full"
+        ).double()  # fp32: the bfloat16 runs' reference
+        err = [
+            (forward(m, long, "fp16").double() - exact).norm() / exact.norm() for m in (lean, full)
+        ]
+        assert (
+            err[0] < 1.5 * err[1] + 1e-3
+        )  # int4pack at M = 100 is as exact as dequantize + matmul
         with pytest.raises(CompressError, match="bfloat16 inputs"):
             layers[0](torch.randn(2, layers[0].in_features))
     with pytest.raises(CompressError, match="bfloat16"):
@@ -401,8 +491,13 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
 # --- the default model (minutes) ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three laws of thermodynamics are", "Water boils at"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Water boils at",
+]
 
 
 @pytest.fixture(scope="module")
@@ -414,14 +509,23 @@ def default_model():
 
     folder = convert_default_model()
     model, tok = load(folder)
-    return folder, model, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), tok
+    return (
+        folder,
+        model,
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+        tok,
+    )
 
 
 def text_ids(tok, n: int) -> torch.Tensor:
     """The first ``n`` tokens of WikiText-2 test (or of the prompts, repeated, without the data)."""
     import os
 
-    f = Path(os.environ.get("COMPRESS_DATA_DIR", REPO.parent / "shared" / "data")) / "wikitext-2" / "wiki.test.raw"
+    f = (
+        Path(os.environ.get("COMPRESS_DATA_DIR", REPO.parent / "shared" / "data"))
+        / "wikitext-2"
+        / "wiki.test.raw"
+    )
     text = f.read_text()[:20000] if f.is_file() else " ".join(PROMPTS) * 50
     return tok(text, return_tensors="pt").input_ids[:, :n]
 
@@ -441,18 +545,32 @@ def test_default_model_greedy_matches_transformers(default_model):
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
         with torch.no_grad():  # eos_token_id=[]: no early stop, 64 tokens each
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=[],
-                              pad_token_id=0)[0, len(ids):].tolist()
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=[],
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         assert len(ref) == 64
         assert generate(model, [ids], 64, kv="full", ignore_eos=True).tokens[0] == ref, prompt
-        assert generate(model, [ids], 64, kv="full", ignore_eos=True, compile=True).tokens[0] == ref, prompt
+        assert (
+            generate(model, [ids], 64, kv="full", ignore_eos=True, compile=True).tokens[0] == ref
+        ), prompt
 
 
 def int4_folders():
     """The int4 run folders to check: an RTN one built by the test, and outputs/awq_int4 if it exists."""
-    return ["rtn_int4", pytest.param(REPO / "outputs" / "awq_int4", marks=pytest.mark.skipif(
-        not (REPO / "outputs" / "awq_int4" / "config.json").exists(),
-        reason="no outputs/awq_int4; run `python -m compress recipe=awq_int4 hydra.run.dir=outputs/awq_int4`"))]
+    return [
+        "rtn_int4",
+        pytest.param(
+            REPO / "outputs" / "awq_int4",
+            marks=pytest.mark.skipif(
+                not (REPO / "outputs" / "awq_int4" / "config.json").exists(),
+                reason="no outputs/awq_int4; run `python -m compress recipe=awq_int4 hydra.run.dir=outputs/awq_int4`",
+            ),
+        ),
+    ]
 
 
 @pytest.mark.slow

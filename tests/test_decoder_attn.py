@@ -52,11 +52,15 @@ def test_decoder_matches_transformers_on_converted(kind, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
         cache = new_cache(ours, "fp16", 2, 24)
-        out = torch.cat([ours(ids[:, :16], cache)] + [ours(ids[:, t:t + 1], cache) for t in range(16, 24)], 1)
+        out = torch.cat(
+            [ours(ids[:, :16], cache)] + [ours(ids[:, t : t + 1], cache) for t in range(16, 24)], 1
+        )
     assert rel_err(out, ref) < 2e-3  # the fp16 cache
     with torch.no_grad():
         full = new_cache(ours, "full", 2, 24)
-        out = torch.cat([ours(ids[:, :16], full)] + [ours(ids[:, t:t + 1], full) for t in range(16, 24)], 1)
+        out = torch.cat(
+            [ours(ids[:, :16], full)] + [ours(ids[:, t : t + 1], full) for t in range(16, 24)], 1
+        )
     assert rel_err(out, ref) < 1e-5
     from transformers import AutoModelForCausalLM
 
@@ -65,8 +69,12 @@ def test_decoder_matches_transformers_on_converted(kind, tmp_path):
     with torch.no_grad():  # the folder as transformers reads it, on 256 tokens
         assert rel_err(ours(long, new_cache(ours, "full", 1, 256)), loaded(long).logits) < 1e-4
     c = hf.config
-    per_layer = {"gqa": 2 * 1 * 16, "cla": 2 * 2 * 16 / 2,
-                 "mla": getattr(c, "kv_lora_rank", 0) + 2 * getattr(c, "mla_rope_pairs", 0) * c.num_key_value_heads}
+    per_layer = {
+        "gqa": 2 * 1 * 16,
+        "cla": 2 * 2 * 16 / 2,
+        "mla": getattr(c, "kv_lora_rank", 0)
+        + 2 * getattr(c, "mla_rope_pairs", 0) * c.num_key_value_heads,
+    }
     per_layer["mla-full"] = per_layer["mla"]
     assert cache.nbytes() == 2 * 24 * c.num_hidden_layers * per_layer[kind] * 2
 
@@ -117,7 +125,7 @@ def test_absorbed_latent_decode_equals_expanded_every_step(tmp_path):
             ids = torch.cat([ids, logits.argmax(-1)], 1)
             logits = ours(ids[:, -1:], cache)
         ref = hf(ids).logits[:, 7:-1]
-    errs = [rel_err(a, ref[:, t:t + 1]) for t, a in enumerate(steps)]
+    errs = [rel_err(a, ref[:, t : t + 1]) for t, a in enumerate(steps)]
     assert max(errs) < 1e-5, errs
 
 
@@ -127,8 +135,11 @@ def test_quantized_cross_layer_folder_composes(tiny_dir, tmp_path):
     import compress
     from compress.checkpoint import load_run
 
-    tiny = {"eval": {"windows": 2, "seqlen": 64}, "calib": {"samples": 4, "seqlen": 64},
-            "decode": {"enabled": False}}
+    tiny = {
+        "eval": {"windows": 2, "seqlen": 64},
+        "calib": {"samples": 4, "seqlen": 64},
+        "decode": {"enabled": False},
+    }
     cla = compress.run("cla", model=tiny_dir, out=tmp_path / "cla", distill={"tokens": 0}, **tiny)
     int4 = compress.run("rtn_int4", model=cla.path, out=tmp_path / "int4", **tiny)
     assert int4.report["ppl"] > 0

@@ -55,7 +55,9 @@ def test_lr_schedule_warmup_then_cosine():
 def test_sampler_is_a_permutation_per_pass_and_deterministic():
     s = Sampler(7, seed=3)
     first = s(torch.arange(14))
-    assert sorted(first[:7].tolist()) == list(range(7)) and sorted(first[7:].tolist()) == list(range(7))
+    assert sorted(first[:7].tolist()) == list(range(7)) and sorted(first[7:].tolist()) == list(
+        range(7)
+    )
     assert not torch.equal(first[:7], first[7:])  # a new order each pass
     assert torch.equal(Sampler(7, seed=3)(torch.arange(5, 12)), first[5:12])  # depends on g alone
 
@@ -63,8 +65,16 @@ def test_sampler_is_a_permutation_per_pass_and_deterministic():
 def _run(tmp_path, lr=1e-3, tokens=6 * 16, **kw):
     teacher, student = make_tiny_model(seed=0, **SMALL), make_tiny_model(seed=1, **SMALL)
     blocks = torch.randint(0, 49152, (5, 16), generator=torch.Generator().manual_seed(0))
-    tc = TrainConfig(tokens=tokens, seqlen=16, batch_size=1, grad_accum=1, lr=lr, progress=False,
-                     checkpoint_dir=str(tmp_path / "ckpt"), **kw)
+    tc = TrainConfig(
+        tokens=tokens,
+        seqlen=16,
+        batch_size=1,
+        grad_accum=1,
+        lr=lr,
+        progress=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **kw,
+    )
     stats = run_distill(student, teacher, blocks, tc, "kl", 1.0, 0.5, {"recipe": "test"})
     return student, stats
 
@@ -80,14 +90,24 @@ def test_training_lowers_the_loss_and_cleans_up(tmp_path):
 def test_zero_tokens_skips_training(tmp_path):
     student, stats = _run(tmp_path, tokens=0)
     assert stats["steps"] == 0 and stats["tokens"] == 0
-    assert torch.equal(student.model.embed_tokens.weight, make_tiny_model(seed=1, **SMALL).model.embed_tokens.weight)
+    assert torch.equal(
+        student.model.embed_tokens.weight,
+        make_tiny_model(seed=1, **SMALL).model.embed_tokens.weight,
+    )
 
 
 def test_error_resume_from_other_settings(tmp_path):
     _run(tmp_path, checkpoint_every=2, keep_checkpoints=True)
     found = latest_checkpoint(tmp_path / "ckpt")
     assert found.name == "step-00000004"  # the last one before the end
-    assert sorted(p.name for p in found.iterdir()) == ["model.safetensors", "optimizer.pt", "rng-0.pt",
-                                                         "scheduler.pt", "state.json"]
-    with pytest.raises(CompressError, match=r"belongs to another run \(lr: 0.001 in the checkpoint, 0.002 now\)"):
+    assert sorted(p.name for p in found.iterdir()) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "rng-0.pt",
+        "scheduler.pt",
+        "state.json",
+    ]
+    with pytest.raises(
+        CompressError, match=r"belongs to another run \(lr: 0.001 in the checkpoint, 0.002 now\)"
+    ):
         _run(tmp_path, lr=2e-3, checkpoint_every=2)

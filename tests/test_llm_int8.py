@@ -2,7 +2,9 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any module defining Triton kernels is imported
+os.environ.setdefault(
+    "TRITON_INTERPRET", "1"
+)  # before any module defining Triton kernels is imported
 
 import json
 import math
@@ -47,7 +49,11 @@ def fp_linear(k: int, n: int, bias: bool = True, seed: int = 0) -> torch.nn.Line
 
 def bnb_from_state(state: dict, k: int, n: int, bias: bool, threshold: float):
     """A bitsandbytes ``Linear8bitLt`` holding ``state`` (our saved layer), in eval mode (its int8 path)."""
-    layer = bnb.nn.Linear8bitLt(k, n, bias=bias, has_fp16_weights=False, threshold=threshold).to("cpu").eval()
+    layer = (
+        bnb.nn.Linear8bitLt(k, n, bias=bias, has_fp16_weights=False, threshold=threshold)
+        .to("cpu")
+        .eval()
+    )
     layer.load_state_dict(state)
     return layer
 
@@ -55,7 +61,11 @@ def bnb_from_state(state: dict, k: int, n: int, bias: bool, threshold: float):
 def decomposition_f64(x, layer: Int8Linear, threshold: float) -> torch.Tensor:
     """LLM.int8's forward written out in float64 from the paper's equations."""
     xd, w = x.double(), layer.dequantize(torch.float64)
-    outlier = (xd.abs() > threshold).any(0) if threshold > 0 else torch.zeros(x.shape[1], dtype=torch.bool)
+    outlier = (
+        (xd.abs() > threshold).any(0)
+        if threshold > 0
+        else torch.zeros(x.shape[1], dtype=torch.bool)
+    )
     rest = xd.masked_fill(outlier, 0.0)
     c_x = rest.abs().amax(1, keepdim=True)
     x_hat = torch.round(rest * 127 / c_x.clamp_min(1e-300)) * c_x / 127
@@ -152,7 +162,9 @@ def test_zero_rows_and_zero_tokens():
     x[4] = 1e-38  # a subnormal token: 127 / c_x would overflow
     y = layer(x)
     assert torch.isfinite(y).all()
-    assert torch.equal(y[:, 2], lin.bias[2].expand(5)) and torch.equal(y[:, 9], lin.bias[9].expand(5))
+    assert torch.equal(y[:, 2], lin.bias[2].expand(5)) and torch.equal(
+        y[:, 9], lin.bias[9].expand(5)
+    )
     assert torch.allclose(y[3], lin.bias)
     assert rel(y, decomposition_f64(x, layer, 6.0)) <= 1e-5
 
@@ -160,7 +172,9 @@ def test_zero_rows_and_zero_tokens():
 @pytest.mark.parametrize("threshold", [6.0, 0.0])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_activations_name_the_layer(threshold, bad):
-    layer = Int8Linear.from_linear(fp_linear(32, 8), threshold=threshold, name="model.layers.3.mlp.down_proj")
+    layer = Int8Linear.from_linear(
+        fp_linear(32, 8), threshold=threshold, name="model.layers.3.mlp.down_proj"
+    )
     x = torch.randn(4, 32)
     x[2, 5] = bad
     with pytest.raises(CompressError, match=r"model\.layers\.3\.mlp\.down_proj"):
@@ -211,7 +225,9 @@ def test_triton_int8_gemm_matches_reference(m, k, n, out_dtype, tol):
 
     a, b, ra, rb, bias = int8_problem(m, k, n, seed=m * k)
     for bias_ in (bias, None):
-        out = torch.full((m, n), float("nan"), dtype=out_dtype)  # poisoned: every entry must be written
+        out = torch.full(
+            (m, n), float("nan"), dtype=out_dtype
+        )  # poisoned: every entry must be written
         int8_matmul_dequant_triton(a, b, ra, rb, bias_, out=out)
         ref = int8_matmul_dequant_ref(a, b, ra, rb, bias_, torch.float64)
         assert torch.isfinite(out).all()
@@ -231,7 +247,9 @@ def test_cuda_layer_matches_cpu_layer():
 
 
 def tiny_llama(seed: int = 0):
-    model = make_tiny_model(seed, vocab_size=96, hidden_size=64, intermediate_size=128, max_position_embeddings=64)
+    model = make_tiny_model(
+        seed, vocab_size=96, hidden_size=64, intermediate_size=128, max_position_embeddings=64
+    )
     with torch.no_grad():  # an LLM.int8-style outlier dim in the attention input of layer 0
         model.model.layers[0].input_layernorm.weight[5] = 20.0
     return model
@@ -241,9 +259,13 @@ class FakeCtx:
     """What a stage reads and writes (compress.pipeline.Context), with random calibration tokens."""
 
     def __init__(self, threshold, outlier_stats=True, samples=3, seqlen=16):
-        self.cfg = OmegaConf.create({"llm_int8": {"threshold": threshold, "outlier_stats": outlier_stats}})
+        self.cfg = OmegaConf.create(
+            {"llm_int8": {"threshold": threshold, "outlier_stats": outlier_stats}}
+        )
         self.quantization_config, self.record = None, {}
-        self.tokens = torch.randint(0, 96, (samples, seqlen), generator=torch.Generator().manual_seed(0))
+        self.tokens = torch.randint(
+            0, 96, (samples, seqlen), generator=torch.Generator().manual_seed(0)
+        )
 
     def calibration(self):
         return self.tokens
@@ -309,7 +331,9 @@ def test_transformers_loads_our_run_folder(tmp_path):
         theirs = hf.get_submodule(name)
         assert isinstance(theirs, bnb.nn.Linear8bitLt) and theirs.state.threshold == 6.0
         assert torch.equal(theirs.weight.data, ours.weight), name
-        assert torch.equal(theirs.weight.SCB if theirs.weight.SCB is not None else theirs.state.SCB, ours.SCB)
+        assert torch.equal(
+            theirs.weight.SCB if theirs.weight.SCB is not None else theirs.state.SCB, ours.SCB
+        )
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():  # two int8 forwards of the same weights (activations rounded differently)
         assert rel(hf(ids).logits, model(ids).logits) <= 3e-2
@@ -328,8 +352,15 @@ def test_recipe_through_the_pipeline(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_recipe_on_default_model(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "compress", "recipe=llm_int8", "eval.windows=1", "calib.samples=2",
-           f"hydra.run.dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "compress",
+        "recipe=llm_int8",
+        "eval.windows=1",
+        "calib.samples=2",
+        f"hydra.run.dir={run}",
+    ]
     subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
     report = json.loads((run / "report.json").read_text())
     assert report["threshold"] == 6.0 and len(report["outliers"]) == 30 * 7
@@ -362,9 +393,16 @@ def test_auto_threshold_is_the_largest_within_tolerance():
     expected = max(a for a in candidates if rel_up[a] <= tolerance)
     assert expected < 64.0
 
-    ctx.cfg = OmegaConf.create({"llm_int8": {
-        "threshold": "auto", "outlier_stats": False, "auto_candidates": candidates,
-        "auto_tolerance": tolerance}})
+    ctx.cfg = OmegaConf.create(
+        {
+            "llm_int8": {
+                "threshold": "auto",
+                "outlier_stats": False,
+                "auto_candidates": candidates,
+                "auto_tolerance": tolerance,
+            }
+        }
+    )
     model = llm_int8(tiny_llama(), ctx)
     assert ctx.record["llm_int8_threshold"] == expected == ctx.record["threshold"]
     assert ctx.quantization_config["llm_int8_threshold"] == expected
@@ -384,12 +422,15 @@ def test_auto_threshold_is_the_largest_within_tolerance():
     assert "no candidate" in ctx.record["llm_int8_threshold_reason"]
 
 
-@pytest.mark.parametrize("settings, match", [
-    ({"threshold": "atuo"}, "or auto"),
-    ({"threshold": "auto", "auto_candidates": [6.0, -1.0]}, "auto_candidates"),
-    ({"threshold": "auto", "auto_candidates": []}, "auto_candidates"),
-    ({"threshold": "auto", "auto_candidates": [6.0], "auto_tolerance": 5}, "auto_tolerance"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"threshold": "atuo"}, "or auto"),
+        ({"threshold": "auto", "auto_candidates": [6.0, -1.0]}, "auto_candidates"),
+        ({"threshold": "auto", "auto_candidates": []}, "auto_candidates"),
+        ({"threshold": "auto", "auto_candidates": [6.0], "auto_tolerance": 5}, "auto_tolerance"),
+    ],
+)
 def test_bad_auto_settings_are_refused_before_calibration(settings, match):
     ctx = FakeCtx(6.0)
     ctx.cfg = OmegaConf.create({"llm_int8": settings})
@@ -407,8 +448,13 @@ def test_explicit_threshold_is_recorded_with_its_reason():
 
 
 def test_auto_through_the_pipeline_is_reported(tiny_dir, tmp_path):
-    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "llm_int8.threshold=auto",
-            "decode.enabled=false", "llm_int8.outlier_stats=false"]
+    over = [
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        "llm_int8.threshold=auto",
+        "decode.enabled=false",
+        "llm_int8.outlier_stats=false",
+    ]
     run(compose("llm_int8", over), tmp_path / "run")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["llm_int8_threshold"] in compose("llm_int8").llm_int8.auto_candidates

@@ -18,8 +18,12 @@ def build_wheel(out) -> "Path":
     has_bdist_wheel = importlib.util.find_spec("wheel") is not None or (major, minor) >= (70, 1)
     local = major >= 68 and has_bdist_wheel
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(out)]
-    res = subprocess.run(cmd + (["--no-build-isolation"] if local else []), capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        cmd + (["--no-build-isolation"] if local else []),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (wheel,) = out.glob("compress-*.whl")
     return wheel
@@ -28,8 +32,9 @@ def build_wheel(out) -> "Path":
 def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
     wheel = build_wheel(tmp_path / "dist")
     names = set(zipfile.ZipFile(wheel).namelist())
-    recipes = sorted(p.relative_to(ROOT / "recipes").as_posix()
-                     for p in (ROOT / "recipes").rglob("*.yaml"))
+    recipes = sorted(
+        p.relative_to(ROOT / "recipes").as_posix() for p in (ROOT / "recipes").rglob("*.yaml")
+    )
     assert recipes and {f"compress/recipes/{r}" for r in recipes} <= names  # subfolders too
     assert "compress/kernels/__init__.py" in names and "compress/eval/report.py" in names
     for source in ("packkv_cpu.cpp", "kivi_cpu.cpp", "cpu_simd.h"):  # built on first use
@@ -39,14 +44,29 @@ def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin",
-           "COMPRESS_DATA_DIR": str(tmp_path / "data")}
-    res = subprocess.run([sys.executable, "-c", "import compress.__main__ as m; print(m.RECIPES)"],
-                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=120)
+    env = {
+        "PYTHONPATH": str(site),
+        "PATH": "/usr/bin:/bin",
+        "COMPRESS_DATA_DIR": str(tmp_path / "data"),
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", "import compress.__main__ as m; print(m.RECIPES)"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(site / "compress" / "recipes")
-    res = subprocess.run([sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
-                         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "name: rtn_int4" in res.stdout and "group_size: auto" in res.stdout
     assert f"{tmp_path / 'data'}/wikitext-2/wiki.test.raw" in res.stdout  # data/ resolved

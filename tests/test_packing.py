@@ -43,7 +43,9 @@ def test_bitplane_round_trip(bits):
     q = torch.randint(0, 2**bits, (7, 64), dtype=torch.int32)
     planes = pack_planes(q, bits)
     assert sum(int(k[1:]) for k in planes) == bits
-    assert sum(t.numel() * 32 for t in planes.values()) == q.numel() * bits  # exactly `bits` per code
+    assert (
+        sum(t.numel() * 32 for t in planes.values()) == q.numel() * bits
+    )  # exactly `bits` per code
     assert torch.equal(unpack_planes(planes, bits), q)
 
 

@@ -25,13 +25,14 @@ def packed(n_chunks, seed, d=64, bh=3, spare=32):
     for T in sizes:
         hi = torch.randint(0, packkv_ref.MAX_CODE + 1, (bh, T // 16, 1, d), generator=g)
         codes = (torch.rand(bh, T // 16, 16, d, generator=g) * (hi + 1)).long().view(bh, T, d)
-        codes[:, :16, :3] = 7                                     # constant packs: width 0
+        codes[:, :16, :3] = 7  # constant packs: width 0
         codes[:, :2, 5] = torch.tensor([0, packkv_ref.MAX_CODE])  # a full-width pack: width 8
         tmin = (torch.randn(bh, T, generator=g) * 2).half()
         lstep = torch.randint(-80, 0, (bh, T), generator=g, dtype=torch.int8)  # steps 2^-10 .. 1
         p.append(codes, tmin, lstep)
-        rows.append(tmin.double()[..., None] + 2.0 ** (lstep.double()[..., None] / 8)
-                    * codes.double())
+        rows.append(
+            tmin.double()[..., None] + 2.0 ** (lstep.double()[..., None] / 8) * codes.double()
+        )
     return p, torch.cat(rows, 1)
 
 
@@ -49,7 +50,13 @@ def kernel():
 
 
 SHAPES = [  # chunks, queries M (tiles of 4 and a remainder), head_dim, threads
-    (1, 1, 64, 1), (3, 3, 64, 2), (5, 9, 64, 2), (4, 6, 32, 1), (9, 3, 32, 2), (2, 2, 48, 2)]
+    (1, 1, 64, 1),
+    (3, 3, 64, 2),
+    (5, 9, 64, 2),
+    (4, 6, 32, 1),
+    (9, 3, 32, 2),
+    (2, 2, 48, 2),
+]
 
 
 @pytest.mark.parametrize("n_chunks, M, d, threads", SHAPES)
@@ -127,10 +134,13 @@ def test_a_second_process_reuses_the_build(kernel):
     """Built once into torch's extension directory: a new process loads it without compiling."""
     lib = Path(native.library()._name)
     before = lib.stat().st_mtime_ns
-    code = "import sys; from compress.kernels import native; " \
-           "sys.exit(native.library() is None or native.library()._name != sys.argv[1])"
-    res = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import sys; from compress.kernels import native; "
+        "sys.exit(native.library() is None or native.library()._name != sys.argv[1])"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert lib.stat().st_mtime_ns == before
 
@@ -148,8 +158,9 @@ def test_dispatch_runs_the_kernel_unless_ref_or_eager(kernel, monkeypatch):
     calls = []
     for name in ("qk", "pv"):
         fn = getattr(packkv_cpu, name)
-        monkeypatch.setattr(packkv_cpu, name, lambda *a, _fn=fn, _n=name, **kw:
-                            calls.append(_n) or _fn(*a, **kw))
+        monkeypatch.setattr(
+            packkv_cpu, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw)
+        )
     p, x = packed(3, seed=7)
     q, w = torch.randn(3, 3, 64), torch.rand(3, 3, p.n).softmax(-1)
     for mode, expected in ((None, ["qk", "pv"]), ("ref", []), ("eager", [])):
@@ -178,7 +189,7 @@ def test_cache_attends_the_same_through_the_kernel(kernel, monkeypatch):
         cache = make_cache("packkv", 1, B, HKV, D, L, residual=32, block=32)
         cache.append(0, k[:, :, :200], v[:, :, :200])
         for t in range(200, L):
-            cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+            cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert cache.k[0].n == 256  # 8 blocks of 32 packed, the rest staged or in the window
         outs.append(cache.attend(0, q, start=torch.tensor([0, 21])))
     assert rel(outs[1], outs[0].double()) < 1e-5

@@ -22,12 +22,14 @@ def packed(n_chunks, seed, bh=3, hi=20):
     for i in range(n_chunks):
         T = 16 * (1 + (i + seed) % 4)
         codes = torch.randint(0, hi + 1, (bh, T, D), generator=g)
-        codes[:, :16, :3] = 7                              # constant packs: width 0
+        codes[:, :16, :3] = 7  # constant packs: width 0
         codes[:, :2, 5] = torch.tensor([0, packkv_ref.MAX_CODE])  # a full-width pack: width 8
         tmin = (torch.randn(bh, T, generator=g) * 2).half()
         lstep = torch.randint(-80, 0, (bh, T), generator=g, dtype=torch.int8)  # steps 2^-10 .. 1
         p.append(codes, tmin, lstep)
-        rows.append(tmin.double()[..., None] + 2.0 ** (lstep.double()[..., None] / 8) * codes.double())
+        rows.append(
+            tmin.double()[..., None] + 2.0 ** (lstep.double()[..., None] / 8) * codes.double()
+        )
     return p, torch.cat(rows, 1)
 
 
@@ -62,7 +64,9 @@ def test_cache_attends_the_same_through_the_kernels():
         cache.ops = ops
         cache.append(0, k[:, :, :100], v[:, :, :100])
         for t in range(100, L):
-            cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert cache.ncomp[0] == 168 and cache.k[0].n == 160  # 5 blocks of 32 packed, 8 tokens staged
+            cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        assert (
+            cache.ncomp[0] == 168 and cache.k[0].n == 160
+        )  # 5 blocks of 32 packed, 8 tokens staged
         outs.append(cache.attend(0, q[:, :, -1:], start=torch.tensor([0, 21])))
     assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-6

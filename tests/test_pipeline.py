@@ -28,12 +28,26 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     out = tmp_path / "run"
     report = run_recipe("rtn_int4", tiny_dir, out)
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "manifest.json", "report.json", "report.md"} <= names
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.tmp")]  # temp folder renamed
+    assert {
+        "config.json",
+        "model.safetensors",
+        "manifest.json",
+        "report.json",
+        "report.md",
+    } <= names
+    assert not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".run.tmp")
+    ]  # temp folder renamed
 
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qcfg == {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                    "version": "gemm", "modules_to_not_convert": None}
+    assert qcfg == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
     # the saved tensors decode to RTN of the source weights (AutoAWQ GEMM layout)
     from transformers import AutoModelForCausalLM
 
@@ -49,8 +63,21 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     assert "lm_head.weight" not in t  # tied to the embeddings
 
     saved = json.loads((out / "report.json").read_text())
-    for key in ("recipe", "model", "ppl", "ppl_windows", "seqlen", "kl_vs_source", "top1_vs_source",
-                "weight_bytes", "elapsed_s", "stages", "decode_tok_s", "prefill_tok_s", "kv_bytes_per_token"):
+    for key in (
+        "recipe",
+        "model",
+        "ppl",
+        "ppl_windows",
+        "seqlen",
+        "kl_vs_source",
+        "top1_vs_source",
+        "weight_bytes",
+        "elapsed_s",
+        "stages",
+        "decode_tok_s",
+        "prefill_tok_s",
+        "kv_bytes_per_token",
+    ):
         assert key in saved, key
     assert saved["group_size"] == 128 and saved["bits"] == 4 and saved["ppl_windows"] == 2
     # the built-in decoder ran the folder: fp16 cache, 2 layers x (K + V) x 2 kv heads x 32 dims x 2 bytes
@@ -97,21 +124,39 @@ def test_fp_recipe_kl_is_zero(tiny_dir, tmp_path):
 def test_cli_end_to_end(tiny_dir, tmp_path):
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
     out = tmp_path / "cli"
-    args = [sys.executable, "-m", "compress", "recipe=rtn_int8", f"model.path={tiny_dir}",
-            *TINY_OVERRIDES, f"hydra.run.dir={out}"]
+    args = [
+        sys.executable,
+        "-m",
+        "compress",
+        "recipe=rtn_int8",
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        f"hydra.run.dir={out}",
+    ]
     res = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert report["recipe"] == "rtn_int8" and report["bits"] == 8
-    res = subprocess.run([sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 0 and str(DATA) in res.stdout  # resolved, not ${oc.env:...}
     assert "group_size: auto" in res.stdout
 
 
 def test_cli_unknown_recipe_is_one_clean_paragraph():
-    res = subprocess.run([sys.executable, "-m", "compress", "recipe=awq_int9"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "compress", "recipe=awq_int9"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert "unknown recipe 'awq_int9'" in res.stderr and "rtn_int4" in res.stderr
     assert "Traceback" not in res.stderr
@@ -119,13 +164,16 @@ def test_cli_unknown_recipe_is_one_clean_paragraph():
 
 # ---- errors: each names the problem and the fix -------------------------------------------
 
+
 def test_error_unknown_recipe_lists_available():
     with pytest.raises(CompressError, match="unknown recipe 'nope'.*fp.*rtn_int4"):
         rewrite_argv(["recipe=nope"])
 
 
 def test_error_unknown_model_config():
-    with pytest.raises(CompressError, match="unknown model config 'llama-9t'.*smollm2-135m.*model.path"):
+    with pytest.raises(
+        CompressError, match="unknown model config 'llama-9t'.*smollm2-135m.*model.path"
+    ):
         rewrite_argv(["recipe=fp", "model=llama-9t"])
 
 
@@ -147,9 +195,12 @@ def no_model_load(monkeypatch):
 def test_error_quantized_model_path(tiny_dir, tmp_path, monkeypatch):
     run_recipe("rtn_int4", tiny_dir, tmp_path / "q", "decode.enabled=false")
     refuse_model_load(monkeypatch)
-    with pytest.raises(CompressError, match=rf"'{tmp_path}/q' is already quantized \(quant_method "
-                       rf"'awq', 4 bits\).*source model instead \(this folder was made from "
-                       rf"'{tiny_dir}'\)"):
+    with pytest.raises(
+        CompressError,
+        match=rf"'{tmp_path}/q' is already quantized \(quant_method "
+        rf"'awq', 4 bits\).*source model instead \(this folder was made from "
+        rf"'{tiny_dir}'\)",
+    ):
         run_recipe("awq_int4", tmp_path / "q", tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -178,15 +229,20 @@ def test_error_missing_model_path(tmp_path):
 def test_error_unsupported_architecture(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
+        tmp_path / "gpt2"
+    )
     with pytest.raises(CompressError, match="unsupported architecture 'gpt2'.*llama"):
         run(compose("fp", [f"model.path={tmp_path}/gpt2"]), tmp_path / "run")
 
 
 def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
     """Checked from config.json before the model loads: 256 divides no 128-wide layer."""
-    with pytest.raises(CompressError, match=r"group size 256 does not divide layer "
-                       r"'model\.layers\.0\.self_attn\.q_proj \[128x128\]'"):
+    with pytest.raises(
+        CompressError,
+        match=r"group size 256 does not divide layer "
+        r"'model\.layers\.0\.self_attn\.q_proj \[128x128\]'",
+    ):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=256")
     with pytest.raises(CompressError, match=r"rtn.group_size=96: .*-1.*power of two"):
         run_recipe("rtn_int4", tiny_dir, tmp_path / "run", "rtn.group_size=96")
@@ -197,7 +253,12 @@ def test_error_group_size_names_layer(tiny_dir, tmp_path, no_model_load):
 
 def test_error_missing_data_names_env(tiny_dir, tmp_path, no_model_load):
     with pytest.raises(CompressError, match="COMPRESS_DATA_DIR"):
-        run_recipe("rtn_int4", tiny_dir, tmp_path / "run", f"data.eval.source={tmp_path}/none/wiki.test.raw")
+        run_recipe(
+            "rtn_int4",
+            tiny_dir,
+            tmp_path / "run",
+            f"data.eval.source={tmp_path}/none/wiki.test.raw",
+        )
     with pytest.raises(CompressError, match="calib file .*not found"):  # AWQ calibrates
         run_recipe("awq_int4", tiny_dir, tmp_path / "run", f"data.calib.source={tmp_path}/no.txt")
     unset = compose("fp", [f"model.path={tiny_dir}"])
@@ -235,7 +296,9 @@ def test_error_nan_weight(tiny_dir, tmp_path):
 def test_error_run_folder_shape_mismatch(tiny_dir, tmp_path):
     run_recipe("rtn_int4", tiny_dir, tmp_path / "run")
     t = load_file(str(tmp_path / "run" / "model.safetensors"))
-    t["model.layers.0.self_attn.k_proj.scales"] = t["model.layers.0.self_attn.k_proj.scales"][:, :8].contiguous()
+    t["model.layers.0.self_attn.k_proj.scales"] = t["model.layers.0.self_attn.k_proj.scales"][
+        :, :8
+    ].contiguous()
     save_file(t, str(tmp_path / "run" / "model.safetensors"))
     with pytest.raises(CompressError, match=r"k_proj.scales.*expects \(1, 64\)"):
         load_run(tmp_path / "run")
@@ -287,8 +350,12 @@ def test_decoder_figures_and_errors(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(CompressError, match="decode.kv=bogus"):
         run_recipe("fp", tiny_dir, tmp_path / "bad", "decode.kv=bogus")
     assert not (tmp_path / "bad").exists()
-    report = run_recipe("rtn_int4", tiny_dir, tmp_path / "packkv", "decode.kv=packkv", "decode.new_tokens=200")
-    assert 0 < report["kv_bytes_per_token"] < 2 * 2 * 2 * 32 * 2  # compressed below the fp16 cache's
+    report = run_recipe(
+        "rtn_int4", tiny_dir, tmp_path / "packkv", "decode.kv=packkv", "decode.new_tokens=200"
+    )
+    assert (
+        0 < report["kv_bytes_per_token"] < 2 * 2 * 2 * 32 * 2
+    )  # compressed below the fp16 cache's
 
     from compress.eval import decode_speed
 
@@ -297,6 +364,8 @@ def test_decoder_figures_and_errors(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(decode_speed, "measure", refuse)
     report = run_recipe("fp", tiny_dir, tmp_path / "nodecoder")
-    assert report["decode_error"] == "this architecture is not in the decoder" and "decode_tok_s" not in report
+    assert (
+        report["decode_error"] == "this architecture is not in the decoder"
+        and "decode_tok_s" not in report
+    )
     assert (tmp_path / "nodecoder" / "report.json").exists()
-

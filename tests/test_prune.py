@@ -11,11 +11,21 @@ import torch.nn.functional as F
 
 from compress.errors import CompressError
 from compress.prune.importance import activation_importance, cached_importance, layer_ppl_drop
-from compress.prune.prune import (check_sizes, layout_of, param_count, param_total, prune_model,
-                                  resolve_target, sizes_of, solve_budget)
+from compress.prune.prune import (
+    check_sizes,
+    layout_of,
+    param_count,
+    param_total,
+    prune_model,
+    resolve_target,
+    sizes_of,
+    solve_budget,
+)
 from tests.conftest import ROOT, make_tiny_model
 
-GQA = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)  # 3 query heads per group
+GQA = dict(
+    hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16
+)  # 3 query heads per group
 
 
 def tokens(n=5, seqlen=24, seed=0, vocab=49152):
@@ -29,6 +39,7 @@ def logits(model, x):
 
 # ---- an independent float64 Llama forward, recording what importance.py scores ----------------
 
+
 def _rms(x, w, eps):
     return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -38,7 +49,7 @@ def _rope(x, pos, theta):
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     ang = pos[:, None].double() * inv[None]
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -126,8 +137,9 @@ print(small, peak())
 def test_importance_peak_memory_does_not_grow_with_samples():
     """48 samples instead of 4: holding the MLP activations of all samples would take
     48 x 128 x 2048 x 4 B = 50 MB per layer; streaming keeps the peak where 4 samples put it."""
-    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     small, large = map(int, res.stdout.split())
     assert large - small < 20e6, (small, large)
@@ -166,15 +178,20 @@ def test_layer_ppl_drop_matches_zeroed_layer():
 
 # ---- pruning equals the original with the pruned units zeroed -------------------------------------
 
+
 def random_scores(model, seed=1):
     """Importance-shaped random scores: the test picks the survivors independently with topk."""
     c = model.config
     g = torch.Generator().manual_seed(seed)
     L, H, KV = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
     heads = torch.rand(L, H, generator=g)
-    return {"heads": heads, "groups": torch.rand(L, KV, generator=g),
-            "neurons": torch.rand(L, c.intermediate_size, generator=g),
-            "channels": torch.rand(c.hidden_size, generator=g), "block": torch.rand(L, generator=g)}
+    return {
+        "heads": heads,
+        "groups": torch.rand(L, KV, generator=g),
+        "neurons": torch.rand(L, c.intermediate_size, generator=g),
+        "channels": torch.rand(c.hidden_size, generator=g),
+        "block": torch.rand(L, generator=g),
+    }
 
 
 def top(score, k):
@@ -192,7 +209,9 @@ def test_pruned_neurons_equal_zeroed_neurons():
             layer.mlp.down_proj.weight[:, drop] = 0
     x = tokens(2, 16)
     torch.testing.assert_close(logits(pruned, x), logits(ref, x), rtol=1e-5, atol=1e-5)
-    assert pruned.config.intermediate_size == 100 and pruned.model.layers[0].mlp.up_proj.weight.shape == (100, 96)
+    assert pruned.config.intermediate_size == 100 and pruned.model.layers[
+        0
+    ].mlp.up_proj.weight.shape == (100, 96)
 
 
 @pytest.mark.parametrize("heads,kv", [(4, 2), (3, 1), (2, 2)])
@@ -207,9 +226,11 @@ def test_pruned_heads_equal_zeroed_heads(heads, kv):
         for l, layer in enumerate(ref.model.layers):
             keep = set()
             for g in top(scores["groups"][l], kv):
-                keep |= {g * 3 + h for h in top(scores["heads"][l][g * 3:(g + 1) * 3], heads // kv)}
+                keep |= {
+                    g * 3 + h for h in top(scores["heads"][l][g * 3 : (g + 1) * 3], heads // kv)
+                }
             for h in set(range(6)) - keep:
-                layer.self_attn.o_proj.weight[:, h * hd:(h + 1) * hd] = 0
+                layer.self_attn.o_proj.weight[:, h * hd : (h + 1) * hd] = 0
     x = tokens(2, 16)
     torch.testing.assert_close(logits(pruned, x), logits(ref, x), rtol=1e-5, atol=1e-5)
     c = pruned.config
@@ -258,9 +279,17 @@ def test_saved_pruned_folder_loads_in_transformers(tmp_path, tokenizer):
     from compress.checkpoint import load_run, save_checkpoint
 
     model = make_tiny_model(**GQA)
-    pruned = prune_model(model, random_scores(model), {"hidden_size": 64, "intermediate_size": 192,
-                                                       "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                       "num_hidden_layers": 1})
+    pruned = prune_model(
+        model,
+        random_scores(model),
+        {
+            "hidden_size": 64,
+            "intermediate_size": 192,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 1,
+        },
+    )
     save_checkpoint(pruned, tokenizer, tmp_path, None)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["hidden_size"], config["head_dim"], config["num_hidden_layers"]) == (64, 16, 1)
@@ -275,21 +304,32 @@ def test_saved_pruned_folder_loads_in_transformers(tmp_path, tokenizer):
 def test_untied_lm_head_is_sliced():
     model = make_tiny_model(tie_word_embeddings=False)
     pruned = prune_model(model, random_scores(model), {"hidden_size": 64})
-    assert pruned.lm_head.weight.shape == (49152, 64) and pruned.lm_head.weight is not pruned.model.embed_tokens.weight
+    assert (
+        pruned.lm_head.weight.shape == (49152, 64)
+        and pruned.lm_head.weight is not pruned.model.embed_tokens.weight
+    )
     assert param_total(pruned) == param_count(layout_of(pruned), sizes_of(pruned.config))
 
 
 # ---- the budget solver and bad input --------------------------------------------------------------
 
-SMOL = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-            num_hidden_layers=30)
+SMOL = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    num_hidden_layers=30,
+)
 
 
 def test_param_count_formula_matches_models():
     model = make_tiny_model(**GQA)
     lay = layout_of(model)
     assert param_count(lay, sizes_of(model.config)) == param_total(model)
-    for sizes in ({"hidden_size": 60, "intermediate_size": 96}, {"num_attention_heads": 2, "num_key_value_heads": 1}):
+    for sizes in (
+        {"hidden_size": 60, "intermediate_size": 96},
+        {"num_attention_heads": 2, "num_key_value_heads": 1},
+    ):
         pruned = prune_model(model, random_scores(model), sizes)
         assert param_total(pruned) == param_count(lay, sizes_of(pruned.config))
 
@@ -307,8 +347,11 @@ def test_budget_solver_hits_target(target, step):
     got = param_count(lay, s)
     check_sizes(SMOL, s)
     # brute force over the grid: hidden a multiple of lcm(step, 9 heads), intermediate of step
-    grid = [{**SMOL, "hidden_size": D, "intermediate_size": Inter}
-            for D in range(math.lcm(step, 9), 577, math.lcm(step, 9)) for Inter in range(step, 1537, step)]
+    grid = [
+        {**SMOL, "hidden_size": D, "intermediate_size": Inter}
+        for D in range(math.lcm(step, 9), 577, math.lcm(step, 9))
+        for Inter in range(step, 1537, step)
+    ]
     fits = [c for c in grid if param_count(lay, c) <= want]
     window = [c for c in fits if param_count(lay, c) >= 0.97 * want]
     assert got <= want and s in grid
@@ -338,23 +381,37 @@ def test_budget_solver_with_heads_stays_valid():
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
     for target in (0.95, 0.8, 0.6):
-        s = solve_budget(lay, SMOL, resolve_target(target, param_count(lay, SMOL)), {},
-                         ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"], 64)
+        s = solve_budget(
+            lay,
+            SMOL,
+            resolve_target(target, param_count(lay, SMOL)),
+            {},
+            ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"],
+            64,
+        )
         check_sizes(SMOL, s)
         assert s["num_attention_heads"] // s["num_key_value_heads"] <= 3
 
 
 def test_error_heads_not_dividing_groups_names_nearest():
-    with pytest.raises(CompressError, match=r"num_attention_heads=8 .*num_key_value_heads=3.*3, 6, 9; nearest: 6 or 9"):
+    with pytest.raises(
+        CompressError,
+        match=r"num_attention_heads=8 .*num_key_value_heads=3.*3, 6, 9; nearest: 6 or 9",
+    ):
         check_sizes(SMOL, {**SMOL, "num_attention_heads": 8})
-    with pytest.raises(CompressError, match=r"num_attention_heads=8 .*num_key_value_heads=2.*nearest: 6"):
+    with pytest.raises(
+        CompressError, match=r"num_attention_heads=8 .*num_key_value_heads=2.*nearest: 6"
+    ):
         check_sizes(SMOL, {**SMOL, "num_attention_heads": 8, "num_key_value_heads": 2})
 
 
 def test_error_hidden_not_multiple_of_heads():
     """transformers' LlamaConfig refuses it (even with head_dim set), so from_pretrained would."""
-    with pytest.raises(CompressError, match=r"hidden_size=500 is not a multiple of num_attention_heads=9.*"
-                                            r"495 or 504; head counts that divide 500: 1, 2, 4"):
+    with pytest.raises(
+        CompressError,
+        match=r"hidden_size=500 is not a multiple of num_attention_heads=9.*"
+        r"495 or 504; head counts that divide 500: 1, 2, 4",
+    ):
         check_sizes(SMOL, {**SMOL, "hidden_size": 500})
     check_sizes(SMOL, {**SMOL, "hidden_size": 500}, hidden_per_head=False)  # mistral, qwen2
     from compress.prune.prune import hidden_must_divide
@@ -362,12 +419,16 @@ def test_error_hidden_not_multiple_of_heads():
 
     assert hidden_must_divide(tiny_config())
     model = make_tiny_model()
-    with pytest.raises(CompressError, match="hidden_size=90 is not a multiple of num_attention_heads=4"):
+    with pytest.raises(
+        CompressError, match="hidden_size=90 is not a multiple of num_attention_heads=4"
+    ):
         prune_model(model, random_scores(model), {"hidden_size": 90})
 
 
 def test_error_size_above_source():
-    with pytest.raises(CompressError, match=r"hidden_size=700 is out of range.*1\.\.576.*nearest: 576"):
+    with pytest.raises(
+        CompressError, match=r"hidden_size=700 is out of range.*1\.\.576.*nearest: 576"
+    ):
         check_sizes(SMOL, {**SMOL, "hidden_size": 700})
     with pytest.raises(CompressError, match=r"num_hidden_layers=0 .*nearest: 1"):
         check_sizes(SMOL, {**SMOL, "num_hidden_layers": 0})
@@ -377,10 +438,15 @@ def test_error_budget_below_smallest_width():
     from compress.prune.prune import Layout
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
-    with pytest.raises(CompressError, match=r"below the smallest model.*hidden_size=72, intermediate_size=8\)\. "
-                                            r"Nearest valid target: 6,912,936"):
+    with pytest.raises(
+        CompressError,
+        match=r"below the smallest model.*hidden_size=72, intermediate_size=8\)\. "
+        r"Nearest valid target: 6,912,936",
+    ):
         solve_budget(lay, SMOL, 5_000_000, {}, ["hidden_size", "intermediate_size"], 8)
-    with pytest.raises(CompressError, match=r"multiple of the head count.*hidden_size=576, intermediate_size=64"):
+    with pytest.raises(
+        CompressError, match=r"multiple of the head count.*hidden_size=576, intermediate_size=64"
+    ):
         solve_budget(lay, SMOL, 50_000_000, {}, ["hidden_size", "intermediate_size"], 64)
     with pytest.raises(CompressError, match="must be positive"):
         resolve_target(0, 100)

@@ -14,15 +14,17 @@ def reference_fake_quant(w, bits, g, symmetric):
     qmax = 2**bits - 1
     for r in range(w.shape[0]):
         for c in range(0, w.shape[1], g):
-            x = w[r, c:c + g]
+            x = w[r, c : c + g]
             if symmetric:
-                s = float(torch.tensor(max(x.abs().max().item(), 1e-5) / (2 ** (bits - 1) - 1)).half())
+                s = float(
+                    torch.tensor(max(x.abs().max().item(), 1e-5) / (2 ** (bits - 1) - 1)).half()
+                )
                 z = 2 ** (bits - 1)
             else:
                 s = float(torch.tensor(max((x.max() - x.min()).item(), 1e-5) / qmax).half())
                 z = min(max(round(-x.min().item() / s), 0), qmax)
             q = torch.clamp(torch.round(x / s) + z, 0, qmax)
-            out[r, c:c + g] = (q - z) * s
+            out[r, c : c + g] = (q - z) * s
     return out
 
 

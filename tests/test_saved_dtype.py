@@ -27,8 +27,11 @@ def rel_err(a, b):
 
 def round_unquantized(model, dtype=torch.float16):
     """The in-memory model, every tensor outside the quantized layers rounded through ``dtype``."""
-    quantized = {n for n, m in get_adapter(model.config).all_linears(model).items()
-                 if not isinstance(m, torch.nn.Linear)}
+    quantized = {
+        n
+        for n, m in get_adapter(model.config).all_linears(model).items()
+        if not isinstance(m, torch.nn.Linear)
+    }
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not any(name.startswith(q + ".") for q in quantized):
@@ -56,7 +59,8 @@ def test_rtn_int4_folder_is_fp16_outside_the_quantized_linears(tiny_dir, tmp_pat
     assert config["dtype"] == config["torch_dtype"] == "float16"
     assert report["weight_bytes"] == file_bytes(out / "model.safetensors")
     assert report["linear_weight_bytes"] == sum(
-        v.numel() * v.element_size() for k, v in t.items() if k.rsplit(".", 1)[-1] in LINEAR_PARTS)
+        v.numel() * v.element_size() for k, v in t.items() if k.rsplit(".", 1)[-1] in LINEAR_PARTS
+    )
     # the source's embedding in fp16: the saved one is exactly its rounding
     src = AutoModelForCausalLM.from_pretrained(tiny_dir)
     assert torch.equal(t["model.embed_tokens.weight"], src.model.embed_tokens.weight.half())
@@ -118,4 +122,6 @@ def test_llm_int8_keeps_scb_in_fp32(tiny_dir, tmp_path):
     assert hf.model.embed_tokens.weight.dtype == torch.float16
     ours, _ = load_run(out)
     tokens = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(4))
-    assert rel_err(logits(hf, tokens), logits(ours, tokens)) < 3e-2  # int8 activations, fp16 vs fp32
+    assert (
+        rel_err(logits(hf, tokens), logits(ours, tokens)) < 3e-2
+    )  # int8 activations, fp16 vs fp32

@@ -13,8 +13,13 @@ from compress.decoder.bandit import UCB1, Unimodal, self_bandit
 from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache
-from compress.decoder.layer_skip import (agreement, parse_layers, searched_skip, skip_file,
-                                         unified_skip)
+from compress.decoder.layer_skip import (
+    agreement,
+    parse_layers,
+    searched_skip,
+    skip_file,
+    unified_skip,
+)
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.schedule import AutoGamma, Fixed
@@ -49,8 +54,12 @@ def pair(tmp_path_factory):
 @pytest.mark.parametrize("which", ["noisy", "itself", "self-skip", "auto"])
 def test_greedy_is_the_targets_greedy(pair, kv, which):
     _, target, _, noisy = pair
-    draft, gamma = {"noisy": (noisy, 4), "itself": (target, 3), "auto": (noisy, "auto"),
-                    "self-skip": (LayerSkipDraft(target, [1, 2]), 2)}[which]
+    draft, gamma = {
+        "noisy": (noisy, 4),
+        "itself": (target, 3),
+        "auto": (noisy, "auto"),
+        "self-skip": (LayerSkipDraft(target, [1, 2]), 2),
+    }[which]
     ref = generate(target, PROMPT, 64, kv=kv, ignore_eos=True)
     r = speculative_generate(target, PROMPT, 64, kv=kv, ignore_eos=True, draft=draft, gamma=gamma)
     assert r.tokens == ref.tokens
@@ -70,15 +79,25 @@ def test_greedy_with_a_compressed_window_cache(tmp_path, kv, opts):
     target = load(save(hf, tmp_path / "t"))[0]
     draft = load(save(noisy_copy(hf, 0.005), tmp_path / "d"))[0]
     ref = generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True)
-    r = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True, draft=draft,
-                             gamma=4)
+    r = speculative_generate(
+        target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True, draft=draft, gamma=4
+    )
     assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
-    skip = speculative_generate(target, PROMPT, 60, kv=kv, kv_opts=opts, ignore_eos=True,
-                                draft=LayerSkipDraft(target, [1]), gamma=3)  # drafts in the cache
+    skip = speculative_generate(
+        target,
+        PROMPT,
+        60,
+        kv=kv,
+        kv_opts=opts,
+        ignore_eos=True,
+        draft=LayerSkipDraft(target, [1]),
+        gamma=3,
+    )  # drafts in the cache
     assert skip.tokens == ref.tokens and 0 < skip.accepted < skip.drafted
     for d in (draft, LayerSkipDraft(target, [1])):  # tokens compressed between rounds
-        long = speculative_generate(target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16),
-                                    ignore_eos=True, draft=d, gamma=4)
+        long = speculative_generate(
+            target, PROMPT, 120, kv=kv, kv_opts=dict(residual=16), ignore_eos=True, draft=d, gamma=4
+        )
         assert len(long.tokens[0]) == 120 and long.rounds < 119
 
 
@@ -99,10 +118,10 @@ def all_contexts(model, prefix: list[int], depth: int, sampling: Sampling) -> to
     from compress.decoder.kv import new_cache
 
     V = model.config.vocab_size
-    n = V ** depth
+    n = V**depth
     s = torch.stack([torch.arange(n) // V ** (depth - 1 - j) % V for j in range(depth)], 1)
     ids = torch.cat([torch.tensor(prefix).expand(n, -1), s], 1)
-    logits = model(ids, new_cache(model, "full", n, ids.shape[1]))[:, len(prefix) - 1:]
+    logits = model(ids, new_cache(model, "full", n, ids.shape[1]))[:, len(prefix) - 1 :]
     return logits_to_probs(logits.reshape(-1, V), sampling).view(n, depth + 1, V).double()
 
 
@@ -125,7 +144,7 @@ def simulate(target_tab, draft_tab, V, gamma, sampling, rows, gen):
             p.append(pi)
             drafts = torch.cat([drafts, torch.multinomial(pi, 1, generator=gen)], 1)
         code = row_of(torch.cat([ctx, drafts], 1))
-        q = target_tab[code][:, c:c + gamma + 1]
+        q = target_tab[code][:, c : c + gamma + 1]
         n, nxt = verify(drafts, torch.stack(p, 1), q, sampling, gen)
         slot = torch.arange(gamma + 1)
         padded = torch.cat([drafts, drafts[:, :1]], 1)
@@ -147,18 +166,27 @@ def vocab8_pair(folder):
     """(target, draft): a 2-layer and an unrelated 1-layer random Llama over 8 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=16, initializer_range=0.2)
+    kw = dict(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.2,
+    )
     target = load(save(tiny_hf(num_hidden_layers=2, **kw), folder / "t"))[0]
     torch.manual_seed(7)
-    other = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, max_position_embeddings=64,
-                                         tie_word_embeddings=True, **kw)).eval()
+    other = LlamaForCausalLM(
+        LlamaConfig(num_hidden_layers=1, max_position_embeddings=64, tie_word_embeddings=True, **kw)
+    ).eval()
     return target, load(save(other, folder / "d"))[0]
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.95)],
-                         ids=["t1", "t0.7-topk-topp"])
+@pytest.mark.parametrize(
+    "sampling", [Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.95)], ids=["t1", "t0.7-topk-topp"]
+)
 def test_sampling_matches_the_target_distribution(tmp_path, gamma, sampling):
     V, rows, prefix = 8, 20000, [3, 1, 4, 1, 5]
     target, draft = vocab8_pair(tmp_path)
@@ -197,8 +225,9 @@ def test_sampled_generation_end_to_end(tmp_path):
     torch.manual_seed(0)
     pairs, drafted = [], 0
     for _ in range(runs):
-        r = speculative_generate(target, [prefix], 4, sampling=sampling, ignore_eos=True,
-                                 draft=draft, gamma=2)
+        r = speculative_generate(
+            target, [prefix], 4, sampling=sampling, ignore_eos=True, draft=draft, gamma=2
+        )
         pairs.append(r.tokens[0][1] * V + r.tokens[0][2])
         drafted += r.drafted
     observed = torch.bincount(torch.tensor(pairs), minlength=V * V).double()
@@ -207,14 +236,16 @@ def test_sampled_generation_end_to_end(tmp_path):
 
 def test_sampled_self_draft_accepts_everything(pair):
     _, target, _, _ = pair
-    r = speculative_generate(target, PROMPT, 40, sampling=Sampling(1.0, seed=3), ignore_eos=True,
-                             draft=target, gamma=4)
+    r = speculative_generate(
+        target, PROMPT, 40, sampling=Sampling(1.0, seed=3), ignore_eos=True, draft=target, gamma=4
+    )
     assert r.acceptance > 0.99 and len(r.tokens[0]) == 40
 
 
 def attend_all(cache, q, L):
-    return torch.stack([cache.attend(layer, q, torch.tensor([L - 1]))
-                        for layer in range(cache.n_layers)])
+    return torch.stack(
+        [cache.attend(layer, q, torch.tensor([L - 1])) for layer in range(cache.n_layers)]
+    )
 
 
 @pytest.mark.parametrize("kind", ["fp16", "full"])
@@ -251,15 +282,17 @@ def test_rollback_inside_the_window(kind):
     assert C > 0
     cache.rollback(92)  # 1 accepted + the next token
     assert all(torch.equal(a, b) for a, b in zip(cache.history(0), hist))
-    assert torch.equal(cache.win_k[0], window[:, :, :92 - C]) and cache.length == 92
+    assert torch.equal(cache.win_k[0], window[:, :, : 92 - C]) and cache.length == 92
     cache.append(0, k[:, :, 100:103], v[:, :, 100:103])  # slots 92..94
     q = torch.randn(1, 4, 1, 32)
     out = cache.attend(0, q, torch.tensor([94]))
     kh, vh = cache.history(0)
-    K, V_ = (torch.cat([h, x[:, :, C:92].half(), x[:, :, 100:103].half()], 2).double()
-             for h, x in ((kh.half(), k), (vh.half(), v)))
+    K, V_ = (
+        torch.cat([h, x[:, :, C:92].half(), x[:, :, 100:103].half()], 2).double()
+        for h, x in ((kh.half(), k), (vh.half(), v))
+    )
     Kr, Vr = K.repeat_interleave(2, 1), V_.repeat_interleave(2, 1)
-    ref = torch.softmax(q.double() @ Kr.transpose(-1, -2) / 32 ** 0.5, -1) @ Vr
+    ref = torch.softmax(q.double() @ Kr.transpose(-1, -2) / 32**0.5, -1) @ Vr
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
     with pytest.raises(CompressError, match="residual"):
         cache.rollback(C - 1)
@@ -315,8 +348,9 @@ def test_bandits_run_and_find_the_best_arm():
         for _ in range(600):
             _, gamma = bandit.next()
             k = bandit.current
-            accepted = torch.binomial(torch.tensor(float(gamma)), torch.tensor(accept[k // 3]),
-                                      generator=gen)
+            accepted = torch.binomial(
+                torch.tensor(float(gamma)), torch.tensor(accept[k // 3]), generator=gen
+            )
             bandit.update(gamma, int(accepted), costs[k // 3][k % 3])
         assert bandit.favourite() == best, kind.__name__
 
@@ -357,8 +391,9 @@ def test_bad_input(pair, tmp_path):
     with pytest.raises(CompressError, match="batch 1"):
         speculative_generate(target, PROMPT * 2, 8, draft=draft)
     with pytest.raises(CompressError, match="residual"):
-        speculative_generate(target, PROMPT, 8, kv="packkv", kv_opts=dict(residual=4), draft=draft,
-                             gamma=4)
+        speculative_generate(
+            target, PROMPT, 8, kv="packkv", kv_opts=dict(residual=4), draft=draft, gamma=4
+        )
     assert isinstance(Fixed(ModelDraft(draft), 2).next()[0], ModelDraft)
 
 
@@ -369,8 +404,11 @@ def test_other_tokenizer_is_refused(pair, tmp_path):
     folder, target, _, _ = pair
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(["an entirely different corpus of words"] * 10, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
     other = save(tiny_hf(), tmp_path / "other", tok)
@@ -380,22 +418,34 @@ def test_other_tokenizer_is_refused(pair, tmp_path):
 
 def test_cli(pair, capsys):
     folder, _, draft_dir, _ = pair
-    base = [str(folder), "--prompt", "the quick brown", "--max-new-tokens", "24", "--json",
-            "--no-warmup"]
+    base = [
+        str(folder),
+        "--prompt",
+        "the quick brown",
+        "--max-new-tokens",
+        "24",
+        "--json",
+        "--no-warmup",
+    ]
     cli(base)
     plain = json.loads(capsys.readouterr().out)
-    for extra in (["--draft", str(draft_dir), "--gamma", "3"], ["--draft", "self", "--skip", "1"],
-                  ["--draft", "self", "--skip-layers", "1,2", "--gamma", "auto"],
-                  ["--draft", "self", "--adapt", "bandit"]):
+    for extra in (
+        ["--draft", str(draft_dir), "--gamma", "3"],
+        ["--draft", "self", "--skip", "1"],
+        ["--draft", "self", "--skip-layers", "1,2", "--gamma", "auto"],
+        ["--draft", "self", "--adapt", "bandit"],
+    ):
         cli(base + extra)
         out = json.loads(capsys.readouterr().out)
         assert out["text"] == plain["text"]
         assert 0 <= out["acceptance"] <= 1 and out["tokens_per_pass"] >= 1
-    for extra, msg in ((["--draft", "self", "--gamma", "0"], "gamma"),
-                       (["--skip", "2"], "needs --draft"),
-                       (["--draft", str(draft_dir), "--skip", "1"], "--draft self"),
-                       (["--draft", "self", "--compile"], "eager forward"),
-                       (["--draft", str(folder.parent)], "not a model folder")):
+    for extra, msg in (
+        (["--draft", "self", "--gamma", "0"], "gamma"),
+        (["--skip", "2"], "needs --draft"),
+        (["--draft", str(draft_dir), "--skip", "1"], "--draft self"),
+        (["--draft", "self", "--compile"], "eager forward"),
+        (["--draft", str(folder.parent)], "not a model folder"),
+    ):
         with pytest.raises(SystemExit):
             cli(base + extra)
         assert msg in capsys.readouterr().err
@@ -412,8 +462,17 @@ def test_bench_spec_quick(tmp_path, tokenizer, capsys):
     for name, model in (("target", hf), ("draft", noisy_copy(hf, 0.01))):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    bench(["--target", str(tmp_path / "target"), "--drafts", str(tmp_path / "draft"), "--quick",
-           "--json", str(tmp_path / "out.json")])
+    bench(
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--drafts",
+            str(tmp_path / "draft"),
+            "--quick",
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     table = json.loads((tmp_path / "out.json").read_text())["table"]
     names = [t["system"] for t in table]
     assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"]
@@ -446,8 +505,9 @@ def test_compiled_draft_is_exact(pair):
     position) leaves the output the target's own."""
     _, target, _, noisy = pair
     ref = generate(target, PROMPT, 40, ignore_eos=True)
-    r = speculative_generate(target, PROMPT, 40, ignore_eos=True, compile=True,
-                             draft=ModelDraft(noisy), gamma=3)
+    r = speculative_generate(
+        target, PROMPT, 40, ignore_eos=True, compile=True, draft=ModelDraft(noisy), gamma=3
+    )
     assert r.tokens == ref.tokens and 0 < r.accepted < r.drafted
     with pytest.raises(CompressError, match="compile"):
         speculative_generate(target, PROMPT, 8, compile=True, draft=LayerSkipDraft(target, [1]))
@@ -462,7 +522,15 @@ def test_eos_and_stop_strings_end_like_plain_decoding(pair):
     for kw in (dict(), dict(stop=(stop,))):
         ref = generate(target, [ids], 40, tok, **kw)
         pieces = []
-        r = speculative_generate(target, [ids], 40, tok, draft=noisy, gamma=4,
-                                 on_text=lambda row, text: pieces.append(text), **kw)
+        r = speculative_generate(
+            target,
+            [ids],
+            40,
+            tok,
+            draft=noisy,
+            gamma=4,
+            on_text=lambda row, text: pieces.append(text),
+            **kw,
+        )
         assert r.tokens == ref.tokens and r.texts == ref.texts == ["".join(pieces)]
     assert stop not in r.texts[0] and len(r.tokens[0]) < 40

@@ -16,13 +16,16 @@ def attention_inputs(model, tokens: torch.Tensor, *visitors, batch_size: int = 4
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             for visit in visitors:
                 visit(i, x.reshape(-1, x.shape[-1]))
+
         return pre
 
-    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
+    handles = [
+        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
     try:
         for start in range(0, tokens.shape[0], batch_size):
-            model(tokens[start:start + batch_size], use_cache=False)
+            model(tokens[start : start + batch_size], use_cache=False)
     finally:
         for h in handles:
             h.remove()

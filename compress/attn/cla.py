@@ -30,9 +30,11 @@ def check_share(config, share: int, init: str) -> None:
     layers = config.num_hidden_layers
     if share < 1 or layers % share:
         valid = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise CompressError(f"attn.share={share} must divide the model's {layers} layers (each "
-                            f"group of share layers uses its first layer's K/V); valid values: "
-                            f"{', '.join(map(str, valid))}.")
+        raise CompressError(
+            f"attn.share={share} must divide the model's {layers} layers (each "
+            f"group of share layers uses its first layer's K/V); valid values: "
+            f"{', '.join(map(str, valid))}."
+        )
     if init not in INITS:
         raise CompressError(f"attn.cla_init={init!r}: use one of {', '.join(INITS)}.")
 
@@ -59,8 +61,12 @@ def cross_moments(model, tokens, share: int, bias: bool) -> dict[int, dict[int, 
     return moments
 
 
-def fit_shared(moments: dict[int, torch.Tensor], weights: dict[int, torch.Tensor],
-               first: int, damp: float = 1e-6) -> torch.Tensor:
+def fit_shared(
+    moments: dict[int, torch.Tensor],
+    weights: dict[int, torch.Tensor],
+    first: int,
+    damp: float = 1e-6,
+) -> torch.Tensor:
     """The least-squares shared weight ``[out, in(+1)]`` from ``X_f^T X_l`` and each W_l."""
     gram = moments[first]
     gram = gram + damp * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)

@@ -27,13 +27,19 @@ def check_kv_heads(config, kv_heads: int) -> None:
         raise CompressError(
             f"attn.kv_heads={kv_heads}: mean-pooling merges groups of this model's {G} KV heads "
             f"({H} query heads), so kv_heads must divide {G}; valid values: "
-            f"{', '.join(map(str, divisors(G)))}.")
+            f"{', '.join(map(str, divisors(G)))}."
+        )
 
 
 def pool_heads(linear: nn.Linear, heads: int, groups: int, head_dim: int) -> nn.Linear:
     """A linear whose ``groups`` output heads are the means of consecutive input-head groups."""
-    out = nn.Linear(linear.in_features, groups * head_dim, bias=linear.bias is not None,
-                    dtype=linear.weight.dtype, device=linear.weight.device)
+    out = nn.Linear(
+        linear.in_features,
+        groups * head_dim,
+        bias=linear.bias is not None,
+        dtype=linear.weight.dtype,
+        device=linear.weight.device,
+    )
     with torch.no_grad():
         w = linear.weight.view(groups, heads // groups, head_dim, -1).mean(1)
         out.weight.copy_(w.reshape(groups * head_dim, -1))

@@ -44,12 +44,16 @@ def check_mla(config, d_kv: int, pairs: int, method: str, svd: str = "weights") 
         raise CompressError(f"mla.svd={svd!r}: use one of {', '.join(SVDS)}.")
     top = full_rank(config, pairs)
     if not 1 <= d_kv <= top:
-        raise CompressError(f"mla.d_kv={d_kv}: the joint K/V matrix of a KV head has full rank "
-                            f"{top} here (2 x head_dim - 2 x rope_pairs, at most hidden / KV "
-                            f"heads); use 1..{top}.")
+        raise CompressError(
+            f"mla.d_kv={d_kv}: the joint K/V matrix of a KV head has full rank "
+            f"{top} here (2 x head_dim - 2 x rope_pairs, at most hidden / KV "
+            f"heads); use 1..{top}."
+        )
     if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
-        raise CompressError("mla converts attention without q/k/v biases (Llama, Mistral); this "
-                            "model has biases. Use the gqa or cla recipe for it.")
+        raise CompressError(
+            "mla converts attention without q/k/v biases (Llama, Mistral); this "
+            "model has biases. Use the gqa or cla recipe for it."
+        )
 
 
 def head_order(index: torch.Tensor, D: int) -> torch.Tensor:
@@ -74,8 +78,9 @@ def low_rank(w: torch.Tensor, rank: int, gram: torch.Tensor | None = None, damp:
     return U[:, :rank] * S[:rank], down
 
 
-def mla_layer(wq, wk, wv, index: torch.Tensor, rank: int, H: int,
-              gram: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def mla_layer(
+    wq, wk, wv, index: torch.Tensor, rank: int, H: int, gram: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The MLA projections of one layer from ``q_proj``/``k_proj``/``v_proj`` weights
     (``gram``: E[x x^T] of its input for ``svd=activations``)."""
     G, p = index.shape
@@ -83,16 +88,27 @@ def mla_layer(wq, wk, wv, index: torch.Tensor, rank: int, H: int,
     order = head_order(index, D)
     q_rows = (order.repeat_interleave(H // G, 0) + D * torch.arange(H)[:, None]).flatten()
     k_rows = order + D * torch.arange(G)[:, None]
-    kv = torch.cat((wk[k_rows[:, 2 * p:].flatten()], wv)).double()
+    kv = torch.cat((wk[k_rows[:, 2 * p :].flatten()], wv)).double()
     up, down = low_rank(kv, rank, gram)
     up = up.to(wk.dtype)
-    return {"q_proj.weight": wq[q_rows], "k_rope_proj.weight": wk[k_rows[:, :2 * p].flatten()],
-            "kv_a_proj.weight": down.to(wk.dtype), "k_b_proj.weight": up[:G * (D - 2 * p)],
-            "v_b_proj.weight": up[G * (D - 2 * p):], "rope_index": index.clone()}
+    return {
+        "q_proj.weight": wq[q_rows],
+        "k_rope_proj.weight": wk[k_rows[:, : 2 * p].flatten()],
+        "kv_a_proj.weight": down.to(wk.dtype),
+        "k_b_proj.weight": up[: G * (D - 2 * p)],
+        "v_b_proj.weight": up[G * (D - 2 * p) :],
+        "rope_index": index.clone(),
+    }
 
 
-def convert_mla(model, d_kv: int = 16, rope_pairs: int = 4, rope_select: str = "2norm",
-                tokens: torch.Tensor | None = None, svd: str = "weights"):
+def convert_mla(
+    model,
+    d_kv: int = 16,
+    rope_pairs: int = 4,
+    rope_select: str = "2norm",
+    tokens: torch.Tensor | None = None,
+    svd: str = "weights",
+):
     """An ``MLAForCausalLM`` from ``model``; ``tokens`` (calibration) for ``2norm`` and
     ``svd=activations``."""
     from compress.formats.attention import MLAConfig, MLAForCausalLM, converted_config
@@ -116,8 +132,9 @@ def convert_mla(model, d_kv: int = 16, rope_pairs: int = 4, rope_select: str = "
         gram = grams[i] if grams else None
         for name, t in mla_layer(w["q"], w["k"], w["v"], index[i], d_kv * G, H, gram).items():
             state[prefix + name] = t
-    mla_config = converted_config(MLAConfig, config, mla_rope_pairs=rope_pairs,
-                                  kv_lora_rank=d_kv * G, mla_d_kv=d_kv)
+    mla_config = converted_config(
+        MLAConfig, config, mla_rope_pairs=rope_pairs, kv_lora_rank=d_kv * G, mla_d_kv=d_kv
+    )
     out = MLAForCausalLM(mla_config).to(next(model.parameters()).dtype)
     out.load_state_dict(state, strict=True)
     return out.eval()

@@ -21,8 +21,10 @@ METHODS = ("2norm", "uniform", "high", "low")
 def check_pairs(config, pairs: int, method: str) -> None:
     half = head_dim(config) // 2
     if not 1 <= pairs <= half:
-        raise CompressError(f"mla.rope_pairs={pairs}: a head of dim {2 * half} has {half} RoPE "
-                            f"frequency pairs; use 1..{half}.")
+        raise CompressError(
+            f"mla.rope_pairs={pairs}: a head of dim {2 * half} has {half} RoPE "
+            f"frequency pairs; use 1..{half}."
+        )
     if method not in METHODS:
         raise CompressError(f"mla.rope_select={method!r}: use one of {', '.join(METHODS)}.")
 
@@ -72,7 +74,10 @@ def select_pairs(config, pairs: int, method: str, scores: torch.Tensor | None = 
     if method == "2norm":
         index = scores.topk(pairs, dim=-1).indices
     else:
-        fixed = {"uniform": (torch.arange(pairs) * half) // pairs,
-                 "high": torch.arange(pairs), "low": torch.arange(half - pairs, half)}[method]
+        fixed = {
+            "uniform": (torch.arange(pairs) * half) // pairs,
+            "high": torch.arange(pairs),
+            "low": torch.arange(half - pairs, half),
+        }[method]
         index = fixed.expand(layers, G, pairs)
     return index.sort(dim=-1).values.contiguous()

@@ -72,6 +72,13 @@ def mla(model, ctx):
     log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s), svd %s", d_kv, pairs, select, svd)
     out = convert_mla(model, d_kv, pairs, select, tokens, svd)
     ctx.files.update(folder_files(out.config.model_type))
-    _record(ctx, d_kv=d_kv, kv_lora_rank=out.config.kv_lora_rank, rope_pairs=pairs,
-            rope_select=select, svd=svd, kv_heads=out.config.num_key_value_heads)
+    _record(
+        ctx,
+        d_kv=d_kv,
+        kv_lora_rank=out.config.kv_lora_rank,
+        rope_pairs=pairs,
+        rope_select=select,
+        svd=svd,
+        kv_heads=out.config.num_key_value_heads,
+    )
     return out

@@ -20,10 +20,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m compress.decoder", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m compress.decoder", description=__doc__.splitlines()[0]
+    )
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-k", type=int)
@@ -32,24 +36,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     from compress.decoder.kv import KV_KINDS
 
-    p.add_argument("--kv", choices=KV_KINDS, default="fp16",
-                   help="KV cache; full: the model's dtype, exact")
-    p.add_argument("--kv-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="cache option, e.g. --kv-opt bits=2 (repeatable)")
+    p.add_argument(
+        "--kv", choices=KV_KINDS, default="fp16", help="KV cache; full: the model's dtype, exact"
+    )
+    p.add_argument(
+        "--kv-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="cache option, e.g. --kv-opt bits=2 (repeatable)",
+    )
     p.add_argument("--max-len", type=int, help="KV cache length (default: prompt + max new tokens)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in (bfloat16: "
-                   "ATen's int4pack kernel on the CPU, faster, inputs rounded); default: --dtype")
+    p.add_argument(
+        "--qdtype",
+        choices=DTYPES,
+        help="dtype the int-quantized layers compute in (bfloat16: "
+        "ATen's int4pack kernel on the CPU, faster, inputs rounded); default: --dtype",
+    )
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; 1 is often fastest "
-                   "for batch-1 decoding on a busy 2-core machine)")
-    p.add_argument("--lean", action="store_true", help="keep only the bfloat16 int4pack form of quantized "
-                   "layers (needs --dtype or --qdtype bfloat16): less memory, slower long prefills")
-    p.add_argument("--compile", action="store_true", help="decode with the static-shape compiled step "
-                   "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster; "
-                   "with --draft: the draft's steps)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default: torch's; 1 is often fastest "
+        "for batch-1 decoding on a busy 2-core machine)",
+    )
+    p.add_argument(
+        "--lean",
+        action="store_true",
+        help="keep only the bfloat16 int4pack form of quantized "
+        "layers (needs --dtype or --qdtype bfloat16): less memory, slower long prefills",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with the static-shape compiled step "
+        "(CPU; fp16 or full cache; a minute to compile, then ~1.5x faster; "
+        "with --draft: the draft's steps)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     spec_cli.add_arguments(p)
     return p.parse_args(argv)
@@ -79,8 +108,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         if not Path(args.run).exists():
-            raise CompressError(f"run folder '{args.run}' does not exist. Pass a folder a recipe "
-                                f"wrote (outputs/...) or an HF Llama-family folder.")
+            raise CompressError(
+                f"run folder '{args.run}' does not exist. Pass a folder a recipe "
+                f"wrote (outputs/...) or an HF Llama-family folder."
+            )
         spec_cli.check_arguments(args)
         run(args)
     except CompressError as e:
@@ -100,14 +131,22 @@ def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load(args.run, dtype=getattr(torch, args.dtype), device=args.device,
-                      qdtype=getattr(torch, args.qdtype) if args.qdtype else None, lean=args.lean)
+    model, tok = load(
+        args.run,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
+        lean=args.lean,
+    )
     if tok is None:
-        raise CompressError(f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt.")
+        raise CompressError(
+            f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
+        )
     text = args.prompt
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     kv_opts = kv_options(args.kv_opt)
@@ -117,14 +156,28 @@ def run(args) -> None:
 
         from compress.decoder.speculative import speculative_generate
 
-        load_kwargs = dict(dtype=getattr(torch, args.dtype), device=args.device, lean=args.lean,
-                           qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
+        load_kwargs = dict(
+            dtype=getattr(torch, args.dtype),
+            device=args.device,
+            lean=args.lean,
+            qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
+        )
         schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
         generate = partial(speculative_generate, draft=schedule)
-    if not args.no_warmup:  # kernels prepare their weight forms, and compile (for this cache size), at first use
+    if (
+        not args.no_warmup
+    ):  # kernels prepare their weight forms, and compile (for this cache size), at first use
         warm = 2 if args.draft is None else 3  # 3: a draft step runs (and compiles)
-        generate(model, [ids], warm, kv=args.kv, kv_opts=kv_opts, max_len=args.max_len or len(ids) + args.max_new_tokens,
-                 compile=args.compile, ignore_eos=True)
+        generate(
+            model,
+            [ids],
+            warm,
+            kv=args.kv,
+            kv_opts=kv_opts,
+            max_len=args.max_len or len(ids) + args.max_new_tokens,
+            compile=args.compile,
+            ignore_eos=True,
+        )
     t2 = time.perf_counter()
 
     def stream(_row, piece):
@@ -132,26 +185,47 @@ def run(args) -> None:
 
     release_freed_memory()
     peak_memory_reset()
-    r = generate(model, [ids], args.max_new_tokens, tok, sampling, args.kv, kv_opts, args.max_len,
-                 tuple(args.stop), on_text=None if args.json else stream, compile=args.compile)
+    r = generate(
+        model,
+        [ids],
+        args.max_new_tokens,
+        tok,
+        sampling,
+        args.kv,
+        kv_opts,
+        args.max_len,
+        tuple(args.stop),
+        on_text=None if args.json else stream,
+        compile=args.compile,
+    )
     peak = peak_memory()
-    stats = {"text": r.texts[0], "ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
-             "prefill_tok_s": r.prefill_tok_s, "peak_mem_bytes": peak, "kv_bytes_per_token": r.kv_bytes_per_token}
+    stats = {
+        "text": r.texts[0],
+        "ttft_s": r.ttft_s,
+        "decode_tok_s": r.decode_tok_s,
+        "prefill_tok_s": r.prefill_tok_s,
+        "peak_mem_bytes": peak,
+        "kv_bytes_per_token": r.kv_bytes_per_token,
+    }
     if args.draft is not None:
         stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)
     if args.json:
         print(json.dumps(stats))
         return
     print(flush=True)
-    print(f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
-          f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
-          f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
-          f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
-          file=sys.stderr)
+    print(
+        f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
+        f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
+        f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
+        f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
+        file=sys.stderr,
+    )
     if args.draft is not None:
-        print(f"[speculative, draft {args.draft}] acceptance {r.acceptance:.3f}  "
-              f"{r.tokens_per_pass:.2f} tokens per target pass ({r.rounds} passes)",
-              file=sys.stderr)
+        print(
+            f"[speculative, draft {args.draft}] acceptance {r.acceptance:.3f}  "
+            f"{r.tokens_per_pass:.2f} tokens per target pass ({r.rounds} passes)",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ class Bandit:
 
     def __init__(self, arms: list[tuple], cols: int):
         if not arms or len(arms) % cols:
-            raise CompressError("a bandit needs a full grid of draft configurations "
-                                "(skip sets x gammas).")
+            raise CompressError(
+                "a bandit needs a full grid of draft configurations (skip sets x gammas)."
+            )
         self.arms, self.cols = arms, cols
         self.reset()
 
@@ -80,8 +81,11 @@ class Unimodal(Bandit):
 
     def neighbours(self, k: int) -> list[int]:
         r, c, rows = divmod(k, self.cols) + (len(self.arms) // self.cols,)
-        out = [(r + dr) * self.cols + c + dc for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1))
-               if 0 <= r + dr < rows and 0 <= c + dc < self.cols]
+        out = [
+            (r + dr) * self.cols + c + dc
+            for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1))
+            if 0 <= r + dr < rows and 0 <= c + dc < self.cols
+        ]
         return out
 
     def choose(self) -> int:
@@ -119,8 +123,10 @@ class UCB1(Bandit):
             if not self.n[k]:
                 return k
         scale = self.scale or 1.0
-        return max(range(len(self.arms)), key=lambda k: self.mean(k) / scale
-                   + math.sqrt(2 * math.log(self.t) / self.n[k]))
+        return max(
+            range(len(self.arms)),
+            key=lambda k: self.mean(k) / scale + math.sqrt(2 * math.log(self.t) / self.n[k]),
+        )
 
 
 BANDITS = {"bandit": Unimodal, "ucb1": UCB1}

@@ -92,20 +92,26 @@ class LayerSkipDraft:
         n = model.config.num_hidden_layers
         self.model, self.skip = model, frozenset(int(i) for i in skip)
         if not self.skip or min(self.skip) < 0 or max(self.skip) >= n or len(self.skip) >= n:
-            raise CompressError(f"skip layers {sorted(self.skip)}: give at least one and fewer "
-                                f"than all of the target's {n} layers (indices 0..{n - 1}).")
+            raise CompressError(
+                f"skip layers {sorted(self.skip)}: give at least one and fewer "
+                f"than all of the target's {n} layers (indices 0..{n - 1})."
+            )
         attns = [b.self_attn for b in model.model.layers]
         for i in self.skip:  # cross-layer attention: a skipped writer leaves readers without K/V
-            if attns[i].writes_kv and any(a.kv_slot == attns[i].kv_slot and j not in self.skip
-                                          for j, a in enumerate(attns)):
-                raise CompressError(f"layer {i} writes the K/V that other kept layers read "
-                                    f"(cross-layer attention); skip its whole group or none of it.")
+            if attns[i].writes_kv and any(
+                a.kv_slot == attns[i].kv_slot and j not in self.skip for j, a in enumerate(attns)
+            ):
+                raise CompressError(
+                    f"layer {i} writes the K/V that other kept layers read "
+                    f"(cross-layer attention); skip its whole group or none of it."
+                )
 
     def prefill(self, ids: list[int], max_len: int) -> None:
         pass
 
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
         L, device = len(seq) - 1, self.model.lm_head.weight.device
+
         def forward(ids, pos):
             return self.model(ids, target_cache, pos=pos, last=True, skip=self.skip)
 
@@ -117,9 +123,11 @@ class LayerSkipDraft:
 
 def check_vocab(target_size: int, draft_size: int) -> None:
     if target_size != draft_size:
-        raise CompressError(f"the draft's vocabulary has {draft_size} tokens and the target's "
-                            f"{target_size}: speculative decoding needs the same tokenizer. Use a "
-                            f"draft compressed from the same source model (or of the same family).")
+        raise CompressError(
+            f"the draft's vocabulary has {draft_size} tokens and the target's "
+            f"{target_size}: speculative decoding needs the same tokenizer. Use a "
+            f"draft compressed from the same source model (or of the same family)."
+        )
 
 
 def check_draft(target, draft) -> None:
@@ -136,17 +144,24 @@ def load_draft(folder, target, tokenizer=None, **load_kwargs):
 
     folder = Path(folder)
     if not folder.is_dir() or not (folder / "config.json").is_file():
-        raise CompressError(f"draft '{folder}' is not a model folder (no config.json). Pass a run "
-                            f"folder a recipe wrote (outputs/...), an HF folder with the target's "
-                            f"tokenizer, or 'self' for self-speculative decoding.")
+        raise CompressError(
+            f"draft '{folder}' is not a model folder (no config.json). Pass a run "
+            f"folder a recipe wrote (outputs/...), an HF folder with the target's "
+            f"tokenizer, or 'self' for self-speculative decoding."
+        )
     config, _ = read_config(folder)
     check_vocab(target.config.vocab_size, config.vocab_size)  # before loading the weights
     draft_tok = read_tokenizer(folder)
-    if tokenizer is not None and draft_tok is not None and \
-            tokenizer.get_vocab() != draft_tok.get_vocab():
-        raise CompressError(f"the draft's tokenizer ('{folder}') differs from the target's (same "
-                            f"size, other tokens): speculative decoding needs the same tokenizer. "
-                            f"Use a draft of the same model family.")
+    if (
+        tokenizer is not None
+        and draft_tok is not None
+        and tokenizer.get_vocab() != draft_tok.get_vocab()
+    ):
+        raise CompressError(
+            f"the draft's tokenizer ('{folder}') differs from the target's (same "
+            f"size, other tokens): speculative decoding needs the same tokenizer. "
+            f"Use a draft of the same model family."
+        )
     draft, _ = load(folder, **load_kwargs)
     check_draft(target, draft)
     return draft

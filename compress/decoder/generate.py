@@ -69,15 +69,15 @@ class Detokenizer:
             return ""
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
-            text, self.stopped = text[:min(hits)], True
+            text, self.stopped = text[: min(hits)], True
         self.text = text
         hold = 0 if self.stopped else max((len(s) - 1 for s in self.stop), default=0)
-        out = text[self.emitted:max(self.emitted, len(text) - hold)]
+        out = text[self.emitted : max(self.emitted, len(text) - hold)]
         self.emitted += len(out)
         return out
 
     def flush(self) -> str:
-        out = self.text[self.emitted:]
+        out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
 
@@ -108,12 +108,14 @@ class Result:
         return self.kv_bytes / max(self.kv_tokens, 1)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(ids [B, T0], start [B] or None)`` with each prompt right-aligned."""
     T0 = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T0), pad_id, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, T0 - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[b, T0 - len(p) :] = torch.tensor(p, dtype=torch.long)
     start = torch.tensor([T0 - len(p) for p in prompts], dtype=torch.long, device=device)
     return ids.to(device), (start if start.any() else None)
 
@@ -133,22 +135,37 @@ def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None)
     if prompt_len >= max_len:
         raise CompressError(
             f"the prompt has {prompt_len} tokens, but the KV cache holds {max_len} (the model's "
-            f"max_position_embeddings is {limit}). Shorten the prompt or raise --max-len.")
+            f"max_position_embeddings is {limit}). Shorten the prompt or raise --max-len."
+        )
     window = getattr(model.config, "sliding_window", None)
     if window and getattr(model.config, "use_sliding_window", True) and max_len > window:
-        raise CompressError(f"this model attends within a sliding window of {window} tokens, which the decoder "
-                            f"does not implement; keep prompt + new tokens within {window} (--max-len).")
+        raise CompressError(
+            f"this model attends within a sliding window of {window} tokens, which the decoder "
+            f"does not implement; keep prompt + new tokens within {window} (--max-len)."
+        )
     if prompt_len + max_new_tokens > max_len:
-        warnings.warn(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                      f"cache ({max_len}); generation stops after {max_len - prompt_len} tokens.")
+        warnings.warn(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"cache ({max_len}); generation stops after {max_len - prompt_len} tokens."
+        )
     return max_len
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
-             sampling: Sampling | None = None, kv: str = "fp16", kv_opts: dict | None = None,
-             max_len: int | None = None, stop: tuple[str, ...] = (), on_text=None, compile: bool = False,
-             ignore_eos: bool = False) -> Result:
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tokenizer=None,
+    sampling: Sampling | None = None,
+    kv: str = "fp16",
+    kv_opts: dict | None = None,
+    max_len: int | None = None,
+    stop: tuple[str, ...] = (),
+    on_text=None,
+    compile: bool = False,
+    ignore_eos: bool = False,
+) -> Result:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
 
     ``on_text(row, text)`` receives text as it becomes final. ``compile`` decodes with the
@@ -161,7 +178,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
         raise CompressError("stop strings need a tokenizer, and this run folder has none.")
     sampling = sampling or Sampling()
     device = model.lm_head.weight.device
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    pad = (
+        tokenizer.pad_token_id
+        if tokenizer is not None and tokenizer.pad_token_id is not None
+        else 0
+    )
     ids, start = left_pad(prompts, pad, device)
     B, T0 = ids.shape
     max_len = cache_size(model, T0, max_new_tokens, max_len)
@@ -206,7 +227,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=Non
         if d is not None and on_text and (rest := d.flush()):
             on_text(b, rest)
     texts = [d.text if d is not None else "" for d in detok]
-    return Result(out, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length)
+    return Result(
+        out, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length
+    )
 
 
 def sync(device) -> None:
@@ -222,9 +245,13 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
     from compress.decoder.static import StaticDecoder
 
     if kv not in ("fp16", "full") or kv_opts:
-        raise CompressError(f"compiled decoding (--compile) keeps an uncompressed cache: use --kv fp16 or full "
-                            f"without options, not --kv {kv}{' with options' if kv_opts else ''}.")
-    steps = model.__dict__.setdefault("static_steps", {})  # a plain dict: not registered as a submodule
+        raise CompressError(
+            f"compiled decoding (--compile) keeps an uncompressed cache: use --kv fp16 or full "
+            f"without options, not --kv {kv}{' with options' if kv_opts else ''}."
+        )
+    steps = model.__dict__.setdefault(
+        "static_steps", {}
+    )  # a plain dict: not registered as a submodule
     if batch not in steps:
         steps[batch] = StaticDecoder(model, batch)
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30

@@ -34,8 +34,10 @@ CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
 def unified_skip(n_layers: int, n_skip: int) -> list[int]:
     """The ``n_skip`` layers unified layer skipping leaves out of an ``n_layers`` model."""
     if not 0 < n_skip <= n_layers - 2:
-        raise CompressError(f"--skip {n_skip}: a {n_layers}-layer model can skip 1 to "
-                            f"{n_layers - 2} layers (the first and last always run).")
+        raise CompressError(
+            f"--skip {n_skip}: a {n_layers}-layer model can skip 1 to "
+            f"{n_layers - 2} layers (the first and last always run)."
+        )
     return [1 + int((i + 0.5) * (n_layers - 2) / n_skip) for i in range(n_skip)]
 
 
@@ -44,11 +46,14 @@ def parse_layers(text: str, n_layers: int) -> list[int]:
     try:
         layers = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise CompressError(f"--skip-layers '{text}': give layer indices separated by commas, "
-                            f"e.g. 4,6,8.")
+        raise CompressError(
+            f"--skip-layers '{text}': give layer indices separated by commas, e.g. 4,6,8."
+        )
     if not layers or layers[0] < 0 or layers[-1] >= n_layers or len(layers) >= n_layers:
-        raise CompressError(f"--skip-layers '{text}': indices must lie in 0..{n_layers - 1} and "
-                            f"leave at least one layer running.")
+        raise CompressError(
+            f"--skip-layers '{text}': indices must lie in 0..{n_layers - 1} and "
+            f"leave at least one layer running."
+        )
     return layers
 
 
@@ -100,16 +105,18 @@ def layer_costs(model, reps: int = 5) -> tuple[float, float]:
     return none, max(full - none, 1e-9) / L
 
 
-def expected_rate(alpha: float, gamma: int, kept: int, costs: tuple[float, float],
-                  n_layers: int) -> float:
+def expected_rate(
+    alpha: float, gamma: int, kept: int, costs: tuple[float, float], n_layers: int
+) -> float:
     """Modelled tokens per second (the module docstring's formula)."""
     c0, cl = costs
     tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (gamma * (c0 + kept * cl) + c0 + n_layers * cl)
 
 
-def search_skip(model, ids: list[int], gamma: int = 4, max_skip: int | None = None,
-                log=None) -> dict:
+def search_skip(
+    model, ids: list[int], gamma: int = 4, max_skip: int | None = None, log=None
+) -> dict:
     """Greedy search of the skip set maximising :func:`expected_rate` on the calibration ``ids``."""
     L = model.config.num_hidden_layers
     costs = layer_costs(model)
@@ -149,10 +156,11 @@ def calibration_ids(tokenizer) -> list[int]:
 
     path = wikitext_file("wiki.valid.tokens")
     if not path.is_file():
-        raise CompressError(f"the skip-set search reads calibration text from {path}, which "
-                            f"does not exist.")
+        raise CompressError(
+            f"the skip-set search reads calibration text from {path}, which does not exist."
+        )
     text = path.read_text(encoding="utf-8")[-4000:]
-    return tokenizer(text[text.index(" "):]).input_ids[-CALIBRATION_TOKENS:]
+    return tokenizer(text[text.index(" ") :]).input_ids[-CALIBRATION_TOKENS:]
 
 
 def main(argv=None) -> None:
@@ -163,8 +171,9 @@ def main(argv=None) -> None:
 
     from compress.decoder.model import load
 
-    p = argparse.ArgumentParser(prog="python -m compress.decoder.layer_skip",
-                                description=main.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m compress.decoder.layer_skip", description=main.__doc__.splitlines()[0]
+    )
     p.add_argument("run")
     p.add_argument("--counts", type=int, nargs="*")
     p.add_argument("--gamma", type=int, default=4)

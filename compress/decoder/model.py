@@ -31,8 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.adapters import head_dim
-from compress.checkpoint import (load_state, quantized_layer, read_config, read_tensors, read_tokenizer,
-                                 swap_quantized)
+from compress.checkpoint import (
+    load_state,
+    quantized_layer,
+    read_config,
+    read_tensors,
+    read_tokenizer,
+    swap_quantized,
+)
 from compress.errors import CompressError
 
 
@@ -58,8 +64,10 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
         return torch.where(medium, smoothed, scaled)
-    raise CompressError(f"RoPE type '{kind}' is not supported by compress's decoder (it reads "
-                        f"'default', 'linear' and 'llama3'); config.json's rope_parameters asks for it.")
+    raise CompressError(
+        f"RoPE type '{kind}' is not supported by compress's decoder (it reads "
+        f"'default', 'linear' and 'llama3'); config.json's rope_parameters asks for it."
+    )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +100,9 @@ class Attention(nn.Module):
         share = getattr(config, "cla_share", None) or 1
         self.kv_slot, self.writes_kv = layer // share, layer % share == 0
         self.n_heads, self.head_dim = config.num_attention_heads, head_dim(config)
-        self.n_kv_heads = config.num_key_value_heads if self.writes_kv else 0  # heads this layer projects
+        self.n_kv_heads = (
+            config.num_key_value_heads if self.writes_kv else 0
+        )  # heads this layer projects
         dim, qkv_bias, o_bias = config.hidden_size, *attention_biases(config)
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
         if self.writes_kv:
@@ -110,10 +120,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
         heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-        qk = apply_rope(heads[:, :H + Hkv], cos, sin)
+        qk = apply_rope(heads[:, : H + Hkv], cos, sin)
         if not self.writes_kv:
             return qk, None, None
-        return qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
+        return qk[:, :H], qk[:, H:], heads[:, H + Hkv :]
 
     def forward(self, x, cos, sin, cache, pos, start):
         B, T, _ = x.shape
@@ -164,34 +174,40 @@ class LatentAttention(Attention):
         H, G, D, r, L = self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent
         g = torch.arange(H) // (H // G)
         wq = self.q_proj.weight.view(H, D, -1).double()
-        kb = self.k_b_proj.weight.view(G, D - r, L).double()[g]                # [H, n, L]
-        vb = self.v_b_proj.weight.view(G, D, L).double()[g]                    # [H, D, L]
-        q_lat = kb.transpose(1, 2) @ wq[:, r:]                                 # [H, L, hidden]
-        wo = self.o_proj.weight.view(-1, H, D).transpose(0, 1).double()       # [H, hidden, D]
+        kb = self.k_b_proj.weight.view(G, D - r, L).double()[g]  # [H, n, L]
+        vb = self.v_b_proj.weight.view(G, D, L).double()[g]  # [H, D, L]
+        q_lat = kb.transpose(1, 2) @ wq[:, r:]  # [H, L, hidden]
+        wo = self.o_proj.weight.view(-1, H, D).transpose(0, 1).double()  # [H, hidden, D]
         dtype = self.q_proj.weight.dtype
-        self.q_proj.weight = nn.Parameter(torch.cat([wq[:, :r], q_lat], 1).reshape(H * (r + L), -1).to(dtype))
+        self.q_proj.weight = nn.Parameter(
+            torch.cat([wq[:, :r], q_lat], 1).reshape(H * (r + L), -1).to(dtype)
+        )
         self.o_proj.weight = nn.Parameter((wo @ vb).transpose(0, 1).reshape(-1, H * L).to(dtype))
         self.q_proj.out_features, self.o_proj.in_features = H * (r + L), H * L
         del self.k_b_proj, self.v_b_proj
         # query head h's rotated part goes to its group's slot of the key's 2pG RoPE channels
         slot = torch.zeros(H, G * r, dtype=dtype)
         for h in range(H):
-            slot[h, g[h] * r:(g[h] + 1) * r] = 1
+            slot[h, g[h] * r : (g[h] + 1) * r] = 1
         self.register_buffer("rope_slot", slot[None, :, None], persistent=False)
 
     def project(self, x, cos, sin):
         B, T, _ = x.shape
         H, G, r, L = self.n_heads, self.n_kv_heads, self.rope, self.latent
         out = self.qkv_proj(x)
-        q = out[..., :H * (r + L)].view(B, T, H, r + L).transpose(1, 2)
-        kr = out[..., H * (r + L):-L].view(B, T, G, r).transpose(1, 2)
+        q = out[..., : H * (r + L)].view(B, T, H, r + L).transpose(1, 2)
+        kr = out[..., H * (r + L) : -L].view(B, T, G, r).transpose(1, 2)
         half = cos.shape[-1] // 2
-        cg, sg = (torch.cat([t[:, 0, :, :half][..., self.rope_index]] * 2, -1).permute(0, 2, 1, 3)
-                  for t in (cos, sin))                                         # [B|1, G, T, 2p]
+        cg, sg = (
+            torch.cat([t[:, 0, :, :half][..., self.rope_index]] * 2, -1).permute(0, 2, 1, 3)
+            for t in (cos, sin)
+        )  # [B|1, G, T, 2p]
         kr = apply_rope(kr, cg, sg)
         each = H // G
         qr = apply_rope(q[..., :r], cg.repeat_interleave(each, 1), sg.repeat_interleave(each, 1))
-        k = torch.cat([out[:, None, :, -L:], kr.transpose(1, 2).reshape(B, 1, T, G * r)], -1)  # [B, 1, T, L + 2pG]
+        k = torch.cat(
+            [out[:, None, :, -L:], kr.transpose(1, 2).reshape(B, 1, T, G * r)], -1
+        )  # [B, 1, T, L + 2pG]
         q = torch.cat([q[..., r:], qr.repeat(1, 1, 1, G) * self.rope_slot], -1)
         return q, k, None
 
@@ -199,7 +215,11 @@ class LatentAttention(Attention):
 class FeedForward(nn.Module):
     def __init__(self, config):
         super().__init__()
-        dim, hidden, bias = config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        dim, hidden, bias = (
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "mlp_bias", False),
+        )
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
@@ -214,7 +234,9 @@ class Block(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = (LatentAttention if getattr(config, "kv_lora_rank", None) else Attention)(config, layer)
+        self.self_attn = (LatentAttention if getattr(config, "kv_lora_rank", None) else Attention)(
+            config, layer
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
@@ -240,7 +262,9 @@ class Transformer(nn.Module):
         self.head_dim = head_dim(config)
         self.model = Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(self.head_dim, config.rope_parameters), persistent=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(self.head_dim, config.rope_parameters), persistent=False
+        )
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -254,17 +278,34 @@ class Transformer(nn.Module):
         attns = [b.self_attn for b in self.model.layers]
         a, slots = attns[0], max(x.kv_slot for x in attns) + 1
         if isinstance(a, LatentAttention):
-            return dict(n_layers=slots, n_kv_heads=1, head_dim=a.latent + a.n_kv_heads * a.rope,
-                        v_dim=a.latent, scale=a.head_dim ** -0.5)
-        return dict(n_layers=slots, n_kv_heads=self.config.num_key_value_heads, head_dim=self.head_dim,
-                    v_dim=None, scale=None)
+            return dict(
+                n_layers=slots,
+                n_kv_heads=1,
+                head_dim=a.latent + a.n_kv_heads * a.rope,
+                v_dim=a.latent,
+                scale=a.head_dim**-0.5,
+            )
+        return dict(
+            n_layers=slots,
+            n_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.head_dim,
+            v_dim=None,
+            scale=None,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def forward(self, idx: torch.Tensor, cache, pos: torch.Tensor | None = None,
-                start: torch.Tensor | None = None, last: bool = False, skip=()):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache,
+        pos: torch.Tensor | None = None,
+        start: torch.Tensor | None = None,
+        last: bool = False,
+        skip=(),
+    ):
         """Run ``idx`` at cache slots ``pos`` (default: the next T, ``cache.length ...``); row b's
         position 0 is slot ``start[b]`` (left padding before it is masked).
 
@@ -273,8 +314,12 @@ class Transformer(nn.Module):
         """
         if pos is None:
             pos = torch.arange(cache.length, cache.length + idx.shape[1], device=idx.device)
-        rel = pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)  # [B or 1, T]
-        angles = (rel[..., None].float() * self.inv_freq).repeat(1, 1, 2)[:, None]  # [B or 1, 1, T, D]
+        rel = (
+            pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)
+        )  # [B or 1, T]
+        angles = (rel[..., None].float() * self.inv_freq).repeat(1, 1, 2)[
+            :, None
+        ]  # [B or 1, 1, T, D]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
@@ -308,15 +353,21 @@ def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str =
     if any(type(m) is not type(first) for m in layers):
         return Parallel(layers)
     with torch.device("meta"):
-        fused = nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None)
+        fused = nn.Linear(
+            first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None
+        )
         if type(first) is not nn.Linear:
             fused = quantized_layer(qcfg, fused, name)
     fused.to_empty(device=device)
     state, parts = {}, [m.state_dict() for m in layers]
     for name, t in fused.state_dict().items():
         ts = [p[name] for p in parts]
-        dims = [d for d in range(t.dim()) if sum(x.shape[d] for x in ts) == t.shape[d]
-                and all(x.shape[:d] + x.shape[d + 1:] == t.shape[:d] + t.shape[d + 1:] for x in ts)]
+        dims = [
+            d
+            for d in range(t.dim())
+            if sum(x.shape[d] for x in ts) == t.shape[d]
+            and all(x.shape[:d] + x.shape[d + 1 :] == t.shape[:d] + t.shape[d + 1 :] for x in ts)
+        ]
         if dims:
             state[name] = torch.cat(ts, dim=dims[0])
         elif all(x.shape == t.shape and torch.equal(x, ts[0]) for x in ts):
@@ -334,11 +385,17 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
         a, f = block.self_attn, block.mlp
         if isinstance(a, LatentAttention):
             if qcfg:
-                raise CompressError("the decoder runs latent (MLA) attention from float weights only; this "
-                                    "folder's attention projections are quantized.")
+                raise CompressError(
+                    "the decoder runs latent (MLA) attention from float weights only; this "
+                    "folder's attention projections are quantized."
+                )
             a.absorb()
-        a.qkv_proj = fuse_linears([getattr(a, n) for n in a.inputs()], qcfg, device, f"model.layers.{i}.self_attn.qkv")
-        f.gate_up_proj = fuse_linears([f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up")
+        a.qkv_proj = fuse_linears(
+            [getattr(a, n) for n in a.inputs()], qcfg, device, f"model.layers.{i}.self_attn.qkv"
+        )
+        f.gate_up_proj = fuse_linears(
+            [f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up"
+        )
         for name in a.inputs():
             delattr(a, name)
         del f.gate_proj, f.up_proj
@@ -371,8 +428,10 @@ def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     from compress.formats import QuantLinear
 
     if qdtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu":
-        raise CompressError("lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "
-                            "load on the CPU with dtype or qdtype bfloat16, or without lean.")
+        raise CompressError(
+            "lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "
+            "load on the CPU with dtype or qdtype bfloat16, or without lean."
+        )
     for m in model.modules():
         if isinstance(m, QuantLinear) and int4pack_fits(torch.empty(0, dtype=qdtype), m):
             keep_int4pack_only(m)
@@ -398,8 +457,13 @@ def release_freed_memory() -> None:
         pass
 
 
-def load(folder, dtype: torch.dtype = torch.float32, device="cpu",
-         qdtype: torch.dtype | None = None, lean: bool = False) -> tuple[Transformer, object]:
+def load(
+    folder,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    qdtype: torch.dtype | None = None,
+    lean: bool = False,
+) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point

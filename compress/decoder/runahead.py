@@ -44,8 +44,7 @@ def balanced_bounds(T: int, ranks: int, lin: float = 1.0, att: float = 0.0) -> l
     even chunks); each chunk at least one token."""
     if not 1 <= ranks <= T:
         raise CompressError(
-            f"KV-Runahead needs between 1 and {T} (the prompt's tokens) prefill ranks, "
-            f"got {ranks}."
+            f"KV-Runahead needs between 1 and {T} (the prompt's tokens) prefill ranks, got {ranks}."
         )
 
     def cost(s, e):
@@ -137,8 +136,9 @@ def _helper(
             dist.broadcast(header, world - 1)
             if header.item() == 0:
                 break
-            ids, bounds = torch.empty(header.item(), dtype=torch.long), torch.empty(
-                world + 1, dtype=torch.long
+            ids, bounds = (
+                torch.empty(header.item(), dtype=torch.long),
+                torch.empty(world + 1, dtype=torch.long),
             )
             dist.broadcast(ids, world - 1)
             dist.broadcast(bounds, world - 1)

@@ -27,7 +27,9 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if s.top_p is not None and s.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= s.top_p  # mass before this token already reaches top_p
+        drop = (
+            sorted_p.cumsum(-1) - sorted_p >= s.top_p
+        )  # mass before this token already reaches top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

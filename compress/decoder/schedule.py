@@ -18,8 +18,10 @@ def check_gamma(gamma) -> None:
     if gamma == "auto":
         return
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise CompressError(f"gamma={gamma!r}: the number of draft tokens per round must be an "
-                            f"integer >= 1, or 'auto' (transformers' heuristic).")
+        raise CompressError(
+            f"gamma={gamma!r}: the number of draft tokens per round must be an "
+            f"integer >= 1, or 'auto' (transformers' heuristic)."
+        )
 
 
 class Fixed:

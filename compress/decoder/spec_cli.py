@@ -1,24 +1,33 @@
 """The decoder CLI's speculative options: ``--draft DRAFT|self [--gamma N|auto]``, skip sets.
 
-    --draft RUN                     a draft model folder (same tokenizer), its own fp16 cache
-    --draft self --skip N           the target minus N layers (unified layer skipping)
-    --draft self --skip-layers 3,5  the target minus the given layers
-    --draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
-    --draft self --adapt bandit     per prompt, a unimodal bandit over skip sets x gamma (or ucb1)
+--draft RUN                     a draft model folder (same tokenizer), its own fp16 cache
+--draft self --skip N           the target minus N layers (unified layer skipping)
+--draft self --skip-layers 3,5  the target minus the given layers
+--draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
+--draft self --adapt bandit     per prompt, a unimodal bandit over skip sets x gamma (or ucb1)
 """
 
 from compress.errors import CompressError
 
+
 def add_arguments(p) -> None:
-    p.add_argument("--draft", help="speculative decoding: a draft model folder with the target's "
-                   "tokenizer, or 'self' (the target with layers skipped)")
-    p.add_argument("--gamma", default="5",
-                   help="draft tokens per round, or 'auto' (transformers' heuristic)")
-    p.add_argument("--skip", help="--draft self: N layers skipped (unified layer skipping), "
-                   "or 'search'")
+    p.add_argument(
+        "--draft",
+        help="speculative decoding: a draft model folder with the target's "
+        "tokenizer, or 'self' (the target with layers skipped)",
+    )
+    p.add_argument(
+        "--gamma", default="5", help="draft tokens per round, or 'auto' (transformers' heuristic)"
+    )
+    p.add_argument(
+        "--skip", help="--draft self: N layers skipped (unified layer skipping), or 'search'"
+    )
     p.add_argument("--skip-layers", help="--draft self: the layers to skip, e.g. 4,6,8")
-    p.add_argument("--adapt", choices=("bandit", "ucb1"),
-                   help="--draft self: choose skip set and gamma per prompt with a bandit")
+    p.add_argument(
+        "--adapt",
+        choices=("bandit", "ucb1"),
+        help="--draft self: choose skip set and gamma per prompt with a bandit",
+    )
 
 
 def parse_gamma(text: str):
@@ -29,27 +38,34 @@ def parse_gamma(text: str):
     except ValueError:
         gamma = None
     if gamma is None or gamma < 1:
-        raise CompressError(f"--gamma {text}: give the number of draft tokens per round (an "
-                            f"integer >= 1) or 'auto'.")
+        raise CompressError(
+            f"--gamma {text}: give the number of draft tokens per round (an "
+            f"integer >= 1) or 'auto'."
+        )
     return gamma
 
 
 def check_arguments(args) -> None:
     """Refuse contradictory speculative options before anything loads."""
-    self_only = [f"--{n.replace('_', '-')}" for n in ("skip", "skip_layers", "adapt")
-                 if getattr(args, n)]
+    self_only = [
+        f"--{n.replace('_', '-')}" for n in ("skip", "skip_layers", "adapt") if getattr(args, n)
+    ]
     if args.draft is None:
         if self_only or args.gamma != "5":
-            raise CompressError(f"{' '.join(self_only) or '--gamma'} needs --draft (a model folder "
-                                f"or 'self').")
+            raise CompressError(
+                f"{' '.join(self_only) or '--gamma'} needs --draft (a model folder or 'self')."
+            )
         return
     args.gamma = parse_gamma(args.gamma)
     if args.compile and args.draft == "self":
-        raise CompressError("a self-speculative draft runs the target's eager forward with layers "
-                            "skipped: drop --compile (it compiles a draft model's decode step).")
+        raise CompressError(
+            "a self-speculative draft runs the target's eager forward with layers "
+            "skipped: drop --compile (it compiles a draft model's decode step)."
+        )
     if args.draft != "self" and self_only:
-        raise CompressError(f"{' '.join(self_only)} choose a self-speculative draft: use "
-                            f"--draft self.")
+        raise CompressError(
+            f"{' '.join(self_only)} choose a self-speculative draft: use --draft self."
+        )
     if args.skip is not None and args.skip_layers is not None:
         raise CompressError("give --skip or --skip-layers, not both.")
     if args.adapt and (args.skip is not None or args.skip_layers is not None):
@@ -60,8 +76,13 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.bandit import self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
-    from compress.decoder.layer_skip import (calibration_ids, parse_layers, searched_skip,
-                                             skip_file, unified_skip)
+    from compress.decoder.layer_skip import (
+        calibration_ids,
+        parse_layers,
+        searched_skip,
+        skip_file,
+        unified_skip,
+    )
     from compress.decoder.schedule import schedule_for
 
     if args.draft != "self":
@@ -73,12 +94,19 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     if args.skip_layers is not None:
         skip = parse_layers(args.skip_layers, L)
     elif args.skip == "search":
-        skip = searched_skip(args.run, model, calibration_ids(tokenizer),
-                             args.gamma if args.gamma != "auto" else 4, log=print_stderr)
+        skip = searched_skip(
+            args.run,
+            model,
+            calibration_ids(tokenizer),
+            args.gamma if args.gamma != "auto" else 4,
+            log=print_stderr,
+        )
         if not skip:
-            raise CompressError(f"the skip-set search found no set of layers whose draft beats the "
-                                f"target alone on calibration text (modelled tokens per second; "
-                                f"{skip_file(args.run)}): decode without --draft self.")
+            raise CompressError(
+                f"the skip-set search found no set of layers whose draft beats the "
+                f"target alone on calibration text (modelled tokens per second; "
+                f"{skip_file(args.run)}): decode without --draft self."
+            )
     else:
         try:
             n = int(args.skip) if args.skip is not None else max(1, (L - 2) // 2)

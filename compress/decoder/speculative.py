@@ -34,8 +34,9 @@ from compress.decoder.schedule import schedule_for
 from compress.errors import CompressError
 
 
-def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampling: Sampling,
-           gen=None):
+def verify(
+    drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampling: Sampling, gen=None
+):
     """The acceptance rule over R independent rows: ``(accepted n [R], next token [R])``.
 
     ``drafts [R, γ]``; ``p [R, γ, V]`` the draft's probabilities (None when greedy);
@@ -44,13 +45,13 @@ def verify(drafts: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor, sampli
     """
     R, g = drafts.shape
     if sampling.temperature <= 0:
-        best = q.argmax(-1)                                                    # [R, γ+1]
+        best = q.argmax(-1)  # [R, γ+1]
         n = (drafts == best[:, :g]).long().cumprod(1).sum(1)
         return n, best.gather(1, n[:, None])[:, 0]
-    pd = p.gather(2, drafts[..., None])[..., 0]                                # p_i(d_i)  [R, γ]
-    qd = q[:, :g].gather(2, drafts[..., None])[..., 0]                         # q_{i-1}(d_i)
+    pd = p.gather(2, drafts[..., None])[..., 0]  # p_i(d_i)  [R, γ]
+    qd = q[:, :g].gather(2, drafts[..., None])[..., 0]  # q_{i-1}(d_i)
     u = torch.rand(R, g, generator=gen, dtype=q.dtype)
-    n = (u * pd < qd).long().cumprod(1).sum(1)                                 # u < q/p, p > 0
+    n = (u * pd < qd).long().cumprod(1).sum(1)  # u < q/p, p > 0
     V, at = q.shape[-1], n[:, None, None].expand(-1, 1, q.shape[-1])
     qn = q.gather(1, at)[:, 0]
     pn = torch.cat([p, torch.zeros(R, 1, V, dtype=p.dtype)], 1).gather(1, at)[:, 0]  # 0: none left
@@ -89,17 +90,31 @@ def as_schedule(target, draft, gamma=5):
         check_draft(target, draft)
         draft = ModelDraft(draft)
     if not hasattr(draft, "propose"):
-        raise CompressError(f"draft={type(draft).__name__}: pass a loaded model "
-                            f"(compress.decoder.model.load), a drafter or a schedule.")
+        raise CompressError(
+            f"draft={type(draft).__name__}: pass a loaded model "
+            f"(compress.decoder.model.load), a drafter or a schedule."
+        )
     return schedule_for(draft, gamma)
 
 
 @torch.no_grad()
-def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, tokenizer=None,
-                         sampling: Sampling | None = None, kv: str = "fp16",
-                         kv_opts: dict | None = None, max_len: int | None = None,
-                         stop: tuple[str, ...] = (), on_text=None, compile: bool = False,
-                         ignore_eos: bool = False, *, draft, gamma=5) -> SpecResult:
+def speculative_generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tokenizer=None,
+    sampling: Sampling | None = None,
+    kv: str = "fp16",
+    kv_opts: dict | None = None,
+    max_len: int | None = None,
+    stop: tuple[str, ...] = (),
+    on_text=None,
+    compile: bool = False,
+    ignore_eos: bool = False,
+    *,
+    draft,
+    gamma=5,
+) -> SpecResult:
     """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see
     :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
     ``compress.decoder.schedule.AutoGamma``).
@@ -113,12 +128,16 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     if compile:
         for d in schedule.drafts():
             if d.shares_cache:
-                raise CompressError("a self-speculative draft runs the target's eager forward with "
-                                    "layers skipped: decode without compile.")
+                raise CompressError(
+                    "a self-speculative draft runs the target's eager forward with "
+                    "layers skipped: decode without compile."
+                )
             d.compile = True
     if len(prompts) != 1:
-        raise CompressError(f"speculative decoding runs one prompt at a time (batch 1); got "
-                            f"{len(prompts)}. Call it once per prompt, or decode without a draft.")
+        raise CompressError(
+            f"speculative decoding runs one prompt at a time (batch 1); got "
+            f"{len(prompts)}. Call it once per prompt, or decode without a draft."
+        )
     if not prompts[0]:
         raise CompressError("a prompt is empty; give at least one token of text to continue.")
     if stop and tokenizer is None:
@@ -131,9 +150,11 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     cache = new_cache(model, kv, 1, max_len, **(kv_opts or {}))
     residual = getattr(cache, "residual", None)
     if residual is not None and residual <= schedule.largest_gamma():
-        raise CompressError(f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
-                            f"rejected draft of up to {schedule.largest_gamma()} tokens needs "
-                            f"more: raise --kv-opt residual or lower --gamma.")
+        raise CompressError(
+            f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
+            f"rejected draft of up to {schedule.largest_gamma()} tokens needs "
+            f"more: raise --kv-opt residual or lower --gamma."
+        )
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
     detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
@@ -181,7 +202,7 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
         else:
             q = logits.cpu()
         n, nxt = verify(torch.tensor([tokens], dtype=torch.long), p, q[None], sampling, gen)
-        n, new = int(n[0]), tokens[:int(n[0])] + [int(nxt[0])]
+        n, new = int(n[0]), tokens[: int(n[0])] + [int(nxt[0])]
         seq += new
         take(new)
         cache.rollback(L + n + 1)
@@ -194,5 +215,17 @@ def speculative_generate(model, prompts: list[list[int]], max_new_tokens: int, t
     if detok is not None and on_text and (rest := detok.flush()):
         on_text(0, rest)
     text = detok.text if detok is not None else ""
-    return SpecResult([out], [text], T0, t1 - t0, t2 - t0, t3 - t2, max(len(out) - 1, 0),
-                      cache.nbytes(), cache.length, rounds, drafted, accepted)
+    return SpecResult(
+        [out],
+        [text],
+        T0,
+        t1 - t0,
+        t2 - t0,
+        t3 - t2,
+        max(len(out) - 1, 0),
+        cache.nbytes(),
+        cache.length,
+        rounds,
+        drafted,
+        accepted,
+    )

@@ -51,9 +51,13 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
 def with_static_linears(module: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A copy of ``module``'s tree (sharing every parameter and buffer) whose quantized linears are
     their :func:`static_linear` forms; modules without such a descendant are shared as they are."""
-    if isinstance(module, (Cast, Parallel)) or (hasattr(module, "in_features") and not isinstance(module, nn.Linear)):
+    if isinstance(module, (Cast, Parallel)) or (
+        hasattr(module, "in_features") and not isinstance(module, nn.Linear)
+    ):
         return static_linear(module, dtype, batch)
-    children = {name: with_static_linears(child, dtype, batch) for name, child in module._modules.items()}
+    children = {
+        name: with_static_linears(child, dtype, batch) for name, child in module._modules.items()
+    }
     if all(children[name] is child for name, child in module._modules.items()):
         return module
     twin = copy.copy(module)
@@ -67,31 +71,45 @@ class StaticDecoder(nn.Module):
     def __init__(self, model, batch: int):
         super().__init__()
         if model.lm_head.weight.device.type != "cpu":
-            raise CompressError("the static compiled decode step is for the CPU; on CUDA the Triton kernels "
-                                "already fuse the work, decode without --compile.")
+            raise CompressError(
+                "the static compiled decode step is for the CPU; on CUDA the Triton kernels "
+                "already fuse the work, decode without --compile."
+            )
         self.batch = batch
         self.model = with_static_linears(model, model.dtype, batch)
         # a code object of its own, so dynamo's cache (and the dropped weight guards) serve this model only
         fwd = type(self).forward
-        own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__)
-        whole = not any(isinstance(m, Eager) for m in self.modules())  # else graph breaks around those layers
+        own = types.FunctionType(
+            fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__
+        )
+        whole = not any(
+            isinstance(m, Eager) for m in self.modules()
+        )  # else graph breaks around those layers
         try:
-            self.step = torch.compile(types.MethodType(own, self), dynamic=False, fullgraph=whole, options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            self.step = torch.compile(
+                types.MethodType(own, self),
+                dynamic=False,
+                fullgraph=whole,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
         except Exception as e:  # no compiler, unsupported platform
             self.eager(e)
 
     def eager(self, error: Exception) -> None:
         """Run the step uncompiled from now on (it computes the same)."""
-        warnings.warn(f"torch.compile of the decode step failed ({type(error).__name__}: {error}); "
-                      f"decoding with the same step uncompiled, which is slower.")
+        warnings.warn(
+            f"torch.compile of the decode step failed ({type(error).__name__}: {error}); "
+            f"decoding with the same step uncompiled, which is slower."
+        )
         self.step = self.forward
 
     def __call__(self, idx, cache: FP16Cache, start=None):
         if not (isinstance(cache, FP16Cache) and cache.static) or idx.shape != (self.batch, 1):
-            raise CompressError(f"the compiled decode step takes one token per row of a batch of {self.batch} "
-                                f"and a static fp16 or full cache; got ids {tuple(idx.shape)} and "
-                                f"{type(cache).__name__}.")
+            raise CompressError(
+                f"the compiled decode step takes one token per row of a batch of {self.batch} "
+                f"and a static fp16 or full cache; got ids {tuple(idx.shape)} and "
+                f"{type(cache).__name__}."
+            )
         L = cache.length
         if L >= cache.max_len:
             raise CompressError(f"KV cache full: it holds {L} tokens (max_len={cache.max_len}).")
@@ -104,7 +122,9 @@ class StaticDecoder(nn.Module):
                 raise
             self.eager(e)
             out = self.step(*args)  # rewrites the same cache slot
-        if self.step != self.forward:  # the compiled graph does not count the token; eager append did
+        if (
+            self.step != self.forward
+        ):  # the compiled graph does not count the token; eager append did
             cache.lens = [L + 1] * cache.n_layers
         return out
 

@@ -19,18 +19,39 @@ from compress.formats.bitplanes import pack_planes, plane_widths, unpack_planes
 from compress.formats.int8_linear import Int8Linear
 from compress.formats.quant_linear import QuantLinear, layout_for
 
-__all__ = ["AWQ_ORDER", "LAYERS", "Int8Linear", "QuantLinear", "layout_for", "pack_awq",
-           "pack_planes", "plane_widths", "quantized_layer", "unpack_awq", "unpack_planes"]
+__all__ = [
+    "AWQ_ORDER",
+    "LAYERS",
+    "Int8Linear",
+    "QuantLinear",
+    "layout_for",
+    "pack_awq",
+    "pack_planes",
+    "plane_widths",
+    "quantized_layer",
+    "unpack_awq",
+    "unpack_planes",
+]
 
 
 def _group_quantized(qcfg: dict, linear: nn.Linear, name: str) -> QuantLinear:
-    return QuantLinear(linear.in_features, linear.out_features, qcfg["bits"], qcfg["group_size"],
-                       bias=linear.bias is not None)
+    return QuantLinear(
+        linear.in_features,
+        linear.out_features,
+        qcfg["bits"],
+        qcfg["group_size"],
+        bias=linear.bias is not None,
+    )
 
 
 def _int8(qcfg: dict, linear: nn.Linear, name: str) -> Int8Linear:
-    return Int8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      threshold=qcfg.get("llm_int8_threshold", 6.0), name=name)
+    return Int8Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        threshold=qcfg.get("llm_int8_threshold", 6.0),
+        name=name,
+    )
 
 
 LAYERS = {"awq": _group_quantized, "compress": _group_quantized, "bitsandbytes": _int8}
@@ -44,6 +65,8 @@ def quantized_layer(qcfg: dict, linear: nn.Linear, name: str = "") -> nn.Module:
     method = qcfg.get("quant_method")
     if method not in LAYERS:
         names = [repr(m) for m in LAYERS]
-        raise CompressError(f"unknown quant_method '{method}' in config.json; compress reads "
-                            f"{', '.join(names[:-1])} and {names[-1]}.")
+        raise CompressError(
+            f"unknown quant_method '{method}' in config.json; compress reads "
+            f"{', '.join(names[:-1])} and {names[-1]}."
+        )
     return LAYERS[method](qcfg, linear, name)

@@ -55,7 +55,8 @@ def check_threshold(threshold) -> float:
             f"the LLM.int8 threshold must be a number >= 0, got {threshold!r}. LLM.int8's default "
             f"is 6.0; 0 turns the outlier decomposition off (pure vector-wise int8). Set it in the "
             f"recipe (llm_int8.threshold=6.0) or in config.json "
-            f"(quantization_config.llm_int8_threshold).")
+            f"(quantization_config.llm_int8_threshold)."
+        )
     return float(threshold)
 
 
@@ -64,9 +65,11 @@ def quantize_rowwise(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tenso
     does."""
     w16 = w.detach().to(torch.float16)
     if not torch.isfinite(w16).all():
-        raise CompressError(f"weight of '{name}' has NaN, inf or values beyond fp16's range "
-                            f"(65504), which bitsandbytes' int8 format cannot hold; check the "
-                            f"source checkpoint.")
+        raise CompressError(
+            f"weight of '{name}' has NaN, inf or values beyond fp16's range "
+            f"(65504), which bitsandbytes' int8 format cannot hold; check the "
+            f"source checkpoint."
+        )
     scb = w16.abs().amax(dim=1).float()
     scale = torch.where(scb > 0, 127.0 / scb, 0.0)  # an all-zero row: codes 0, SCB 0
     return torch.round(w16 * scale[:, None]).to(torch.int8), scb
@@ -104,12 +107,18 @@ def _check_finite(t: torch.Tensor, name: str) -> None:
         raise CompressError(
             f"the input of '{name}' contains NaN or inf. An earlier layer overflowed or the input "
             f"is corrupt; LLM.int8 refuses to quantize it rather than return a NaN perplexity. "
-            f"Check the source model in fp32 on the same input.")
+            f"Check the source model in fp32 on the same input."
+        )
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0,
-                name: str = "layer") -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scb: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    threshold: float = 6.0,
+    name: str = "layer",
+) -> torch.Tensor:
     """LLM.int8's ``x [M, K] @ W_hat^T + b`` -> ``[M, N]`` in ``x.dtype`` (see the module
     docstring)."""
     from compress.kernels import int8_matmul  # here: compress.kernels loads formats at import
@@ -126,28 +135,42 @@ class Int8Linear(nn.Module):
     """A linear layer in bitsandbytes' int8 format (buffers ``weight``, ``SCB``,
     ``weight_format``, ``bias``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 threshold: float = 6.0, device=None, name: str = ""):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        threshold: float = 6.0,
+        device=None,
+        name: str = "",
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.threshold = check_threshold(threshold)
         self.name = name  # for error messages
         self.format_checked = False
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
-                                                   device=device))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        )
         self.register_buffer("SCB", torch.zeros(out_features, dtype=torch.float32, device=device))
         self.register_buffer("weight_format", torch.tensor(0, dtype=torch.uint8, device=device))
         if bias:
-            self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32,
-                                                     device=device))
+            self.register_buffer(
+                "bias", torch.zeros(out_features, dtype=torch.float32, device=device)
+            )
         else:
             self.bias = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, threshold: float = 6.0,
-                    name: str = "") -> "Int8Linear":
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    threshold=threshold, device=linear.weight.device, name=name)
+    def from_linear(cls, linear: nn.Linear, threshold: float = 6.0, name: str = "") -> "Int8Linear":
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            threshold=threshold,
+            device=linear.weight.device,
+            name=name,
+        )
         layer.weight, layer.SCB = quantize_rowwise(linear.weight, name or "linear")
         if linear.bias is not None:
             layer.bias = linear.bias.detach().float().clone()
@@ -155,7 +178,7 @@ class Int8Linear(nn.Module):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """``W_hat [out, in] = W_i8 * SCB / 127``."""
-        return (self.weight.to(dtype) * (self.SCB.to(dtype) / 127.0)[:, None])
+        return self.weight.to(dtype) * (self.SCB.to(dtype) / 127.0)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.format_checked:  # once: the codes are read as row-major
@@ -163,15 +186,24 @@ class Int8Linear(nn.Module):
                 raise CompressError(
                     f"'{self.name}' has weight_format {int(self.weight_format)}; compress reads "
                     f"only 0 (row-major int8), which bitsandbytes >= 0.45 writes. Re-save the "
-                    f"checkpoint with it.")
+                    f"checkpoint with it."
+                )
             self.format_checked = True
         if x.requires_grad and torch.is_grad_enabled():  # int8 has no backward: go through
             bias = None if self.bias is None else self.bias.to(x.dtype)  # W_hat, as bitsandbytes
             return nn.functional.linear(x, self.dequantize(x.dtype), bias)  # does on the CPU
-        y = int8_linear(x.reshape(-1, self.in_features), self.weight, self.SCB, self.bias,
-                        self.threshold, self.name or "an Int8Linear layer")
+        y = int8_linear(
+            x.reshape(-1, self.in_features),
+            self.weight,
+            self.SCB,
+            self.bias,
+            self.threshold,
+            self.name or "an Int8Linear layer",
+        )
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"threshold={self.threshold}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"threshold={self.threshold}"
+        )

@@ -29,8 +29,16 @@ def layout_for(bits: int) -> str:
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int,
-                 bias: bool = False, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int,
+        bias: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         group_size = in_features if group_size == -1 else group_size  # -1: one group per row
@@ -43,11 +51,13 @@ class QuantLinear(nn.Module):
             self.register_buffer("qzeros", torch.zeros(ng, out_features // 8, **kw))
         else:
             for p in plane_widths(bits):
-                self.register_buffer(f"qweight_w{p}",
-                                     torch.zeros(in_features, out_features * p // 32, **kw))
+                self.register_buffer(
+                    f"qweight_w{p}", torch.zeros(in_features, out_features * p // 32, **kw)
+                )
                 self.register_buffer(f"qzeros_w{p}", torch.zeros(ng, out_features * p // 32, **kw))
-        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=torch.float16,
-                                                   device=device))
+        self.register_buffer(
+            "scales", torch.zeros(ng, out_features, dtype=torch.float16, device=device)
+        )
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -98,5 +108,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, group_size={self.group_size}, format={self.format}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, format={self.format}"
+        )

@@ -64,8 +64,9 @@ def _hidden(x):
 
 
 @torch.no_grad()
-def activation_importance(model: nn.Module, tokens: torch.Tensor, batch_size: int = 8,
-                          progress: bool = True) -> dict[str, torch.Tensor]:
+def activation_importance(
+    model: nn.Module, tokens: torch.Tensor, batch_size: int = 8, progress: bool = True
+) -> dict[str, torch.Tensor]:
     """Width and block scores of ``model`` on ``tokens [n, seqlen]``, streamed in batches.
 
     Returns float32 tensors: ``heads [L, H]``, ``groups [L, KV]``, ``neurons [L, I]``,
@@ -76,8 +77,12 @@ def activation_importance(model: nn.Module, tokens: torch.Tensor, batch_size: in
     L, H, KV, hd = len(layers), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     D, Inter = cfg.hidden_size, cfg.intermediate_size
     f64 = dict(dtype=torch.float64)
-    sq = {"heads": torch.zeros(L, H, **f64), "neurons": torch.zeros(L, Inter, **f64),
-          "norms": torch.zeros(L, 2, D, **f64), "bi": torch.zeros(L, **f64)}
+    sq = {
+        "heads": torch.zeros(L, H, **f64),
+        "neurons": torch.zeros(L, Inter, **f64),
+        "norms": torch.zeros(L, 2, D, **f64),
+        "bi": torch.zeros(L, **f64),
+    }
     n_tokens = [0]
 
     def sum_sq(acc, per_sample):  # per_sample [B, ...]: sum over the batch of its squares
@@ -87,16 +92,19 @@ def activation_importance(model: nn.Module, tokens: torch.Tensor, batch_size: in
         def hook(_m, args):
             x = args[0].float()
             sum_sq(sq["heads"][l], x.unflatten(-1, (H, hd)).norm(dim=-1).mean(1))
+
         return hook
 
     def neurons_hook(l):
         def hook(_m, args):
             sum_sq(sq["neurons"][l], args[0].float().abs().mean(1))
+
         return hook
 
     def norm_hook(l, k):
         def hook(_m, _args, out):
             sum_sq(sq["norms"][l, k], _hidden(out).float().abs().mean(1))
+
         return hook
 
     def block_hook(l):
@@ -106,6 +114,7 @@ def activation_importance(model: nn.Module, tokens: torch.Tensor, batch_size: in
             sq["bi"][l] += (1 - cos).double().sum()
             if l == 0:
                 n_tokens[0] += cos.numel()
+
         return hook
 
     def stop(_m, _args):
@@ -121,7 +130,9 @@ def activation_importance(model: nn.Module, tokens: torch.Tensor, batch_size: in
             layer.register_forward_hook(block_hook(l), with_kwargs=True),
         ]
     try:
-        for chunk in tqdm(tokens.split(batch_size), desc="importance", unit="batch", disable=not progress):
+        for chunk in tqdm(
+            tokens.split(batch_size), desc="importance", unit="batch", disable=not progress
+        ):
             try:
                 model(chunk, use_cache=False)
             except _Stop:
@@ -148,19 +159,23 @@ def _nll(model: nn.Module, tokens: torch.Tensor, batch_size: int) -> float:
     total, count = 0.0, 0
     for chunk in tokens.split(batch_size):
         logits = model(chunk, use_cache=False).logits[:, :-1].float()
-        total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+        ).item()
         count += chunk[:, 1:].numel()
     return total / count
 
 
 @torch.no_grad()
-def layer_ppl_drop(model: nn.Module, tokens: torch.Tensor, batch_size: int = 1,
-                   progress: bool = True) -> torch.Tensor:
+def layer_ppl_drop(
+    model: nn.Module, tokens: torch.Tensor, batch_size: int = 1, progress: bool = True
+) -> torch.Tensor:
     """``[L]``: ppl(model with layer l skipped) - ppl(model) on ``tokens`` (L + 1 full passes)."""
     layers = get_adapter(model.config).decoder_layers(model)
     base = math.exp(_nll(model, tokens, batch_size))
     drops = []
     for layer in tqdm(layers, desc="ppl drop", unit="layer", disable=not progress):
+
         def identity(_m, args, kwargs, out):
             x = args[0] if args else kwargs["hidden_states"]
             return (x, *out[1:]) if isinstance(out, tuple) else x
@@ -180,7 +195,11 @@ def save_scores(path: Path, scores: dict[str, torch.Tensor], meta: dict) -> None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in scores.items()}, str(tmp), metadata={"meta": json.dumps(meta)})
+    save_file(
+        {k: v.contiguous() for k, v in scores.items()},
+        str(tmp),
+        metadata={"meta": json.dumps(meta)},
+    )
     tmp.replace(path)
 
 
@@ -198,8 +217,14 @@ def scores_key(weights_sha: str, settings: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def cached_importance(model: nn.Module, tokens_fn, settings: dict, cache: Path | None,
-                      batch_size: int = 8, ppl_samples: int = 0) -> tuple[dict, Path | None]:
+def cached_importance(
+    model: nn.Module,
+    tokens_fn,
+    settings: dict,
+    cache: Path | None,
+    batch_size: int = 8,
+    ppl_samples: int = 0,
+) -> tuple[dict, Path | None]:
     """Scores of ``model`` from ``cache`` (a folder) or computed on ``tokens_fn()`` and saved there.
 
     ``settings`` (calibration source digest, samples, seqlen, seed) and the weights'

@@ -43,7 +43,13 @@ from torch import nn
 from compress.adapters import get_adapter, head_dim
 from compress.errors import CompressError
 
-AXES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
+AXES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+)
 WIDTH_AXES = AXES[:4]
 
 
@@ -64,7 +70,9 @@ class Layout:
 
 def hidden_must_divide(config) -> bool:
     """Whether the config class refuses hidden_size % num_attention_heads != 0 (LlamaConfig does)."""
-    probe = dict(config.to_dict(), hidden_size=config.num_attention_heads * 8 + 1, head_dim=head_dim(config))
+    probe = dict(
+        config.to_dict(), hidden_size=config.num_attention_heads * 8 + 1, head_dim=head_dim(config)
+    )
     try:
         type(config)(**probe)
     except Exception:  # noqa: BLE001 - transformers raises several validation types
@@ -77,14 +85,20 @@ def layout_of(model: nn.Module) -> Layout:
     cfg, adapter = model.config, get_adapter(model.config)
     layer = adapter.decoder_layers(model)[0]
     bias = tuple(r for r, _ in adapter.linears if adapter.linear(layer, r).bias is not None)
-    lay = Layout(cfg.vocab_size, head_dim(cfg), bool(getattr(cfg, "tie_word_embeddings", False)), bias,
-                 hidden_must_divide(cfg))
+    lay = Layout(
+        cfg.vocab_size,
+        head_dim(cfg),
+        bool(getattr(cfg, "tie_word_embeddings", False)),
+        bias,
+        hidden_must_divide(cfg),
+    )
     actual = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
     if param_count(lay, sizes_of(cfg)) != actual:
         raise CompressError(
             f"the '{cfg.model_type}' model has {actual:,} parameters, but the pruning formula for the "
             f"Llama layout gives {param_count(lay, sizes_of(cfg)):,}: its layers hold parameters "
-            f"compress/prune does not know how to slice. Extend compress/prune/prune.py for it.")
+            f"compress/prune does not know how to slice. Extend compress/prune/prune.py for it."
+        )
     return lay
 
 
@@ -98,6 +112,7 @@ def param_count(lay: Layout, s: dict) -> int:
 
 # ---- validity -------------------------------------------------------------------------------
 
+
 def _near(value: int, valid: list[int]) -> str:
     lo = [v for v in valid if v <= value]
     hi = [v for v in valid if v >= value]
@@ -109,8 +124,10 @@ def check_sizes(orig: dict, s: dict, hidden_per_head: bool = True) -> None:
     """Refuse sizes the source cannot be sliced to, naming the nearest valid ones."""
     for a in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads"):
         if not 1 <= s[a] <= orig[a]:
-            raise CompressError(f"prune size {a}={s[a]} is out of range: the source has {a}={orig[a]}; "
-                                f"valid sizes are 1..{orig[a]} (nearest: {_near(s[a], list(range(1, orig[a] + 1)))}).")
+            raise CompressError(
+                f"prune size {a}={s[a]} is out of range: the source has {a}={orig[a]}; "
+                f"valid sizes are 1..{orig[a]} (nearest: {_near(s[a], list(range(1, orig[a] + 1)))})."
+            )
     H0, KV0 = orig["num_attention_heads"], orig["num_key_value_heads"]
     H, KV = s["num_attention_heads"], s["num_key_value_heads"]
     rep0 = H0 // KV0
@@ -120,24 +137,31 @@ def check_sizes(orig: dict, s: dict, hidden_per_head: bool = True) -> None:
             f"prune size num_attention_heads={H} cannot be met with num_key_value_heads={KV}: every KV group "
             f"keeps the same number of query heads (1..{rep0}, as the source has {H0} heads in {KV0} groups), "
             f"so the valid head counts are {', '.join(map(str, valid))}; nearest: {_near(H, valid)}. "
-            f"Or change num_key_value_heads (1..{KV0}).")
+            f"Or change num_key_value_heads (1..{KV0})."
+        )
     D = s["hidden_size"]
     if hidden_per_head and D % H:
-        heads = sorted({kv * k for kv in range(1, KV0 + 1) for k in range(1, rep0 + 1) if D % (kv * k) == 0})
+        heads = sorted(
+            {kv * k for kv in range(1, KV0 + 1) for k in range(1, rep0 + 1) if D % (kv * k) == 0}
+        )
         raise CompressError(
             f"prune size hidden_size={D} is not a multiple of num_attention_heads={H}, which transformers' "
             f"config for this model refuses (even with head_dim kept). Nearest valid hidden_size for {H} heads: "
             f"{_near(D, list(range(H, orig['hidden_size'] + 1, H)))}; head counts that divide {D}: "
-            f"{', '.join(map(str, heads))}.")
+            f"{', '.join(map(str, heads))}."
+        )
 
 
 # ---- the budget solver ----------------------------------------------------------------------
 
+
 def resolve_target(target: float, source_params: int) -> int:
     """``target_params``: a fraction of the source (<= 1) or an absolute count (> 1)."""
     if target <= 0:
-        raise CompressError(f"prune.target_params={target} must be positive: a fraction of the source's "
-                            f"parameters (e.g. 0.7) or an absolute count (e.g. 95e6).")
+        raise CompressError(
+            f"prune.target_params={target} must be positive: a fraction of the source's "
+            f"parameters (e.g. 0.7) or an absolute count (e.g. 95e6)."
+        )
     return int(round(target * source_params)) if target <= 1 else int(target)
 
 
@@ -145,7 +169,11 @@ def _head_options(orig: dict, fixed: dict, free: list[str]) -> list[tuple[int, i
     """(num_attention_heads, num_key_value_heads) pairs the free/fixed head axes allow."""
     H0, KV0 = orig["num_attention_heads"], orig["num_key_value_heads"]
     rep0 = H0 // KV0
-    kvs = range(1, KV0 + 1) if "num_key_value_heads" in free else [fixed.get("num_key_value_heads", KV0)]
+    kvs = (
+        range(1, KV0 + 1)
+        if "num_key_value_heads" in free
+        else [fixed.get("num_key_value_heads", KV0)]
+    )
     out = []
     for kv in kvs:
         if "num_attention_heads" in free:
@@ -166,7 +194,9 @@ def _candidates(lay: Layout, orig: dict, target: int, fixed: dict, free: list[st
         if "hidden_size" in free:
             hstep = math.lcm(step, H) if lay.hidden_per_head else step
             hiddens = list(range(hstep, orig["hidden_size"] + 1, hstep))
-            if orig["hidden_size"] not in hiddens and not (lay.hidden_per_head and orig["hidden_size"] % H):
+            if orig["hidden_size"] not in hiddens and not (
+                lay.hidden_per_head and orig["hidden_size"] % H
+            ):
                 hiddens.append(orig["hidden_size"])
         else:
             hiddens = [base["hidden_size"]]
@@ -183,25 +213,32 @@ def _candidates(lay: Layout, orig: dict, target: int, fixed: dict, free: list[st
             yield s
 
 
-def solve_budget(lay: Layout, orig: dict, target: int, fixed: dict, axes, step: int = 64,
-                 tolerance: float = 0.03) -> dict:
+def solve_budget(
+    lay: Layout, orig: dict, target: int, fixed: dict, axes, step: int = 64, tolerance: float = 0.03
+) -> dict:
     """Sizes with ``param_count <= target`` over the ``axes`` not in ``fixed`` (see the module doc)."""
     free = [a for a in axes if a not in fixed]
     bad = [a for a in free if a not in WIDTH_AXES]
     if bad:
-        raise CompressError(f"prune.axes may list {', '.join(WIDTH_AXES)}; got {bad}. Depth is set "
-                            f"explicitly with prune.export.num_hidden_layers.")
+        raise CompressError(
+            f"prune.axes may list {', '.join(WIDTH_AXES)}; got {bad}. Depth is set "
+            f"explicitly with prune.export.num_hidden_layers."
+        )
     if not free:
-        raise CompressError("prune.target_params needs at least one free width axis (prune.axes), but every "
-                            "axis has an explicit size in prune.export.")
+        raise CompressError(
+            "prune.target_params needs at least one free width axis (prune.axes), but every "
+            "axis has an explicit size in prune.export."
+        )
     full = {**orig, **fixed}
     if param_count(lay, full) <= target:
         return full
     cands = [(param_count(lay, s), s) for s in _candidates(lay, orig, target, fixed, free, step)]
     fits = [(p, s) for p, s in cands if p <= target]
     if not cands:
-        raise CompressError(f"no head counts fit prune.export {fixed} with the free axes {free}; see the "
-                            f"valid head counts in compress/prune/prune.py check_sizes.")
+        raise CompressError(
+            f"no head counts fit prune.export {fixed} with the free axes {free}; see the "
+            f"valid head counts in compress/prune/prune.py check_sizes."
+        )
     if not fits:
         p, s = min(cands, key=lambda c: c[0])
         per_head = " (hidden_size also a multiple of the head count)" if lay.hidden_per_head else ""
@@ -210,13 +247,17 @@ def solve_budget(lay: Layout, orig: dict, target: int, fixed: dict, axes, step: 
             f"prune.target_params asks for {target:,} parameters, below the smallest model the width axes "
             f"{free} reach in steps of {step}{per_head}: "
             f"{p:,} parameters ({sizes}). Nearest valid target: {p:,}; "
-            f"or add axes to prune.axes, lower prune.round, or remove layers (prune.export.num_hidden_layers).")
+            f"or add axes to prune.axes, lower prune.round, or remove layers (prune.export.num_hidden_layers)."
+        )
     best = max(p for p, _ in fits)
-    near = [(p, s) for p, s in fits if p >= (1 - tolerance) * target] or [(p, s) for p, s in fits if p == best]
+    near = [(p, s) for p, s in fits if p >= (1 - tolerance) * target] or [
+        (p, s) for p, s in fits if p == best
+    ]
     return max(near, key=lambda c: (min(c[1][a] / orig[a] for a in free), c[0]))[1]
 
 
 # ---- slicing --------------------------------------------------------------------------------
+
 
 def _top(score: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores, in their original order (ties: lower index first)."""
@@ -233,9 +274,15 @@ def keep_indices(scores: dict, orig: dict, s: dict, depth_metric: str = "block")
     L0 = orig["num_hidden_layers"]
     metric = {"block": "block", "ppl": "ppl_drop"}.get(depth_metric)
     if metric is None or metric not in scores:
-        raise CompressError(f"prune.depth_metric={depth_metric!r}: use 'block' (block importance) or 'ppl' "
-                            f"(perplexity drop; needs prune.ppl_samples > 0).")
-    layers = _top(scores[metric], s["num_hidden_layers"]) if s["num_hidden_layers"] < L0 else torch.arange(L0)
+        raise CompressError(
+            f"prune.depth_metric={depth_metric!r}: use 'block' (block importance) or 'ppl' "
+            f"(perplexity drop; needs prune.ppl_samples > 0)."
+        )
+    layers = (
+        _top(scores[metric], s["num_hidden_layers"])
+        if s["num_hidden_layers"] < L0
+        else torch.arange(L0)
+    )
     rep0 = orig["num_attention_heads"] // orig["num_key_value_heads"]
     per_group = s["num_attention_heads"] // s["num_key_value_heads"]
     q_heads, kv_heads, neurons = [], [], []
@@ -245,8 +292,13 @@ def keep_indices(scores: dict, orig: dict, s: dict, depth_metric: str = "block")
         q_heads.append(torch.cat([g * rep0 + _top(heads[g], per_group) for g in groups.tolist()]))
         kv_heads.append(groups)
         neurons.append(_top(scores["neurons"][l], s["intermediate_size"]))
-    return {"hidden": _top(scores["channels"], s["hidden_size"]), "layers": layers,
-            "q_heads": q_heads, "kv_heads": kv_heads, "neurons": neurons}
+    return {
+        "hidden": _top(scores["channels"], s["hidden_size"]),
+        "layers": layers,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "neurons": neurons,
+    }
 
 
 def pruned_config(config, s: dict, layers: torch.Tensor):
@@ -255,13 +307,17 @@ def pruned_config(config, s: dict, layers: torch.Tensor):
     for a in AXES:
         setattr(new, a, int(s[a]))
     new.head_dim = hd  # HF would otherwise derive hidden_size // num_attention_heads
-    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (qwen2, ...)
+    if isinstance(
+        getattr(config, "layer_types", None), list
+    ):  # per-layer attention kinds (qwen2, ...)
         new.layer_types = [config.layer_types[i] for i in layers.tolist()]
     return new
 
 
 @torch.no_grad()
-def prune_model(model: nn.Module, scores: dict, sizes: dict, depth_metric: str = "block") -> nn.Module:
+def prune_model(
+    model: nn.Module, scores: dict, sizes: dict, depth_metric: str = "block"
+) -> nn.Module:
     """A new model of ``sizes``, its weights sliced from ``model`` by ``scores`` (importance.py)."""
     from transformers import AutoModelForCausalLM
 
@@ -283,14 +339,21 @@ def prune_model(model: nn.Module, scores: dict, sizes: dict, depth_metric: str =
         """(source tensor name, slicing index per dim) for a tensor of the new model."""
         module, _, kind = name.rpartition(".")
         if name.startswith(prefix):
-            j, _, path = name[len(prefix):].partition(".")
+            j, _, path = name[len(prefix) :].partition(".")
             j = int(j)
             src = f"{prefix}{int(keep['layers'][j])}.{path}"
             mod_path = path.rpartition(".")[0]
             q, kv = _expand(keep["q_heads"][j], hd), _expand(keep["kv_heads"][j], hd)
             nk = keep["neurons"][j]
-            out_in = {"q": (q, hk), "k": (kv, hk), "v": (kv, hk), "o": (hk, q),
-                      "gate": (nk, hk), "up": (nk, hk), "down": (hk, nk)}
+            out_in = {
+                "q": (q, hk),
+                "k": (kv, hk),
+                "v": (kv, hk),
+                "o": (hk, q),
+                "gate": (nk, hk),
+                "up": (nk, hk),
+                "down": (hk, nk),
+            }
             if mod_path in roles:
                 idx = out_in[roles[mod_path]]
                 return src, idx if kind == "weight" else idx[:1]
@@ -312,8 +375,10 @@ def prune_model(model: nn.Module, scores: dict, sizes: dict, depth_metric: str =
                 if not isinstance(i, slice):
                     t = t.index_select(dim, i)
         if t.shape != ref.shape:
-            raise CompressError(f"cannot slice tensor '{src}' {tuple(old[src].shape)} to {tuple(ref.shape)}: "
-                                f"compress/prune does not know this tensor's role.")
+            raise CompressError(
+                f"cannot slice tensor '{src}' {tuple(old[src].shape)} to {tuple(ref.shape)}: "
+                f"compress/prune does not know this tensor's role."
+            )
         sd[name] = t.contiguous()
     new.load_state_dict(sd, strict=True)
     if new_cfg.tie_word_embeddings:

@@ -32,8 +32,18 @@ from pathlib import Path
 from compress.data import calib_samples, read_text
 from compress.errors import CompressError
 from compress.prune.importance import cached_importance, save_scores
-from compress.prune.prune import (AXES, check_sizes, keep_indices, layout_of, param_count, param_total,
-                                  prune_model, resolve_target, sizes_of, solve_budget)
+from compress.prune.prune import (
+    AXES,
+    check_sizes,
+    keep_indices,
+    layout_of,
+    param_count,
+    param_total,
+    prune_model,
+    resolve_target,
+    sizes_of,
+    solve_budget,
+)
 from compress.source import cache_dir
 
 log = logging.getLogger(__name__)
@@ -45,7 +55,9 @@ def target_sizes(model, p) -> dict:
     export = {k: v for k, v in dict(p.get("export") or {}).items() if v is not None}
     unknown = sorted(set(export) - set(AXES))
     if unknown:
-        raise CompressError(f"prune.export has unknown keys {unknown}; sizes are {', '.join(AXES)}.")
+        raise CompressError(
+            f"prune.export has unknown keys {unknown}; sizes are {', '.join(AXES)}."
+        )
     fixed = {k: int(v) for k, v in export.items()}
     if "num_key_value_heads" in fixed and "num_attention_heads" not in fixed:
         rep0 = orig["num_attention_heads"] // orig["num_key_value_heads"]
@@ -56,8 +68,9 @@ def target_sizes(model, p) -> dict:
         return {**orig, **fixed}
     target = resolve_target(float(p.target_params), param_count(lay, orig))
     axes = list(p.get("axes") or ["hidden_size", "intermediate_size"])
-    sizes = solve_budget(lay, orig, target, fixed, axes, int(p.get("round") or 64),
-                         float(p.get("tolerance") or 0.03))
+    sizes = solve_budget(
+        lay, orig, target, fixed, axes, int(p.get("round") or 64), float(p.get("tolerance") or 0.03)
+    )
     check_sizes(orig, sizes, lay.hidden_per_head)
     return sizes
 
@@ -72,25 +85,42 @@ def prune(model, ctx):
     samples = int(c.get("samples") or cfg.calib.samples)
     seqlen = int(c.get("seqlen") or cfg.calib.seqlen)
     text = read_text(cfg.data.calib.source, role="calib")
-    settings = {"calib_sha256": hashlib.sha256(text.encode()).hexdigest(), "samples": samples,
-                "seqlen": seqlen, "seed": int(cfg.seed)}
+    settings = {
+        "calib_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "samples": samples,
+        "seqlen": seqlen,
+        "seed": int(cfg.seed),
+    }
     t = time.time()
     scores, path = cached_importance(
-        model, lambda: calib_samples(ctx.tokenizer, text, samples, seqlen, seed=cfg.seed), settings,
+        model,
+        lambda: calib_samples(ctx.tokenizer, text, samples, seqlen, seed=cfg.seed),
+        settings,
         cache_dir() / "importance" if p.get("cache", True) else None,
-        batch_size=int(c.get("batch_size") or 8), ppl_samples=int(p.get("ppl_samples") or 0))
+        batch_size=int(c.get("batch_size") or 8),
+        ppl_samples=int(p.get("ppl_samples") or 0),
+    )
     importance_s = round(time.time() - t, 2)
 
     metric = p.get("depth_metric") or "block"
     pruned = prune_model(model, scores, sizes, metric)
     kept = keep_indices(scores, orig, sizes, metric)["layers"].tolist()
     params, source_params = param_total(pruned), param_total(model)
-    log.info("pruned %s -> %s: %s -> %s parameters", orig, sizes, f"{source_params:,}", f"{params:,}")
+    log.info(
+        "pruned %s -> %s: %s -> %s parameters", orig, sizes, f"{source_params:,}", f"{params:,}"
+    )
     ctx.record.update(
-        params=params, source_params=source_params, params_ratio=round(params / source_params, 4),
-        prune={"sizes": sizes, "source_sizes": orig, "target_params": p.get("target_params"),
-               "kept_layers": kept, "importance_s": importance_s,
-               "calib": {"samples": samples, "seqlen": seqlen}},
+        params=params,
+        source_params=source_params,
+        params_ratio=round(params / source_params, 4),
+        prune={
+            "sizes": sizes,
+            "source_sizes": orig,
+            "target_params": p.get("target_params"),
+            "kept_layers": kept,
+            "importance_s": importance_s,
+            "calib": {"samples": samples, "seqlen": seqlen},
+        },
     )
     if path is None:  # no cache: the run folder still gets the scores (from a file removed at exit)
         tmp = Path(tempfile.mkdtemp(prefix="compress-importance-"))

@@ -73,12 +73,26 @@ def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, bat
 def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
     """The four AWQ groups: previous op, the linears it feeds, their input role, the block to inspect."""
     lin = lambda role: adapter.linear(layer, role)  # noqa: E731
-    groups = [dict(name="qkv", prev=layer.get_submodule(adapter.input_norm),
-                   linears=[lin("q"), lin("k"), lin("v")], inp="q", block="attn")]
+    groups = [
+        dict(
+            name="qkv",
+            prev=layer.get_submodule(adapter.input_norm),
+            linears=[lin("q"), lin("k"), lin("v")],
+            inp="q",
+            block="attn",
+        )
+    ]
     if lin("v").weight.shape == lin("o").weight.shape:  # skipped for GQA, as upstream does
         groups.append(dict(name="o", prev=lin("v"), linears=[lin("o")], inp="o", block=None))
-    groups.append(dict(name="gate_up", prev=layer.get_submodule(adapter.post_norm),
-                       linears=[lin("gate"), lin("up")], inp="gate", block="mlp"))
+    groups.append(
+        dict(
+            name="gate_up",
+            prev=layer.get_submodule(adapter.post_norm),
+            linears=[lin("gate"), lin("up")],
+            inp="gate",
+            block="mlp",
+        )
+    )
     groups.append(dict(name="down", prev=lin("up"), linears=[lin("down")], inp="down", block=None))
     return groups
 
@@ -88,8 +102,12 @@ def layer_inputs(layer: nn.Module, adapter: Adapter, x: torch.Tensor, kwargs: di
     """Inputs of the q, o, gate and down projections for every token, and the layer's output."""
     roles = ("q", "o", "gate", "down")
     feats = {r: [] for r in roles}
-    hooks = [adapter.linear(layer, r).register_forward_hook(
-        lambda _m, args, _out, r=r: feats[r].append(args[0])) for r in roles]
+    hooks = [
+        adapter.linear(layer, r).register_forward_hook(
+            lambda _m, args, _out, r=r: feats[r].append(args[0])
+        )
+        for r in roles
+    ]
     try:
         out = torch.cat([layer(chunk, **kwargs) for chunk in x.split(batch)])
     finally:
@@ -154,8 +172,15 @@ def apply_scale(prev: nn.Module, linears: list[nn.Module], s: torch.Tensor) -> N
 
 
 @torch.no_grad()
-def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
-                n_grid: int = 20, max_shrink: float = 0.5, n_tokens: int = 512) -> torch.Tensor:
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    n_tokens: int = 512,
+) -> torch.Tensor:
     """Best max|w| per output row and group, ``[out, in/g]``, minimising the partial-dot-product error.
 
     err(c) = mean_t ( x_tg . (Q(clamp(w_g, -c, c)) - w_g) )^2    for each (row, group g)
@@ -181,8 +206,10 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int,
 def check_grouped(group_size) -> None:
     """AWQ searches per group: refuse -1 (one group per row)."""
     if group_size == -1:
-        raise CompressError("awq.group_size=-1 (one group per row) is not supported: AWQ's scale "
-                            "and clip search work on groups. Use auto, 128, 64 or 32.")
+        raise CompressError(
+            "awq.group_size=-1 (one group per row) is not supported: AWQ's scale "
+            "and clip search work on groups. Use auto, 128, 64 or 32."
+        )
 
 
 def awq(model: nn.Module, ctx) -> nn.Module:
@@ -202,8 +229,19 @@ def awq(model: nn.Module, ctx) -> nn.Module:
         alphas[i] = {}
         for group in scale_groups(layer, adapter):
             inp = feats[group["inp"]]
-            s, alpha, _ = search_scale(layer, adapter, group, inp, inp[:n_search], kwargs,
-                                       bits, g, cfg.duo_scaling, cfg.n_grid, batch)
+            s, alpha, _ = search_scale(
+                layer,
+                adapter,
+                group,
+                inp,
+                inp[:n_search],
+                kwargs,
+                bits,
+                g,
+                cfg.duo_scaling,
+                cfg.n_grid,
+                batch,
+            )
             apply_scale(group["prev"], group["linears"], s)
             inp.div_(s)  # the linears now see x / s
             alphas[i][group["name"]] = alpha
@@ -215,15 +253,22 @@ def awq(model: nn.Module, ctx) -> nn.Module:
                 clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
             qw = quantize(lin.weight.data, bits, g, clip_max=clip)
             packed[path] = QuantLinear.from_quantized(qw, lin.bias)
-            lin.weight.data = qw.dequantize().to(lin.weight.dtype)  # W_hat, for the next layer's inputs
+            lin.weight.data = qw.dequantize().to(
+                lin.weight.dtype
+            )  # W_hat, for the next layer's inputs
         del feats
         with torch.no_grad():  # the quantized layer's output feeds the next layer
             x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
         for path, module in packed.items():
             set_module(layer, path, module)
     ctx.quantization_config = quantization_config(bits, g)
-    ctx.record.update(bits=bits, group_size=g, awq_alpha=alphas,
-                      calib_samples=int(tokens.shape[0]), calib_seqlen=int(tokens.shape[1]))
+    ctx.record.update(
+        bits=bits,
+        group_size=g,
+        awq_alpha=alphas,
+        calib_samples=int(tokens.shape[0]),
+        calib_seqlen=int(tokens.shape[1]),
+    )
     return model
 
 

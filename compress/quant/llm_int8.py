@@ -30,9 +30,15 @@ from compress.formats.int8_linear import Int8Linear, check_threshold
 
 def quantization_config(threshold: float) -> dict:
     """config.json's ``quantization_config``, as transformers' ``BitsAndBytesConfig(load_in_8bit=True)``."""
-    return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
-            "llm_int8_threshold": threshold, "llm_int8_has_fp16_weight": False,
-            "llm_int8_skip_modules": None, "llm_int8_enable_fp32_cpu_offload": False}
+    return {
+        "quant_method": "bitsandbytes",
+        "load_in_8bit": True,
+        "load_in_4bit": False,
+        "llm_int8_threshold": threshold,
+        "llm_int8_has_fp16_weight": False,
+        "llm_int8_skip_modules": None,
+        "llm_int8_enable_fp32_cpu_offload": False,
+    }
 
 
 @torch.no_grad()
@@ -51,12 +57,22 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> 
     last = {}  # q/k/v (and gate/up) get the same input tensor object: count it once
 
     def count(x: torch.Tensor):
-        if last.get("x") is not x or last["version"] != x._version:  # holding x keeps its identity unique
+        if (
+            last.get("x") is not x or last["version"] != x._version
+        ):  # holding x keeps its identity unique
             mag = x.detach().reshape(-1, x.shape[-1]).abs().float()
             over = mag > threshold
             per_dim = over.sum(dim=0).cpu()
-            last.update(x=x, version=x._version, value=(
-                per_dim, int((per_dim > 0).sum()), int(over.any(dim=1).sum()), float(mag.max())))
+            last.update(
+                x=x,
+                version=x._version,
+                value=(
+                    per_dim,
+                    int((per_dim > 0).sum()),
+                    int(over.any(dim=1).sum()),
+                    float(mag.max()),
+                ),
+            )
         return last["value"]
 
     def hook(name):
@@ -68,6 +84,7 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> 
             a["samples"] += n_dims > 0
             a["tokens"] += tokens
             a["max_abs"] = max(a["max_abs"], max_abs)
+
         return fn
 
     handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
@@ -84,9 +101,12 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> 
         a = acc[name]
         top = torch.argsort(h, descending=True)[:5]
         table[name] = {
-            "in_features": h.numel(), "dims": int((h > 0).sum()),
-            "dims_per_sample": a["outlier_dims"] / n, "sample_frac": a["samples"] / n,
-            "token_frac": a["tokens"] / tokens, "max_abs": round(a["max_abs"], 3),
+            "in_features": h.numel(),
+            "dims": int((h > 0).sum()),
+            "dims_per_sample": a["outlier_dims"] / n,
+            "sample_frac": a["samples"] / n,
+            "token_frac": a["tokens"] / tokens,
+            "max_abs": round(a["max_abs"], 3),
             "top_dims": [[int(d), int(h[d])] for d in top if h[d] > 0],
         }
     return table
@@ -99,28 +119,46 @@ def quantize_model(model: nn.Module, threshold: float) -> nn.Module:
     return model
 
 
-def score(model: nn.Module, windows: torch.Tensor, make, compare: bool = True, desc: str = "eval",
-          cache=None, source_sha: str = "") -> dict:
+def score(
+    model: nn.Module,
+    windows: torch.Tensor,
+    make,
+    compare: bool = True,
+    desc: str = "eval",
+    cache=None,
+    source_sha: str = "",
+) -> dict:
     """``evaluate`` figures of ``make(copy of model)`` on ``windows [n, seqlen]``; with ``compare``,
     KL and top-1 against ``model`` itself (``model`` is left as it is)."""
     from compress.eval.perplexity import evaluate
 
-    return evaluate(make(copy.deepcopy(model)), windows, model if compare else None, desc=desc,
-                    cache=cache, source_sha=source_sha)
+    return evaluate(
+        make(copy.deepcopy(model)),
+        windows,
+        model if compare else None,
+        desc=desc,
+        cache=cache,
+        source_sha=source_sha,
+    )
 
 
 def check_candidates(candidates, tolerance) -> tuple[list[float], float]:
     """``auto``'s settings, validated: candidates largest first, and the tolerance."""
+
     def number(a) -> bool:
         return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
 
     if not candidates or not all(number(a) and a > 0 for a in candidates):
-        raise CompressError(f"llm_int8.auto_candidates={candidates!r}: give a list of thresholds "
-                            f"> 0, e.g. [8.0, 6.0, 4.0, 3.0, 2.0, 1.0].")
+        raise CompressError(
+            f"llm_int8.auto_candidates={candidates!r}: give a list of thresholds "
+            f"> 0, e.g. [8.0, 6.0, 4.0, 3.0, 2.0, 1.0]."
+        )
     if not number(tolerance) or not 0 < tolerance < 1:
-        raise CompressError(f"llm_int8.auto_tolerance={tolerance!r}: give the allowed relative "
-                            f"perplexity increase over the source, a number in (0, 1), e.g. 0.005 "
-                            f"for 0.5%.")
+        raise CompressError(
+            f"llm_int8.auto_tolerance={tolerance!r}: give the allowed relative "
+            f"perplexity increase over the source, a number in (0, 1), e.g. 0.005 "
+            f"for 0.5%."
+        )
     return sorted({float(a) for a in candidates}, reverse=True), float(tolerance)
 
 
@@ -133,19 +171,31 @@ def choose_threshold(model: nn.Module, windows: torch.Tensor, candidates, tolera
     where = f"{len(windows)} calibration windows of {windows.shape[1]} tokens"
     tried = {}
     for a in candidates:
-        tried[a] = score(model, windows, lambda m, a=a: quantize_model(m, a), compare=False,
-                         desc=f"llm_int8 auto: t={a:g}")["ppl"]
+        tried[a] = score(
+            model,
+            windows,
+            lambda m, a=a: quantize_model(m, a),
+            compare=False,
+            desc=f"llm_int8 auto: t={a:g}",
+        )["ppl"]
         if tried[a] <= (1 + tolerance) * source:
             chosen = a
-            reason = (f"largest of {candidates} whose ppl on {where} ({tried[a]:.4f}) is within "
-                      f"{tolerance:.2%} of the source's ({source:.4f})")
+            reason = (
+                f"largest of {candidates} whose ppl on {where} ({tried[a]:.4f}) is within "
+                f"{tolerance:.2%} of the source's ({source:.4f})"
+            )
             break
     else:
         chosen = min(tried, key=tried.get)
-        reason = (f"no candidate of {candidates} is within {tolerance:.2%} of the source's ppl "
-                  f"({source:.4f}) on {where}; kept the lowest ppl ({tried[chosen]:.4f})")
-    record = {"source_ppl": source, "tolerance": tolerance,
-              "ppl": {f"{a:g}": p for a, p in tried.items()}}
+        reason = (
+            f"no candidate of {candidates} is within {tolerance:.2%} of the source's ppl "
+            f"({source:.4f}) on {where}; kept the lowest ppl ({tried[chosen]:.4f})"
+        )
+    record = {
+        "source_ppl": source,
+        "tolerance": tolerance,
+        "ppl": {f"{a:g}": p for a, p in tried.items()},
+    }
     return chosen, reason, record
 
 
@@ -154,9 +204,11 @@ def check_settings(cfg) -> float | str:
     ``auto_candidates`` and ``auto_tolerance``. Cheap: for config checks before any work."""
     threshold = (cfg or {}).get("threshold", 6.0)
     if isinstance(threshold, str) and threshold != "auto":
-        raise CompressError(f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is "
-                            f"LLM.int8's default, 0 turns the decomposition off) or auto "
-                            f"(measured on calibration text).")
+        raise CompressError(
+            f"llm_int8.threshold={threshold!r}: give a number >= 0 (6.0 is "
+            f"LLM.int8's default, 0 turns the decomposition off) or auto "
+            f"(measured on calibration text)."
+        )
     if threshold == "auto":
         check_candidates(list(cfg.get("auto_candidates") or []), cfg.get("auto_tolerance", 0.005))
         return threshold
@@ -169,10 +221,12 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
     cfg = ctx.cfg.get("llm_int8") or {}
     threshold = check_settings(cfg)
     if threshold == "auto":
-        candidates, tolerance = check_candidates(list(cfg.get("auto_candidates") or []),
-                                                 cfg.get("auto_tolerance", 0.005))
-        threshold, reason, record = choose_threshold(model, ctx.calibration(), candidates,
-                                                     tolerance)
+        candidates, tolerance = check_candidates(
+            list(cfg.get("auto_candidates") or []), cfg.get("auto_tolerance", 0.005)
+        )
+        threshold, reason, record = choose_threshold(
+            model, ctx.calibration(), candidates, tolerance
+        )
         ctx.record["llm_int8_auto"] = record
     else:
         reason = "set in the recipe (llm_int8.threshold)"
@@ -183,7 +237,8 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
         ctx.record["outlier_summary"] = {
             "layers_with_outliers": sum(r["dims"] > 0 for r in table.values()),
             "layers": len(table),
-            "mean_fp_dims_per_sample": sum(r["dims_per_sample"] for r in table.values()) / len(table),
+            "mean_fp_dims_per_sample": sum(r["dims_per_sample"] for r in table.values())
+            / len(table),
         }
     ctx.record["threshold"] = threshold
     ctx.quantization_config = quantization_config(threshold)

@@ -67,7 +67,10 @@ def _group_view(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def quantize(
-    w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False,
+    w: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool = False,
     clip_max: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """Quantize ``w [out, in]``. ``clip_max [out, in/g]``, if given, bounds |w| first (AWQ clip).
@@ -101,7 +104,12 @@ def quantize(
     )
 
 
-def fake_quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = False,
-                  clip_max: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize(
+    w: torch.Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool = False,
+    clip_max: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``W_hat`` in ``w``'s dtype: quantize then dequantize."""
     return quantize(w, bits, group_size, symmetric, clip_max).dequantize(torch.float32).to(w.dtype)

@@ -22,13 +22,26 @@ def resolve_group_size(model: nn.Module, group_size) -> int:
 def quantization_config(bits: int, group_size: int, symmetric: bool = False) -> dict:
     """config.json's ``quantization_config`` for a group-quantized checkpoint."""
     if layout_for(bits) == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-                "version": "gemm", "modules_to_not_convert": None}
-    return {"quant_method": "compress", "bits": bits, "group_size": group_size,
-            "zero_point": not symmetric, "layout": "bitplanes"}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
+    return {
+        "quant_method": "compress",
+        "bits": bits,
+        "group_size": group_size,
+        "zero_point": not symmetric,
+        "layout": "bitplanes",
+    }
 
 
-def pack_model(model: nn.Module, bits: int, group_size: int, symmetric: bool = False, clip=None) -> nn.Module:
+def pack_model(
+    model: nn.Module, bits: int, group_size: int, symmetric: bool = False, clip=None
+) -> nn.Module:
     """Replace every decoder linear by a ``QuantLinear`` holding its RTN codes.
 
     ``clip`` maps a full module name to a ``[out, in/g]`` max |w| (AWQ's clip search).

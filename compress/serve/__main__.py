@@ -47,8 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prefill-ranks",
         type=int,
         default=1,
-        help="KV-Runahead: prefill long prompts over "
-        "this many processes (gloo), this one the last",
+        help="KV-Runahead: prefill long prompts over this many processes (gloo), this one the last",
     )
     p.add_argument(
         "--runahead-min-tokens",

@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 LOSSES = ("kl", "ce", "mix")
 
 
-def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def kl_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Forward KL(teacher || student) per token, averaged over tokens, times T^2."""
     T = float(temperature)
     log_q = F.log_softmax(student_logits.float().flatten(0, -2) / T, dim=-1)
@@ -61,7 +63,9 @@ def distill_loss(teacher, kind: str = "kl", temperature: float = 1.0, alpha: flo
     if kind not in LOSSES:
         raise CompressError(f"distill.loss={kind!r}: use one of {', '.join(LOSSES)}.")
     if not 0.0 <= alpha <= 1.0:
-        raise CompressError(f"distill.alpha={alpha} must lie in [0, 1] (the weight of the KL term).")
+        raise CompressError(
+            f"distill.alpha={alpha} must lie in [0, 1] (the weight of the KL term)."
+        )
 
     def loss_fn(student, batch):
         logits = student(batch, use_cache=False).logits[:, :-1]
@@ -81,19 +85,32 @@ def check_vocab(student, teacher) -> None:
         raise CompressError(
             f"teacher and student have different vocabularies ({vt} and {vs} tokens): logit distillation "
             f"compares distributions over the same tokens. Distil from the model the student was pruned "
-            f"from, or use distill.loss=ce (no teacher).")
+            f"from, or use distill.loss=ce (no teacher)."
+        )
 
 
-def run_distill(student, teacher, blocks: torch.Tensor, tc: TrainConfig, kind: str, temperature: float,
-                alpha: float, fingerprint: dict) -> dict:
+def run_distill(
+    student,
+    teacher,
+    blocks: torch.Tensor,
+    tc: TrainConfig,
+    kind: str,
+    temperature: float,
+    alpha: float,
+    fingerprint: dict,
+) -> dict:
     """Distil ``student`` in place; returns the trainer's stats."""
     if teacher is not None:
         check_vocab(student, teacher)
     acc = make_accelerator(tc)
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)
-    fp = {**fingerprint, "loss": kind, "temperature": float(temperature),
-          "alpha": float(alpha) if kind == "mix" else None}
+    fp = {
+        **fingerprint,
+        "loss": kind,
+        "temperature": float(temperature),
+        "alpha": float(alpha) if kind == "mix" else None,
+    }
     return train(student, distill_loss(teacher, kind, temperature, alpha), blocks, tc, fp, acc)
 
 
@@ -114,8 +131,11 @@ def curve(losses: list, points: int = 20) -> list:
         return []
     n = len(losses)
     edges = [round(i * n / points) for i in range(points + 1)]
-    return [[edges[i + 1], round(sum(losses[edges[i]:edges[i + 1]]) / (edges[i + 1] - edges[i]), 4)]
-            for i in range(points) if edges[i + 1] > edges[i]]
+    return [
+        [edges[i + 1], round(sum(losses[edges[i] : edges[i + 1]]) / (edges[i + 1] - edges[i]), 4)]
+        for i in range(points)
+        if edges[i + 1] > edges[i]
+    ]
 
 
 def distill(model, ctx):
@@ -142,34 +162,69 @@ def distill(model, ctx):
     source = d.get("data") or cfg.data.calib.source
     text = read_text(source, role="calib" if not d.get("data") else "distill")
     blocks = token_blocks(ctx.tokenizer, text, tc.seqlen)
-    fingerprint = {"recipe": cfg.name, "model": str(cfg.model.path), "student": weights_sha256(model),
-                   "teacher": weights_sha256(teacher) if teacher is not None else None,
-                   "data": hashlib.sha256(text.encode()).hexdigest()}
-    stats = run_distill(model, teacher, blocks, tc, kind, d.get("temperature", 1.0), d.get("alpha", 0.5),
-                        fingerprint)
+    fingerprint = {
+        "recipe": cfg.name,
+        "model": str(cfg.model.path),
+        "student": weights_sha256(model),
+        "teacher": weights_sha256(teacher) if teacher is not None else None,
+        "data": hashlib.sha256(text.encode()).hexdigest(),
+    }
+    stats = run_distill(
+        model,
+        teacher,
+        blocks,
+        tc,
+        kind,
+        d.get("temperature", 1.0),
+        d.get("alpha", 0.5),
+        fingerprint,
+    )
     del teacher
     losses = stats["losses"]
-    ctx.record.update(distill_tokens=stats["tokens"], distill={
-        "loss": kind, "steps": stats["steps"], "tokens_per_step": stats["tokens_per_step"],
-        "tok_s": stats.get("tok_s"), "elapsed_s": stats.get("elapsed_s"), "resumed_from": stats.get("resumed_from"),
-        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-        "curve": curve(losses), "data": str(source), "blocks": int(blocks.shape[0]),
-    })
+    ctx.record.update(
+        distill_tokens=stats["tokens"],
+        distill={
+            "loss": kind,
+            "steps": stats["steps"],
+            "tokens_per_step": stats["tokens_per_step"],
+            "tok_s": stats.get("tok_s"),
+            "elapsed_s": stats.get("elapsed_s"),
+            "resumed_from": stats.get("resumed_from"),
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "curve": curve(losses),
+            "data": str(source),
+            "blocks": int(blocks.shape[0]),
+        },
+    )
     return model
 
 
 # ---- standalone ---------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m compress.train.distill", description=__doc__.split("\n")[0])
-    p.add_argument("--student", required=True, help="HF folder of the student (e.g. a pruned run folder)")
-    p.add_argument("--teacher", help="HF folder or hub id of the teacher (not needed for --loss ce)")
-    p.add_argument("--data", required=True, help="a text file or a datasets id repo[:config[:split]]")
-    p.add_argument("--out", required=True, help="folder for the trained student (written atomically)")
+    p = argparse.ArgumentParser(
+        prog="python -m compress.train.distill", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--student", required=True, help="HF folder of the student (e.g. a pruned run folder)"
+    )
+    p.add_argument(
+        "--teacher", help="HF folder or hub id of the teacher (not needed for --loss ce)"
+    )
+    p.add_argument(
+        "--data", required=True, help="a text file or a datasets id repo[:config[:split]]"
+    )
+    p.add_argument(
+        "--out", required=True, help="folder for the trained student (written atomically)"
+    )
     p.add_argument("--loss", default="kl", choices=LOSSES)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--recipe", default="cli", help="a name for the run, part of the checkpoint fingerprint")
+    p.add_argument(
+        "--recipe", default="cli", help="a name for the run, part of the checkpoint fingerprint"
+    )
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("extra", "betas", "progress"):
             continue
@@ -179,7 +234,9 @@ def parse_args(argv=None):
         else:
             kind = f.type if f.type in (int, float) else str
             required = f.default is dataclasses.MISSING
-            p.add_argument(flag, type=kind, required=required, default=None if required else f.default)
+            p.add_argument(
+                flag, type=kind, required=required, default=None if required else f.default
+            )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -196,17 +253,24 @@ def main(argv=None) -> None:
         tc = train_config(vars(args), progress=not args.no_progress)
         out = Path(args.out)
         if out.exists() and any(out.iterdir()):
-            raise CompressError(f"output folder '{out}' already exists and is not empty; pick another --out.")
+            raise CompressError(
+                f"output folder '{out}' already exists and is not empty; pick another --out."
+            )
         if args.loss != "ce" and args.teacher is None:
             raise CompressError("--teacher is required unless --loss ce.")
         student, tok, _ = load_model(args.student)
         teacher = load_model(args.teacher)[0] if args.loss != "ce" else None
         text = read_text(args.data, role="distill")
         blocks = token_blocks(tok, text, tc.seqlen)
-        fingerprint = {"recipe": args.recipe, "student": weights_sha256(student),
-                       "teacher": weights_sha256(teacher) if teacher is not None else None,
-                       "data": hashlib.sha256(text.encode()).hexdigest()}
-        stats = run_distill(student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint)
+        fingerprint = {
+            "recipe": args.recipe,
+            "student": weights_sha256(student),
+            "teacher": weights_sha256(teacher) if teacher is not None else None,
+            "data": hashlib.sha256(text.encode()).hexdigest(),
+        }
+        stats = run_distill(
+            student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint
+        )
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -217,8 +281,10 @@ def main(argv=None) -> None:
         save_checkpoint(student, tok, tmp, None)
         (tmp / "distill.json").write_text(json.dumps(stats, indent=1))
         commit_dir(tmp, out)
-        print(f"trained {stats['tokens']:,} tokens in {stats['steps']} steps; final loss "
-              f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; saved {out}")
+        print(
+            f"trained {stats['tokens']:,} tokens in {stats['steps']} steps; final loss "
+            f"{stats['losses'][-1] if stats['losses'] else float('nan'):.4f}; saved {out}"
+        )
     PartialState().wait_for_everyone()
 
 

@@ -50,19 +50,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainConfig:
-    tokens: int                   # budget: training stops after ceil(tokens / tokens per step) steps
+    tokens: int  # budget: training stops after ceil(tokens / tokens per step) steps
     seqlen: int = 512
-    batch_size: int = 1           # sequences per process and micro-step
-    grad_accum: int = 4           # micro-steps per optimizer step
+    batch_size: int = 1  # sequences per process and micro-step
+    grad_accum: int = 4  # micro-steps per optimizer step
     lr: float = 2e-4
     min_lr_ratio: float = 0.1
-    warmup: float = 0.05          # fraction of the steps
+    warmup: float = 0.05  # fraction of the steps
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.95)
-    grad_clip: float = 1.0        # 0: off
-    mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else no) | no | bf16 | fp16
+    grad_clip: float = 1.0  # 0: off
+    mixed_precision: str = (
+        "auto"  # auto (bf16 where the GPU supports it, else no) | no | bf16 | fp16
+    )
     seed: int = 0
-    checkpoint_every: int = 0     # optimizer steps; 0: no checkpoints
+    checkpoint_every: int = 0  # optimizer steps; 0: no checkpoints
     checkpoint_dir: str | None = None
     keep_checkpoints: bool = False  # keep checkpoint_dir once training completes
     progress: bool = True
@@ -71,7 +73,13 @@ class TrainConfig:
     def schedule_keys(self) -> dict:
         """Settings a resumed run must share with the checkpoint."""
         d = asdict(self)
-        for k in ("checkpoint_every", "checkpoint_dir", "keep_checkpoints", "progress", "mixed_precision"):
+        for k in (
+            "checkpoint_every",
+            "checkpoint_dir",
+            "keep_checkpoints",
+            "progress",
+            "mixed_precision",
+        ):
             d.pop(k)
         d["betas"] = list(d["betas"])
         return d
@@ -95,8 +103,10 @@ def token_blocks(tokenizer, text: str, seqlen: int) -> torch.Tensor:
     ids = tokenize(tokenizer, text)
     n = ids.numel() // seqlen
     if n == 0:
-        raise CompressError(f"training text has {ids.numel()} tokens, fewer than one block of {seqlen}; "
-                            f"lower the sequence length or use a longer text.")
+        raise CompressError(
+            f"training text has {ids.numel()} tokens, fewer than one block of {seqlen}; "
+            f"lower the sequence length or use a longer text."
+        )
     return ids[: n * seqlen].reshape(n, seqlen)
 
 
@@ -126,6 +136,7 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
 
 # ---- checkpoints --------------------------------------------------------------------------------
 
+
 def latest_checkpoint(folder: Path | None) -> Path | None:
     if folder is None or not Path(folder).is_dir():
         return None
@@ -134,13 +145,17 @@ def latest_checkpoint(folder: Path | None) -> Path | None:
 
 
 def _check_fingerprint(found: Path, saved: dict, now: dict) -> None:
-    diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
-            for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    diff = [
+        f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k) != now.get(k)
+    ]
     if diff:
         raise CompressError(
             f"checkpoint '{found}' belongs to another run ({'; '.join(diff[:4])}). Resuming would mix "
             f"two trainings. Remove the folder '{found.parent}' to start over, or set another "
-            f"checkpoint folder (distill.checkpoint_dir / --checkpoint-dir).")
+            f"checkpoint folder (distill.checkpoint_dir / --checkpoint-dir)."
+        )
 
 
 def _rng_state() -> dict:
@@ -184,7 +199,9 @@ def _load_weights(found: Path, model) -> None:
 
 
 def _load_rest(found: Path, acc, opt, sched) -> None:
-    opt.load_state_dict(torch.load(found / "optimizer.pt", map_location=acc.device, weights_only=True))
+    opt.load_state_dict(
+        torch.load(found / "optimizer.pt", map_location=acc.device, weights_only=True)
+    )
     sched.load_state_dict(torch.load(found / "scheduler.pt", weights_only=True))
     rng = found / f"rng-{acc.process_index}.pt"
     if rng.is_file():
@@ -196,7 +213,10 @@ def _load_rest(found: Path, acc, opt, sched) -> None:
 
 # ---- the loop -----------------------------------------------------------------------------------
 
-def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: dict, acc=None) -> dict:
+
+def train(
+    model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: dict, acc=None
+) -> dict:
     """Train ``model`` in place on ``blocks`` for ``tc.tokens`` tokens; returns stats.
 
     ``loss_fn(model, batch [B, seqlen]) -> scalar`` runs under the accelerator's
@@ -207,13 +227,25 @@ def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: di
     world, rank = acc.num_processes, acc.process_index
     per_step = tc.seqlen * tc.batch_size * tc.grad_accum * world
     steps = math.ceil(tc.tokens / per_step) if tc.tokens > 0 else 0
-    stats = {"steps": steps, "tokens": steps * per_step, "tokens_per_step": per_step, "world_size": world,
-             "losses": []}
+    stats = {
+        "steps": steps,
+        "tokens": steps * per_step,
+        "tokens_per_step": per_step,
+        "world_size": world,
+        "losses": [],
+    }
     if steps == 0:
         return stats
     if blocks.shape[1] != tc.seqlen:
-        raise CompressError(f"training blocks have {blocks.shape[1]} tokens, the config says seqlen={tc.seqlen}.")
-    fp = {**fingerprint, **tc.schedule_keys(), "global_batch": tc.batch_size * world, "blocks": int(blocks.shape[0])}
+        raise CompressError(
+            f"training blocks have {blocks.shape[1]} tokens, the config says seqlen={tc.seqlen}."
+        )
+    fp = {
+        **fingerprint,
+        **tc.schedule_keys(),
+        "global_batch": tc.batch_size * world,
+        "blocks": int(blocks.shape[0]),
+    }
     folder = Path(tc.checkpoint_dir) if tc.checkpoint_dir else None
 
     found, start, losses, elapsed = latest_checkpoint(folder), 0, [], 0.0
@@ -225,7 +257,9 @@ def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: di
         log.info("resuming from %s (step %d of %d)", found, start, steps)
 
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+    )
     warm = max(1, round(tc.warmup * steps)) if tc.warmup > 0 else 0
     sched = LambdaLR(opt, lambda s: lr_factor(s, steps, warm, tc.min_lr_ratio))
     model, opt = acc.prepare(model, opt)
@@ -233,8 +267,13 @@ def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: di
         _load_rest(found, acc, opt, sched)
 
     sample = Sampler(blocks.shape[0], tc.seed)
-    bar = tqdm(total=steps, initial=start, desc="train", unit="step",
-               disable=not (tc.progress and acc.is_local_main_process))
+    bar = tqdm(
+        total=steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not (tc.progress and acc.is_local_main_process),
+    )
     t_run = time.time()
     for step in range(start, steps):
         t0 = time.time()
@@ -256,12 +295,19 @@ def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: di
         loss_value = acc.reduce(total / tc.grad_accum, "mean").item()
         losses.append(round(loss_value, 6))
         tok_s = per_step / max(time.time() - t0, 1e-9)
-        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+        bar.set_postfix(
+            loss=f"{loss_value:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{sched.get_last_lr()[0]:.2e}"
+        )
         bar.update(1)
         done = step + 1
         if folder and tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < steps:
-            meta = {"step": done, "steps": steps, "losses": losses, "fingerprint": fp,
-                    "elapsed_s": round(elapsed + time.time() - t_run, 2)}
+            meta = {
+                "step": done,
+                "steps": steps,
+                "losses": losses,
+                "fingerprint": fp,
+                "elapsed_s": round(elapsed + time.time() - t_run, 2),
+            }
             _save(acc, folder, done, model, opt, sched, meta)
     bar.close()
     run_s = time.time() - t_run
@@ -271,6 +317,10 @@ def train(model, loss_fn, blocks: torch.Tensor, tc: TrainConfig, fingerprint: di
     model = acc.unwrap_model(model)
     model.eval()
     trained = (steps - start) * per_step
-    stats.update(losses=losses, resumed_from=start, elapsed_s=round(elapsed + run_s, 2),
-                 tok_s=round(trained / run_s, 1) if run_s > 0 else None)
+    stats.update(
+        losses=losses,
+        resumed_from=start,
+        elapsed_s=round(elapsed + run_s, 2),
+        tok_s=round(trained / run_s, 1) if run_s > 0 else None,
+    )
     return stats

@@ -31,20 +31,26 @@ def variants(kind: str, config, d_kv: int, svd: str):
     if kind == "gqa":
         return {"gqa kv_heads=1": lambda m, t: mean_pool_kv(copy.deepcopy(m), 1)}
     if kind == "cla":
-        return {f"cla share=2 {init}": lambda m, t, init=init: convert_cla(m, 2, init, t)
-                for init in ("first", "lstsq")}
+        return {
+            f"cla share=2 {init}": lambda m, t, init=init: convert_cla(m, 2, init, t)
+            for init in ("first", "lstsq")
+        }
     d_kv = d_kv or full_rank(config, 4)
-    return {f"mla d_kv={d_kv} pairs=4 {s} svd={svd}":
-            lambda m, t, s=s: convert_mla(m, d_kv, 4, s, t, svd)
-            for s in ("2norm", "uniform", "high", "low")}
+    return {
+        f"mla d_kv={d_kv} pairs=4 {s} svd={svd}": lambda m, t, s=s: convert_mla(
+            m, d_kv, 4, s, t, svd
+        )
+        for s in ("2norm", "uniform", "high", "low")
+    }
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m compress.eval.bench.attn_ablation")
     p.add_argument("kind", choices=("gqa", "cla", "rope_select"))
     p.add_argument("--windows", type=int, default=4)
-    p.add_argument("--d-kv", type=int, default=16,
-                   help="rope_select: latent per KV head (0: full rank)")
+    p.add_argument(
+        "--d-kv", type=int, default=16, help="rope_select: latent per KV head (0: full rank)"
+    )
     p.add_argument("--svd", default="weights", choices=("weights", "activations"))
     p.add_argument("--model", default="smollm2-135m")
     args = p.parse_args(argv)

@@ -49,7 +49,14 @@ from pathlib import Path
 
 import torch
 
-OURS = ("ours-int4", "ours-int4-q16", "ours-int4-bf16", "ours-int4-bf16-lean", "ours-fp32", "ours-bf16")
+OURS = (
+    "ours-int4",
+    "ours-int4-q16",
+    "ours-int4-bf16",
+    "ours-int4-bf16-lean",
+    "ours-fp32",
+    "ours-bf16",
+)
 SYSTEMS = (*OURS, *(f"{s}+compile" for s in OURS), "hf-fp32", "llama.cpp")
 
 
@@ -79,17 +86,24 @@ def model_bytes(model) -> int:
 def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
     """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without the data)."""
     f = Path(os.environ.get("COMPRESS_DATA_DIR", ".")) / "wikitext-2" / "wiki.test.raw"
-    text = f.read_text()[:50000 + 6 * (n + offset)] if f.is_file() else "The quick brown fox jumps over the lazy dog. " * (400 + n // 8)
-    return tokenizer(text).input_ids[offset:offset + n]
+    text = (
+        f.read_text()[: 50000 + 6 * (n + offset)]
+        if f.is_file()
+        else "The quick brown fox jumps over the lazy dog. " * (400 + n // 8)
+    )
+    return tokenizer(text).input_ids[offset : offset + n]
 
 
 # ---- workers: one system each, driven over stdin/stdout ----------------------------------------
+
 
 class Ours:
     def __init__(self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16"):
         from compress.decoder.model import load
 
-        self.model, _ = load(folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean)
+        self.model, _ = load(
+            folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean
+        )
         self.compile, self.kv = compile, kv
 
     def decode(self, ids, new):
@@ -125,9 +139,15 @@ class HF:
                 times.append(time.perf_counter())
 
         with torch.no_grad():
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=[],
-                                      pad_token_id=0, streamer=Clock())
-        return (new - 1) / (times[-1] - times[1]), out[0, len(ids):].tolist()
+            out = self.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=[],
+                pad_token_id=0,
+                streamer=Clock(),
+            )
+        return (new - 1) / (times[-1] - times[1]), out[0, len(ids) :].tolist()
 
     def prefill(self, ids):
         with torch.no_grad():
@@ -152,8 +172,14 @@ class LlamaCpp:
             return p
 
         module.llama_cpp.llama_model_default_params = params
-        self.llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
-                                   n_batch=512, verbose=False)
+        self.llm = llama_cpp.Llama(
+            str(gguf),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=1024,
+            n_batch=512,
+            verbose=False,
+        )
         self.gguf = gguf
 
     def decode(self, ids, new):
@@ -191,9 +217,13 @@ def make_system(name, args):
     if name.startswith("ours-"):
         base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
         base, lean = base.removesuffix("-lean"), base.endswith("-lean")
-        return Ours(args.int4 if name.startswith("ours-int4") else args.fp,
-                    "bfloat16" if base.endswith("bf16") else "float32", compiled,
-                    "bfloat16" if base.endswith("q16") else None, lean)
+        return Ours(
+            args.int4 if name.startswith("ours-int4") else args.fp,
+            "bfloat16" if base.endswith("bf16") else "float32",
+            compiled,
+            "bfloat16" if base.endswith("q16") else None,
+            lean,
+        )
     if name == "hf-fp32":
         return HF(args.fp)
     from compress.source import default_gguf
@@ -212,7 +242,11 @@ def worker(spec: str, args) -> None:
     torch.set_num_threads(args.threads)
     out, sys.stdout = sys.stdout, sys.stderr  # libraries' chatter goes to stderr
     tok = AutoTokenizer.from_pretrained(args.fp)
-    ids = prompt_ids(tok, args.prompt_len) if task == "decode" else prompt_ids(tok, args.prefill_len, args.prompt_len)
+    ids = (
+        prompt_ids(tok, args.prompt_len)
+        if task == "decode"
+        else prompt_ids(tok, args.prefill_len, args.prompt_len)
+    )
     system = make_system(name, args)
     print(json.dumps({"ready": True}), file=out, flush=True)
     for i, _ in enumerate(sys.stdin):
@@ -220,29 +254,48 @@ def worker(spec: str, args) -> None:
             tok_s, tokens = system.decode(ids, args.new)
         else:
             tok_s, tokens = system.prefill(ids), []
-        if i == 0:  # after the warm-up: loading, first-use kernel preparation and compiling do not count
+        if (
+            i == 0
+        ):  # after the warm-up: loading, first-use kernel preparation and compiling do not count
             release_freed_memory()
             peak_memory_reset()
-        print(json.dumps({"tok_s": tok_s, "peak_mem_bytes": peak_memory(), "memory_bytes": system.weight_bytes(),
-                          "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
-                          "text": tok.decode(tokens)}), file=out, flush=True)
+        print(
+            json.dumps(
+                {
+                    "tok_s": tok_s,
+                    "peak_mem_bytes": peak_memory(),
+                    "memory_bytes": system.weight_bytes(),
+                    "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
+                    "text": tok.decode(tokens),
+                }
+            ),
+            file=out,
+            flush=True,
+        )
 
 
 # ---- the driver ---------------------------------------------------------------------------------
 
+
 class Worker:
     def __init__(self, spec, argv):
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, "-m", "compress.eval.bench.bench_decode", "--worker", spec, *argv],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "compress.eval.bench.bench_decode", "--worker", spec, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.read()  # loaded
 
     def read(self):
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise RuntimeError(f"worker {self.spec} exited with status {code}"
-                               + (f" (signal {-code})" if code < 0 else ""))
+            raise RuntimeError(
+                f"worker {self.spec} exited with status {code}"
+                + (f" (signal {-code})" if code < 0 else "")
+            )
         return json.loads(line)
 
     def round(self):
@@ -270,18 +323,23 @@ def disk_bytes(name: str, args) -> int:
 def table(results: dict) -> list[str]:
     hf = results.get("hf-fp32", {}).get("decode_tok_s")
     cpp = results.get("llama.cpp", {}).get("decode_tok_s")
-    lines = ["| system | decode tok/s | prefill tok/s | peak MiB (decode) | in memory MiB | on disk MiB "
-             "| KV B/token | decode vs hf-fp32 | decode vs llama.cpp |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | decode tok/s | prefill tok/s | peak MiB (decode) | in memory MiB | on disk MiB "
+        "| KV B/token | decode vs hf-fp32 | decode vs llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         if "decode_tok_s" not in r:
             lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | | |")
             continue
         d = r["decode_tok_s"]
-        lines.append(f"| {name} | {d:.1f} | {r.get('prefill_tok_s', float('nan')):.0f} | "
-                     f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['memory_bytes'] / 2**20:.0f} | "
-                     f"{r['disk_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_token') or float('nan'):.0f} | "
-                     f"{d / hf if hf else float('nan'):.2f}x | "
-                     f"{d / cpp if cpp else float('nan'):.2f}x |")
+        lines.append(
+            f"| {name} | {d:.1f} | {r.get('prefill_tok_s', float('nan')):.0f} | "
+            f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['memory_bytes'] / 2**20:.0f} | "
+            f"{r['disk_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_token') or float('nan'):.0f} | "
+            f"{d / hf if hf else float('nan'):.2f}x | "
+            f"{d / cpp if cpp else float('nan'):.2f}x |"
+        )
     return lines
 
 
@@ -294,18 +352,31 @@ def targets(results: dict) -> list[str]:
         q = results.get(name, {})
         if "decode_tok_s" not in q:
             continue
-        fp = "ours-fp32+compile" if name.endswith("+compile") and "ours-fp32+compile" in results else "ours-fp32"
+        fp = (
+            "ours-fp32+compile"
+            if name.endswith("+compile") and "ours-fp32+compile" in results
+            else "ours-fp32"
+        )
         f = results.get(fp, {})
         if "decode_tok_s" in hf:
             r = q["decode_tok_s"] / hf["decode_tok_s"]
-            out.append(f"{name} / hf-fp32 decode: {r:.2f}x (target >= 3): {'PASS' if r >= 3 else 'FAIL'}")
+            out.append(
+                f"{name} / hf-fp32 decode: {r:.2f}x (target >= 3): {'PASS' if r >= 3 else 'FAIL'}"
+            )
         if "decode_tok_s" in cpp:
             r = q["decode_tok_s"] / cpp["decode_tok_s"]
-            out.append(f"{name} / llama.cpp decode: {r:.2f}x (target >= 0.7): {'PASS' if r >= 0.7 else 'FAIL'}")
+            out.append(
+                f"{name} / llama.cpp decode: {r:.2f}x (target >= 0.7): {'PASS' if r >= 0.7 else 'FAIL'}"
+            )
         if "peak_mem_bytes" in f:
-            saved, wdiff = f["peak_mem_bytes"] - q["peak_mem_bytes"], f["disk_bytes"] - q["disk_bytes"]
-            out.append(f"{name}: decode peak memory below {fp}'s by {saved / 2**20:.0f} MiB; the weights "
-                       f"on disk differ by {wdiff / 2**20:.0f} MiB: {'PASS' if saved >= wdiff else 'FAIL'}")
+            saved, wdiff = (
+                f["peak_mem_bytes"] - q["peak_mem_bytes"],
+                f["disk_bytes"] - q["disk_bytes"],
+            )
+            out.append(
+                f"{name}: decode peak memory below {fp}'s by {saved / 2**20:.0f} MiB; the weights "
+                f"on disk differ by {wdiff / 2**20:.0f} MiB: {'PASS' if saved >= wdiff else 'FAIL'}"
+            )
     return out
 
 
@@ -313,16 +384,30 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
     p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
-    p.add_argument("--systems", nargs="*", choices=SYSTEMS, default=None,
-                   help="default: all but the q16 rows; none when --folders is given")
-    p.add_argument("--folders", nargs="*", default=[], metavar="NAME=PATH",
-                   help="run folders (e.g. attention conversions) decoded fp32 with each --kvs cache")
-    p.add_argument("--kvs", nargs="*", default=["fp16"], help="KV caches for --folders (fp16 kivi packkv)")
+    p.add_argument(
+        "--systems",
+        nargs="*",
+        choices=SYSTEMS,
+        default=None,
+        help="default: all but the q16 rows; none when --folders is given",
+    )
+    p.add_argument(
+        "--folders",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="run folders (e.g. attention conversions) decoded fp32 with each --kvs cache",
+    )
+    p.add_argument(
+        "--kvs", nargs="*", default=["fp16"], help="KV caches for --folders (fp16 kivi packkv)"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--threads", type=int, default=2, help="torch threads, and llama.cpp's n_threads")
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch threads, and llama.cpp's n_threads"
+    )
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -349,7 +434,10 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()[0]
     results = {name: {"disk_bytes": disk_bytes(name, args)} for name in args.systems}
     rounds = {}
-    for task in ("decode", "prefill"):  # separate processes: each has its own peak RSS; one phase at a time
+    for task in (
+        "decode",
+        "prefill",
+    ):  # separate processes: each has its own peak RSS; one phase at a time
         workers = {}
         for name in args.systems:
             if task == "prefill" and name.endswith("+compile"):
@@ -377,13 +465,18 @@ def main(argv=None) -> None:
             results[name][f"{task}_tok_s"] = statistics.median(r["tok_s"] for r in rs)
             if task == "decode":
                 results[name]["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in rs)
-                results[name]["memory_bytes"], results[name]["text"] = rs[-1]["memory_bytes"], rs[-1]["text"]
+                results[name]["memory_bytes"], results[name]["text"] = (
+                    rs[-1]["memory_bytes"],
+                    rs[-1]["text"],
+                )
                 results[name]["kv_bytes_per_token"] = rs[-1]["kv_bytes_per_token"]
                 results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
-    print(f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
-          f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
-          f"torch threads {args.threads}; load average {load_before:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")
+    print(
+        f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
+        f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
+        f"torch threads {args.threads}; load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after"
+    )
     print("\n".join(table(results) + [""] + targets(results)))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -40,9 +40,13 @@ def layers(k: int, n: int, threshold: float) -> dict:
     from compress.formats import Int8Linear
 
     fp32 = torch.nn.Linear(k, n, bias=False)
-    torch.nn.init.normal_(fp32.weight, std=k ** -0.5)
+    torch.nn.init.normal_(fp32.weight, std=k**-0.5)
     ours = Int8Linear.from_linear(fp32, threshold)
-    theirs = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=threshold).to("cpu").eval()
+    theirs = (
+        bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=threshold)
+        .to("cpu")
+        .eval()
+    )
     theirs.load_state_dict(ours.state_dict())
     bf16 = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
     bf16.weight.data.copy_(fp32.weight)
@@ -71,12 +75,17 @@ def bench(k: int, n: int, m: int, reps: int, threshold: float, sample_s: float, 
     inputs = {name: x.to(torch.bfloat16) if name == "bf16" else x for name in mods}
     fns = {name: (lambda mod=mod, xi=inputs[name]: mod(xi)) for name, mod in mods.items()}
     exact = fns["fp32"]()
-    err = {name: ((fns[name]().float() - exact).norm() / exact.norm()).item() for name in ("ours", "bnb")}
-    calls = {name: max(1, int(sample_s / per_call(fn, 1, clock))) for name, fn in fns.items()}  # warm-up, sizing
+    err = {
+        name: ((fns[name]().float() - exact).norm() / exact.norm()).item()
+        for name in ("ours", "bnb")
+    }
+    calls = {
+        name: max(1, int(sample_s / per_call(fn, 1, clock))) for name, fn in fns.items()
+    }  # warm-up, sizing
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(per_call(fns[name], calls[name], clock))
     out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return {**out, "err_ours": err["ours"], "err_bnb": err["bnb"]}
@@ -89,27 +98,41 @@ def main(argv=None) -> None:
     p.add_argument("--sample-ms", type=float, default=1.0, help="length of one timed sample")
     p.add_argument("--m", type=int, nargs="+", default=[1, 16, 512])
     p.add_argument("--threshold", type=float, default=6.0)
-    p.add_argument("--clock", choices=sorted(CLOCKS), help="default: cpu with --threads 1, else wall")
-    p.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="in x out, e.g. 576x1536")
+    p.add_argument(
+        "--clock", choices=sorted(CLOCKS), help="default: cpu with --threads 1, else wall"
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[f"{k}x{n}" for k, n in SHAPES],
+        help="in x out, e.g. 576x1536",
+    )
     args = p.parse_args(argv)
     args.clock = args.clock or ("cpu" if args.threads == 1 else "wall")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, threshold {args.threshold}, medians of {args.reps}, "
-          f"{args.clock} clock, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
-    print("| in x out | M | ours ms | bnb ms | fp32 ms | bf16 ms | bnb/ours | fp32/ours | bf16/ours "
-          "| err ours | err bnb |")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, threshold {args.threshold}, medians of {args.reps}, "
+        f"{args.clock} clock, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+    )
+    print(
+        "| in x out | M | ours ms | bnb ms | fp32 ms | bf16 ms | bnb/ours | fp32/ours | bf16/ours "
+        "| err ours | err bnb |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
         for m in args.m:
             t = bench(k, n, m, args.reps, args.threshold, args.sample_ms / 1e3, CLOCKS[args.clock])
-            print(f"| {k}x{n} | {m} | {t['ours']:.3f} | {t['bnb']:.3f} | {t['fp32']:.3f} | {t['bf16']:.3f} "
-                  f"| {t['bnb'] / t['ours']:.2f} | {t['fp32'] / t['ours']:.2f} | {t['bf16'] / t['ours']:.2f} "
-                  f"| {t['err_ours']:.1e} | {t['err_bnb']:.1e} |", flush=True)
+            print(
+                f"| {k}x{n} | {m} | {t['ours']:.3f} | {t['bnb']:.3f} | {t['fp32']:.3f} | {t['bf16']:.3f} "
+                f"| {t['bnb'] / t['ours']:.2f} | {t['fp32'] / t['ours']:.2f} | {t['bf16'] / t['ours']:.2f} "
+                f"| {t['err_ours']:.1e} | {t['err_bnb']:.1e} |",
+                flush=True,
+            )
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 

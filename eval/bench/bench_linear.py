@@ -89,16 +89,22 @@ def dense(w: torch.Tensor, x: torch.Tensor):
     def make():
         wc = w.clone()
         return (lambda: x @ wc.t()), wc.nbytes
+
     return make
 
 
 def quantized(layer: QuantLinear, x: torch.Tensor, fn):
     def make():
-        q = copy.copy(layer)  # the same packed buffers, an empty cache: the cache holds this copy's form
+        q = copy.copy(
+            layer
+        )  # the same packed buffers, an empty cache: the cache holds this copy's form
         q.cache = {}
         fn(x, q)
-        nbytes = tensor_bytes([v for k, v in q.cache.items() if k != "checked"]) or tensor_bytes(list(q.buffers()))
+        nbytes = tensor_bytes([v for k, v in q.cache.items() if k != "checked"]) or tensor_bytes(
+            list(q.buffers())
+        )
         return (lambda: fn(x, q)), nbytes
+
     return make
 
 
@@ -117,14 +123,18 @@ def alt_paths(x: torch.Tensor, layer) -> list[str]:
     return paths
 
 
-def cpu_variants(k: int, n: int, m: int, alternatives: bool, working_set: int) -> list[tuple[str, str, callable, int]]:
+def cpu_variants(
+    k: int, n: int, m: int, alternatives: bool, working_set: int
+) -> list[tuple[str, str, callable, int]]:
     """``(name, path, run, weight_bytes)`` per variant."""
     gen = torch.Generator().manual_seed(k * n + m)
     w = torch.randn(n, k, generator=gen) * 0.02
     x32 = torch.randn(m, k, generator=gen)
     x16 = x32.bfloat16()
-    out = [("fp32", "dense", *rotating(dense(w, x32), working_set)),
-           ("bf16", "dense", *rotating(dense(w.bfloat16(), x16), working_set))]
+    out = [
+        ("fp32", "dense", *rotating(dense(w, x32), working_set)),
+        ("bf16", "dense", *rotating(dense(w.bfloat16(), x16), working_set)),
+    ]
     for bits in BITS:
         layer = QuantLinear.from_quantized(quantize(w, bits, group_for(k)))
         for act, x in (("bf16", x16), ("fp32", x32)):
@@ -141,9 +151,13 @@ def cpu_variants(k: int, n: int, m: int, alternatives: bool, working_set: int) -
 def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int, working_set: int) -> None:
     torch.set_num_threads(threads)
     bw_before = copy_gbps()
-    print(f"CPU, {torch.get_num_threads()} threads, copy bandwidth {bw_before:.1f} GB/s "
-          f"(torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
-    print("| in -> out | M | variant | path | ms | min ms | x fp32 | x bf16 | weight MB | GB/s | % copy |")
+    print(
+        f"CPU, {torch.get_num_threads()} threads, copy bandwidth {bw_before:.1f} GB/s "
+        f"(torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})"
+    )
+    print(
+        "| in -> out | M | variant | path | ms | min ms | x fp32 | x bf16 | weight MB | GB/s | % copy |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     bws = [bw_before]
     for k, n in shapes:
@@ -158,12 +172,16 @@ def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int, working_s
             bw = statistics.median(bws)
             for name, path, _, b in variants:
                 gbps = b / t[name] / 1e6
-                print(f"| {k} -> {n} | {m} | {name} | {path} | {t[name]:.3f} | {min(runs[name]):.3f} | "
-                      f"{t['fp32'] / t[name]:.2f} | "
-                      f"{t['bf16'] / t[name]:.2f} | {b / 2**20:.1f} | {gbps:.1f} | {100 * gbps / bw:.0f} |",
-                      flush=True)
-    print(f"copy bandwidth over the run: median {statistics.median(bws):.1f} GB/s, "
-          f"min {min(bws):.1f}, max {max(bws):.1f}")
+                print(
+                    f"| {k} -> {n} | {m} | {name} | {path} | {t[name]:.3f} | {min(runs[name]):.3f} | "
+                    f"{t['fp32'] / t[name]:.2f} | "
+                    f"{t['bf16'] / t[name]:.2f} | {b / 2**20:.1f} | {gbps:.1f} | {100 * gbps / bw:.0f} |",
+                    flush=True,
+                )
+    print(
+        f"copy bandwidth over the run: median {statistics.median(bws):.1f} GB/s, "
+        f"min {min(bws):.1f}, max {max(bws):.1f}"
+    )
 
 
 def bench_cuda(shapes, ms) -> None:
@@ -174,7 +192,9 @@ def bench_cuda(shapes, ms) -> None:
     dev = torch.device("cuda")
     src = torch.empty(2**28, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    bw = 2 * src.nbytes / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+    bw = (
+        2 * src.nbytes / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+    )
     print(f"\nCUDA {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s")
     print("| in -> out | M | variant | ms | x bf16 | weight MB | GB/s | % copy |")
     print("|---|---|---|---|---|---|---|---|")
@@ -186,23 +206,44 @@ def bench_cuda(shapes, ms) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             runs = {"bf16": (lambda: x @ w16.t(), w16.nbytes)}
             for b, layer in layers.items():
-                runs[f"INT{b} triton"] = (lambda layer=layer: triton_quant_matmul(x, layer),
-                                          sum(t.nbytes for t in layer.buffers()))
-            t = {name: triton.testing.do_bench(f, return_mode="median") for name, (f, _) in runs.items()}
+                runs[f"INT{b} triton"] = (
+                    lambda layer=layer: triton_quant_matmul(x, layer),
+                    sum(t.nbytes for t in layer.buffers()),
+                )
+            t = {
+                name: triton.testing.do_bench(f, return_mode="median")
+                for name, (f, _) in runs.items()
+            }
             for name, (_, b) in runs.items():
                 gbps = b / t[name] / 1e6
-                print(f"| {k} -> {n} | {m} | {name} | {t[name]:.4f} | {t['bf16'] / t[name]:.2f} | "
-                      f"{b / 2**20:.1f} | {gbps:.0f} | {100 * gbps / bw:.0f} |", flush=True)
+                print(
+                    f"| {k} -> {n} | {m} | {name} | {t[name]:.4f} | {t['bf16'] / t[name]:.2f} | "
+                    f"{b / 2**20:.1f} | {gbps:.0f} | {100 * gbps / bw:.0f} |",
+                    flush=True,
+                )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the small model's shapes and 4096x4096, fewer turns")
-    ap.add_argument("--alternatives", action="store_true", help="also time every other CPU path of each width")
-    ap.add_argument("--reps", type=int, default=None, help="turns per variant (default 15, --quick 5)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="the small model's shapes and 4096x4096, fewer turns"
+    )
+    ap.add_argument(
+        "--alternatives", action="store_true", help="also time every other CPU path of each width"
+    )
+    ap.add_argument(
+        "--reps", type=int, default=None, help="turns per variant (default 15, --quick 5)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
-    ap.add_argument("--working-set", type=int, default=64, help="MiB of weight copies each variant cycles "
-                    "through, above the L3 cache (default 64; 0 times one cache-hot copy)")
+    ap.add_argument(
+        "--working-set",
+        type=int,
+        default=64,
+        help="MiB of weight copies each variant cycles "
+        "through, above the L3 cache (default 64; 0 times one cache-hot copy)",
+    )
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows of x (default 1 512)")
     args = ap.parse_args()
     shapes = SMALL + (LARGE[:1] if args.quick else LARGE)

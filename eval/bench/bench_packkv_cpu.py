@@ -75,20 +75,30 @@ def bench(tokens: int, reps: int, g: torch.Generator) -> dict:
         def f():
             with kernels(mode):
                 cache.attend(0, q4)
+
         return f
 
-    variants = {"qk+pv reference": products(packkv_ref), "qk+pv kernel": products(packkv_cpu),
-                "attend packkv reference": attend(pk, "ref"), "attend packkv kernel": attend(pk),
-                "attend kivi-4 reference": attend(kivi, "ref"),
-                "attend kivi-4 kernel": attend(kivi),
-                "attend fp16": attend(fp)}
+    variants = {
+        "qk+pv reference": products(packkv_ref),
+        "qk+pv kernel": products(packkv_cpu),
+        "attend packkv reference": attend(pk, "ref"),
+        "attend packkv kernel": attend(pk),
+        "attend kivi-4 reference": attend(kivi, "ref"),
+        "attend kivi-4 kernel": attend(kivi),
+        "attend fp16": attend(fp),
+    }
     return {"packed": n, **{name: run(f, reps) for name, f in variants.items()}}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1408, 7872],
-                    help="compressed tokens of the history (context minus the fp16 window)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1408, 7872],
+        help="compressed tokens of the history (context minus the fp16 window)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
@@ -98,9 +108,11 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     rows = [(t, bench(t, args.reps, g)) for t in args.tokens]
     names = [k for k in rows[0][1] if k != "packed"]
-    print(f"PackKV CPU attention, one layer ({HKV} KV / {H} query heads, head_dim {D}), "
-          f"{args.threads} threads, vector bits {native.simd()}; "
-          f"median ms of {args.reps}")
+    print(
+        f"PackKV CPU attention, one layer ({HKV} KV / {H} query heads, head_dim {D}), "
+        f"{args.threads} threads, vector bits {native.simd()}; "
+        f"median ms of {args.reps}"
+    )
     print(f"{'variant':<26}" + "".join(f"{t:>10}" for t, _ in rows))
     for name in names:
         print(f"{name:<26}" + "".join(f"{r[name]:>10.3f}" for _, r in rows))

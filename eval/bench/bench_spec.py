@@ -42,14 +42,22 @@ from pathlib import Path
 import torch
 
 CHAT = [
-    "What is the capital of France?", "Write a haiku about autumn leaves.",
-    "Explain photosynthesis to a ten-year-old.", "Give me three tips for a job interview.",
-    "How do vaccines work?", "Summarise the plot of Romeo and Juliet in two sentences.",
-    "What is the difference between weather and climate?", "Suggest a name for a small bakery.",
-    "How many legs does a spider have, and why?", "Write a short thank-you note to a teacher.",
-    "Why is the sky blue?", "List four healthy breakfast ideas.",
-    "What does a compiler do?", "Describe a sunset at the beach.",
-    "How can I improve my sleep?", "Tell me a fun fact about octopuses.",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give me three tips for a job interview.",
+    "How do vaccines work?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.",
+    "How many legs does a spider have, and why?",
+    "Write a short thank-you note to a teacher.",
+    "Why is the sky blue?",
+    "List four healthy breakfast ideas.",
+    "What does a compiler do?",
+    "Describe a sunset at the beach.",
+    "How can I improve my sleep?",
+    "Tell me a fun fact about octopuses.",
 ]
 TIE = 1e-4
 
@@ -71,8 +79,9 @@ def wiki_openings(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     out = []
     for q in CHAT[:n]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tokenizer(text, add_special_tokens=False).input_ids)
     return out
 
@@ -100,20 +109,32 @@ class HFAssisted:
                 pass
 
         with torch.no_grad():
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new,
-                                      do_sample=False, assistant_model=self.draft, pad_token_id=0,
-                                      streamer=Clock())
-        tokens = out[0, len(ids):].tolist()
+            out = self.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                assistant_model=self.draft,
+                pad_token_id=0,
+                streamer=Clock(),
+            )
+        tokens = out[0, len(ids) :].tolist()
         (first, n_first), last = times[1], times[-1][0]  # the first generated token(s), the end
         rate = (len(tokens) - n_first) / (last - first) if last > first else float("nan")
-        return dict(tokens=tokens, tok_s=rate, drafted=0, accepted=0, rounds=0,
-                    steps=len(tokens) - 1)
+        return dict(
+            tokens=tokens, tok_s=rate, drafted=0, accepted=0, rounds=0, steps=len(tokens) - 1
+        )
 
 
 def result_row(r) -> dict:
-    return dict(tokens=r.tokens[0], tok_s=r.decode_tok_s, drafted=getattr(r, "drafted", 0),
-                accepted=getattr(r, "accepted", 0), rounds=getattr(r, "rounds", r.decode_steps),
-                steps=r.decode_steps)
+    return dict(
+        tokens=r.tokens[0],
+        tok_s=r.decode_tok_s,
+        drafted=getattr(r, "drafted", 0),
+        accepted=getattr(r, "accepted", 0),
+        rounds=getattr(r, "rounds", r.decode_steps),
+        steps=r.decode_steps,
+    )
 
 
 def systems(args, target, tok):
@@ -121,18 +142,28 @@ def systems(args, target, tok):
     from compress.decoder.bandit import default_skip_counts, self_bandit
     from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
     from compress.decoder.generate import generate
-    from compress.decoder.layer_skip import (calibration_ids, layer_costs, searched_skip,
-                                             unified_skip)
+    from compress.decoder.layer_skip import (
+        calibration_ids,
+        layer_costs,
+        searched_skip,
+        unified_skip,
+    )
     from compress.decoder.speculative import speculative_generate
 
     def spec(draft, gamma=args.gamma):
-        return lambda ids, new: result_row(speculative_generate(target, [ids], new, ignore_eos=True,
-                                                                draft=draft, gamma=gamma))
+        return lambda ids, new: result_row(
+            speculative_generate(target, [ids], new, ignore_eos=True, draft=draft, gamma=gamma)
+        )
 
     out = {"target": lambda ids, new: result_row(generate(target, [ids], new, ignore_eos=True))}
     for folder in args.drafts:
-        draft = load_draft(folder, target, tok, lean=args.lean,
-                           qdtype=getattr(torch, args.qdtype) if args.qdtype else None)
+        draft = load_draft(
+            folder,
+            target,
+            tok,
+            lean=args.lean,
+            qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
+        )
         out[f"spec:{Path(folder).name}"] = spec(ModelDraft(draft))
         if args.compile:
             out[f"spec:{Path(folder).name}+compile"] = spec(ModelDraft(draft, compile=True))
@@ -144,21 +175,39 @@ def systems(args, target, tok):
     gammas = (1, 2, 3, 4, 6)
     for n in counts:
         draft = LayerSkipDraft(target, unified_skip(L, n))
-        for g in (gammas if args.all_arms else [args.gamma]):
+        for g in gammas if args.all_arms else [args.gamma]:
             out[f"self:skip{n}" + (f":g{g}" if args.all_arms else "")] = spec(draft, g)
     if args.search:
-        skip = searched_skip(args.target, target, calibration_ids(tok), args.gamma,
-                             log=lambda m: print(m, file=sys.stderr))
+        skip = searched_skip(
+            args.target,
+            target,
+            calibration_ids(tok),
+            args.gamma,
+            log=lambda m: print(m, file=sys.stderr),
+        )
         if skip:
             out["self:searched"] = spec(LayerSkipDraft(target, skip))
         else:
-            print("the skip-set search found no set faster than the target (modelled): "
-                  "no self:searched row", file=sys.stderr)
+            print(
+                "the skip-set search found no set faster than the target (modelled): "
+                "no self:searched row",
+                file=sys.stderr,
+            )
     costs = layer_costs(target)
     for kind in ("bandit", "ucb1"):  # a fresh bandit per prompt: it adapts within one generation
-        out[kind] = (lambda kind: lambda ids, new: result_row(speculative_generate(
-            target, [ids], new, ignore_eos=True,
-            draft=self_bandit(target, kind, counts, gammas, costs))))(kind)
+        out[kind] = (
+            lambda kind: (
+                lambda ids, new: result_row(
+                    speculative_generate(
+                        target,
+                        [ids],
+                        new,
+                        ignore_eos=True,
+                        draft=self_bandit(target, kind, counts, gammas, costs),
+                    )
+                )
+            )
+        )(kind)
     return out
 
 
@@ -181,13 +230,18 @@ def summarise(name, rows, base) -> dict:
     q = statistics.quantiles(rates, n=4) if len(rates) > 1 else [rates[0]] * 3
     drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
     rounds, steps = sum(r["rounds"] for r in rows), sum(r["steps"] for r in rows)
-    return dict(system=name, tok_s=statistics.median(rates), iqr=q[2] - q[0],
-                mean_tok_s=statistics.fmean(rates),
-                speedup=statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(rows, base)),
-                alpha=accepted / drafted if drafted else float("nan"),
-                tokens_per_pass=steps / rounds if rounds else float("nan"),
-                identical=sum(r["tokens"] == b["tokens"] for r, b in zip(rows, base)),
-                ties=sum(r.get("tie", False) for r in rows), prompts=len(rows))
+    return dict(
+        system=name,
+        tok_s=statistics.median(rates),
+        iqr=q[2] - q[0],
+        mean_tok_s=statistics.fmean(rates),
+        speedup=statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(rows, base)),
+        alpha=accepted / drafted if drafted else float("nan"),
+        tokens_per_pass=steps / rounds if rounds else float("nan"),
+        identical=sum(r["tokens"] == b["tokens"] for r, b in zip(rows, base)),
+        ties=sum(r.get("tie", False) for r in rows),
+        prompts=len(rows),
+    )
 
 
 def bandit_bars(table: list[dict]) -> dict:
@@ -209,24 +263,34 @@ def main(argv=None) -> None:
     p.add_argument("--target", help="target folder (default: the default model's converted folder)")
     p.add_argument("--drafts", nargs="*", default=[], help="draft model folders (same tokenizer)")
     p.add_argument("--gamma", type=int, default=5)
-    p.add_argument("--skip-counts", type=int, nargs="*",
-                   help="unified skip sets to run (layers skipped)")
+    p.add_argument(
+        "--skip-counts", type=int, nargs="*", help="unified skip sets to run (layers skipped)"
+    )
     p.add_argument("--all-arms", action="store_true", help="every bandit arm as a fixed system")
     p.add_argument("--search", action="store_true", help="also the searched skip set")
-    p.add_argument("--no-hf", action="store_true",
-                   help="leave out transformers' assisted generation")
+    p.add_argument(
+        "--no-hf", action="store_true", help="leave out transformers' assisted generation"
+    )
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prompts", type=int, default=16, help="of each kind (WikiText-2, chat)")
     p.add_argument("--prompt-len", type=int, default=64, help="most tokens of a WikiText-2 prompt")
-    p.add_argument("--qdtype", choices=("bfloat16",), help="the drafts' quantized layers compute "
-                   "in bfloat16 (ATen's int4pack kernel on the CPU)")
-    p.add_argument("--lean", action="store_true", help="drafts keep only the int4pack form "
-                   "(with --qdtype bfloat16)")
-    p.add_argument("--compile", action="store_true",
-                   help="also each draft with its decode step compiled (CPU)")
+    p.add_argument(
+        "--qdtype",
+        choices=("bfloat16",),
+        help="the drafts' quantized layers compute in bfloat16 (ATen's int4pack kernel on the CPU)",
+    )
+    p.add_argument(
+        "--lean",
+        action="store_true",
+        help="drafts keep only the int4pack form (with --qdtype bfloat16)",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="also each draft with its decode step compiled (CPU)"
+    )
     p.add_argument("--threads", type=int)
-    p.add_argument("--quick", action="store_true",
-                   help="1 prompt of each kind, 8 new tokens: a smoke run")
+    p.add_argument(
+        "--quick", action="store_true", help="1 prompt of each kind, 8 new tokens: a smoke run"
+    )
     p.add_argument("--json", help="write the table and per-prompt rows here")
     args = p.parse_args(argv)
     if args.quick:
@@ -241,8 +305,9 @@ def main(argv=None) -> None:
         args.target = args.target or str(convert_default_model())
         target, tok = load(args.target)
         if tok is None:
-            raise CompressError(f"'{args.target}' has no tokenizer: the benchmark's prompts are "
-                                f"text.")
+            raise CompressError(
+                f"'{args.target}' has no tokenizer: the benchmark's prompts are text."
+            )
         prompts = wiki_openings(tok, args.prompts, args.prompt_len)
         prompts += chat_prompts(tok, args.prompts)
         runs = systems(args, target, tok)
@@ -264,23 +329,34 @@ def main(argv=None) -> None:
         print(f"prompt {i + 1}/{len(prompts)}: {rates}", file=sys.stderr)
     table = [summarise(name, rows[name], rows["target"]) for name in runs]
     print(f"{len(prompts)} prompts, {args.new} new tokens, greedy, batch 1; tok/s median [IQR]")
-    print(f"{'system':28s} {'tok/s':>8s} {'IQR':>7s} {'speed-up':>8s} {'alpha':>6s} "
-          f"{'tok/pass':>8s} {'identical':>9s} {'ties':>5s}")
+    print(
+        f"{'system':28s} {'tok/s':>8s} {'IQR':>7s} {'speed-up':>8s} {'alpha':>6s} "
+        f"{'tok/pass':>8s} {'identical':>9s} {'ties':>5s}"
+    )
     for t in table:
-        print(f"{t['system']:28s} {t['tok_s']:8.1f} {t['iqr']:7.1f} {t['speedup']:8.2f} "
-              f"{t['alpha']:6.3f} {t['tokens_per_pass']:8.2f} "
-              f"{t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}")
+        print(
+            f"{t['system']:28s} {t['tok_s']:8.1f} {t['iqr']:7.1f} {t['speedup']:8.2f} "
+            f"{t['alpha']:6.3f} {t['tokens_per_pass']:8.2f} "
+            f"{t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}"
+        )
     bars = bandit_bars(table)
     if bars:
-        print(f"mean tok/s over the prompts: best fixed arm {bars['best_fixed']:.1f}, median fixed "
-              f"arm {bars['median_fixed']:.1f}; " + ", ".join(
-                  f"{k} {bars[k]:.1f} ({bars[k] / bars['best_fixed']:.1%} of the best)"
-                  for k in ("bandit", "ucb1")))
+        print(
+            f"mean tok/s over the prompts: best fixed arm {bars['best_fixed']:.1f}, median fixed "
+            f"arm {bars['median_fixed']:.1f}; "
+            + ", ".join(
+                f"{k} {bars[k]:.1f} ({bars[k] / bars['best_fixed']:.1%} of the best)"
+                for k in ("bandit", "ucb1")
+            )
+        )
     if args.json:
         out = Path(args.json)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"args": vars(args), "table": table, "bandit_bars": bars,
-                                   "rows": rows}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {"args": vars(args), "table": table, "bandit_bars": bars, "rows": rows}, indent=1
+            )
+        )
         tmp.replace(out)
 
 

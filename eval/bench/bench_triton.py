@@ -3,6 +3,7 @@ dense fp16 product of the same shape (``triton.testing.do_bench``, microseconds)
 
     python -m compress.eval.bench.bench_triton
 """
+
 import torch
 
 from compress.formats import QuantLinear
@@ -16,7 +17,9 @@ def rel(a, b):
 
 def main() -> None:
     if not torch.cuda.is_available():
-        raise SystemExit("error: bench_triton times the Triton kernels on a CUDA GPU, and none is visible.")
+        raise SystemExit(
+            "error: bench_triton times the Triton kernels on a CUDA GPU, and none is visible."
+        )
     from triton.testing import do_bench
 
     torch.manual_seed(0)
@@ -32,8 +35,10 @@ def main() -> None:
             err = rel(y, x.double() @ what.t())
             tq = do_bench(lambda: quant_matmul(x, layer))
             td = do_bench(lambda: x @ dense.t())
-            print(f"int{bits} M={m:4d}: rel err {err:.1e}  triton {tq * 1e3:7.1f} us  "
-                  f"dense fp16 {td * 1e3:7.1f} us  ratio {td / tq:.2f}x")
+            print(
+                f"int{bits} M={m:4d}: rel err {err:.1e}  triton {tq * 1e3:7.1f} us  "
+                f"dense fp16 {td * 1e3:7.1f} us  ratio {td / tq:.2f}x"
+            )
 
     print("PackKV qk/pv (Triton) vs float64 on the dequantized cache; time vs fp16 q@K^T, p@V")
     for n in (1408, 7872):
@@ -55,9 +60,11 @@ def main() -> None:
         tqk = do_bench(lambda: packkv_qk(q, packs[0]))
         tpv = do_bench(lambda: packkv_pv(pr, packs[1]))
         tfp = do_bench(lambda: (q.half() @ k16.transpose(1, 2), pr.half() @ v16))
-        print(f"n={n}: qk rel err {rel(s, q.double() @ kh.transpose(1, 2)):.1e}, pv rel err "
-              f"{rel(o, pr.double() @ vh):.1e}; qk {tqk * 1e3:.1f} us + pv {tpv * 1e3:.1f} us vs fp16 both "
-              f"{tfp * 1e3:.1f} us")
+        print(
+            f"n={n}: qk rel err {rel(s, q.double() @ kh.transpose(1, 2)):.1e}, pv rel err "
+            f"{rel(o, pr.double() @ vh):.1e}; qk {tqk * 1e3:.1f} us + pv {tpv * 1e3:.1f} us vs fp16 both "
+            f"{tfp * 1e3:.1f} us"
+        )
 
 
 if __name__ == "__main__":

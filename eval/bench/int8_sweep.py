@@ -46,7 +46,9 @@ def rtn8_row(model):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="HF folder (default: the default model)")
-    p.add_argument("--text", help="validation text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.valid.tokens)")
+    p.add_argument(
+        "--text", help="validation text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.valid.tokens)"
+    )
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--thresholds", type=float, nargs="+", default=[0, 1, 2, 3, 4, 6])
@@ -66,8 +68,10 @@ def main(argv=None) -> None:
     print(f"\nWikiText-2 validation, {args.windows} windows of {args.seqlen}; fp32 ppl {fp:.3f}")
     print(f"{'setting':>14} {'ppl':>8} {'Δppl %':>8} {'KL':>10} {'top-1':>7}")
     for name, f in rows:
-        print(f"{name:>14} {f['ppl']:8.3f} {100 * (f['ppl'] / fp - 1):8.2f} "
-              f"{f['kl_vs_source']:10.5f} {f['top1_vs_source']:7.4f}")
+        print(
+            f"{name:>14} {f['ppl']:8.3f} {100 * (f['ppl'] / fp - 1):8.2f} "
+            f"{f['kl_vs_source']:10.5f} {f['top1_vs_source']:7.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,19 @@ def configs(args) -> list[tuple[str, str, dict]]:
     out = [("fp16", "fp16", {})]
     out += [(f"kivi-{b}", "kivi", {"bits": b, "residual": args.residual}) for b in args.kivi]
     for kr, vr in args.packkv:
-        out.append((f"packkv-{kr:g}:{vr:g}", "packkv",
-                    {"k_rel": kr, "v_rel": vr, "order": args.order, "residual": args.residual,
-                     "keep_perm": False}))
+        out.append(
+            (
+                f"packkv-{kr:g}:{vr:g}",
+                "packkv",
+                {
+                    "k_rel": kr,
+                    "v_rel": vr,
+                    "order": args.order,
+                    "residual": args.residual,
+                    "keep_perm": False,
+                },
+            )
+        )
     return out
 
 
@@ -65,11 +75,13 @@ def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     """Lock-step teacher forcing of every cache in ``cfgs`` over ``windows [B, T]``."""
     c = model.config
     B, T = windows.shape
-    caches = [make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, model.head_dim, T, **opts)
-              for _, kind, opts in cfgs]
+    caches = [
+        make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, model.head_dim, T, **opts)
+        for _, kind, opts in cfgs
+    ]
     kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
     for t in tqdm(range(prefill, T + 1), desc="kv_quality", unit="tok", mininterval=10):
-        ids = windows[:, :t] if t == prefill else windows[:, t - 1:t]
+        ids = windows[:, :t] if t == prefill else windows[:, t - 1 : t]
         ref = None
         for i, cache in enumerate(caches):
             t0 = time.perf_counter()
@@ -86,9 +98,19 @@ def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     rows = []
     for (label, kind, opts), cache, k, l, s in zip(cfgs, caches, kl, nll, secs):
         bpt = cache.nbytes() / (B * cache.length)
-        rows.append({"label": label, "kind": kind, "opts": opts, "bytes_per_token": bpt,
-                     "ratio_vs_fp16": bpt / fp16_bytes, "kl": k / n, "ppl": math.exp(l / n),
-                     "seconds": s, "context": cache.length})
+        rows.append(
+            {
+                "label": label,
+                "kind": kind,
+                "opts": opts,
+                "bytes_per_token": bpt,
+                "ratio_vs_fp16": bpt / fp16_bytes,
+                "kl": k / n,
+                "ppl": math.exp(l / n),
+                "seconds": s,
+                "context": cache.length,
+            }
+        )
     return rows
 
 
@@ -102,7 +124,7 @@ def history_lengths(kind: str, opts: dict, T: int, prefill: int, head_dim: int) 
     x = torch.randn(1, 1, T, head_dim, generator=torch.Generator().manual_seed(0))
     cache.append(0, x[:, :, :prefill], x[:, :, :prefill])
     for t in range(prefill, T):
-        cache.append(0, x[:, :, t:t + 1], x[:, :, t:t + 1])
+        cache.append(0, x[:, :, t : t + 1], x[:, :, t : t + 1])
         C[t] = cache.ncomp[0]
     return C
 
@@ -119,28 +141,40 @@ class HistoryMix(Cache):
         T = len(C)
         layout = dict(layout)
         shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
-        super().__init__(shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout)
+        super().__init__(
+            shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout
+        )
         self.kind, self.opts = kind, {**opts, "keep_perm": True} if kind == "packkv" else opts
-        self.extra = {k: v for k, v in layout.items() if v is not None}  # a latent key's v_dim, scale
-        self.old = torch.arange(T)[None, :] < C[:, None]   # [Tq, Tk]: key in query t's compressed history
+        self.extra = {
+            k: v for k, v in layout.items() if v is not None
+        }  # a latent key's v_dim, scale
+        self.old = (
+            torch.arange(T)[None, :] < C[:, None]
+        )  # [Tq, Tk]: key in query t's compressed history
         self.kv, self.held = {}, 0
 
     def append(self, layer, k, v, pos=None):
         T = k.shape[2]
-        cache = make_cache(self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.extra, **self.opts)
-        cache.append(0, k[:, :, :T - 1], None if v is None else v[:, :, :T - 1])
-        cache.append(0, k[:, :, T - 1:], None if v is None else v[:, :, T - 1:])  # what decoding leaves
-        self.held += cache.nbytes() - (cache.perm[0, :, :cache.k[0].n].nbytes if self.kind == "packkv" else 0)
+        cache = make_cache(
+            self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.extra, **self.opts
+        )
+        cache.append(0, k[:, :, : T - 1], None if v is None else v[:, :, : T - 1])
+        cache.append(
+            0, k[:, :, T - 1 :], None if v is None else v[:, :, T - 1 :]
+        )  # what decoding leaves
+        self.held += cache.nbytes() - (
+            cache.perm[0, :, : cache.k[0].n].nbytes if self.kind == "packkv" else 0
+        )
         hist = cache.history(0) if self.kind != "fp16" else None
         k16 = k.half().float()  # the fp16 window's values
-        self.kv[layer] = (k16, k16[..., :self.v_dim] if v is None else v.half().float(), hist)
+        self.kv[layer] = (k16, k16[..., : self.v_dim] if v is None else v.half().float(), hist)
         self.lens[layer] = T
 
     def attend(self, layer, q, pos=None, start=None):
         q4, tq = self.queries(q)
         k16, v16, hist = self.kv[layer]  # cross-layer attention reads a slot more than once
         g = q4.shape[2] // tq
-        old = self.old.repeat(g, 1)                        # [g*Tq, Tk], queries laid out as q4's
+        old = self.old.repeat(g, 1)  # [g*Tq, Tk], queries laid out as q4's
         s = q4 @ k16.transpose(-1, -2)
         if hist is not None:
             kh, vh = hist
@@ -161,19 +195,28 @@ def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]
     rows, ref = [], None
     for label, kind, opts, *other in tqdm(cfgs, desc="kv_quality --parallel", unit="cache"):
         t0 = time.perf_counter()
-        m = other[0] if other else model  # another model (an attention conversion) with its fp16 cache
+        m = (
+            other[0] if other else model
+        )  # another model (an attention conversion) with its fp16 cache
         C = history_lengths(kind, opts, T, prefill, model.head_dim)
         mix = HistoryMix(kind, opts, C, B, m.kv_layout())
         with torch.no_grad():
-            logits = m(windows, mix)[:, prefill - 1:T - 1]
+            logits = m(windows, mix)[:, prefill - 1 : T - 1]
         logp, held = torch.log_softmax(logits.float(), -1), mix.held
         ref = logp if ref is None else ref
         n = B * (T - prefill)
-        rows.append({"label": label, "kind": kind if not other else "model", "opts": opts,
-                     "bytes_per_token": held / (B * T),
-                     "kl": (ref.exp() * (ref - logp)).sum().item() / n,
-                     "ppl": math.exp(-logp.gather(-1, target).sum().item() / n),
-                     "seconds": time.perf_counter() - t0, "context": T})
+        rows.append(
+            {
+                "label": label,
+                "kind": kind if not other else "model",
+                "opts": opts,
+                "bytes_per_token": held / (B * T),
+                "kl": (ref.exp() * (ref - logp)).sum().item() / n,
+                "ppl": math.exp(-logp.gather(-1, target).sum().item() / n),
+                "seconds": time.perf_counter() - t0,
+                "context": T,
+            }
+        )
     for r in rows:
         r["ratio_vs_fp16"] = r["bytes_per_token"] / rows[0]["bytes_per_token"]
     return rows
@@ -190,8 +233,12 @@ def plot(rows, path: Path) -> None:
         pts = sorted((r["bytes_per_token"], r["kl"], r["label"]) for r in rows if r["kind"] == kind)
         if pts:  # every setting a marker; the line joins those no other beats on both bytes and KL
             front = [p for i, p in enumerate(pts) if all(q[1] > p[1] for q in pts[:i])]
-            line = ax.plot([p[0] for p in front], [p[1] for p in front], marker=marker, label=kind)[0]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=line.get_color(), mfc="none")
+            line = ax.plot([p[0] for p in front], [p[1] for p in front], marker=marker, label=kind)[
+                0
+            ]
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], marker, color=line.get_color(), mfc="none"
+            )
             for x, y, label in pts:
                 ax.annotate(label.split("-", 1)[1], (x, y), fontsize=6)
     for r in rows:  # other models (attention conversions), each with its fp16 cache
@@ -209,10 +256,15 @@ def plot(rows, path: Path) -> None:
 
 
 def table(rows) -> str:
-    lines = ["| cache | bytes/token | vs fp16 | KL vs fp16 | ppl | s |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| cache | bytes/token | vs fp16 | KL vs fp16 | ppl | s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['bytes_per_token']:.0f} | {r['ratio_vs_fp16']:.3f} | "
-                     f"{r['kl']:.2e} | {r['ppl']:.3f} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {r['label']} | {r['bytes_per_token']:.0f} | {r['ratio_vs_fp16']:.3f} | "
+            f"{r['kl']:.2e} | {r['ppl']:.3f} | {r['seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -220,15 +272,19 @@ def bars(rows) -> list[str]:
     """The two bars: PackKV bytes/token <= 1/3 of fp16's; at KL <= KIVI-4's, <= 1/1.3 of KIVI-4's bytes."""
     pk = [r for r in rows if r["kind"] == "packkv"]
     kivi4 = next((r for r in rows if r["label"] == "kivi-4"), None)
-    lines = ["PackKV bytes/token / fp16's (bar <= 0.333): "
-             + ", ".join(f"{r['label']} {r['ratio_vs_fp16']:.3f}" for r in pk)]
+    lines = [
+        "PackKV bytes/token / fp16's (bar <= 0.333): "
+        + ", ".join(f"{r['label']} {r['ratio_vs_fp16']:.3f}" for r in pk)
+    ]
     if kivi4 and pk:
         ok = [r for r in pk if r["kl"] <= kivi4["kl"]]
         if ok:
             best = min(ok, key=lambda r: r["bytes_per_token"])
-            lines.append(f"at KL <= kivi-4's {kivi4['kl']:.2e}: {best['label']} (KL {best['kl']:.2e}) stores "
-                         f"{best['bytes_per_token']:.0f} B/token, kivi-4 {kivi4['bytes_per_token']:.0f}: kivi-4 / "
-                         f"packkv = {kivi4['bytes_per_token'] / best['bytes_per_token']:.2f} (bar >= 1.3)")
+            lines.append(
+                f"at KL <= kivi-4's {kivi4['kl']:.2e}: {best['label']} (KL {best['kl']:.2e}) stores "
+                f"{best['bytes_per_token']:.0f} B/token, kivi-4 {kivi4['bytes_per_token']:.0f}: kivi-4 / "
+                f"packkv = {kivi4['bytes_per_token'] / best['bytes_per_token']:.2f} (bar >= 1.3)"
+            )
         else:
             lines.append(f"no PackKV setting reached kivi-4's KL {kivi4['kl']:.2e}")
     return lines
@@ -240,23 +296,47 @@ def rel_pair(s: str) -> tuple[float, float]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--windows", type=int, default=1, help="WikiText-2 test windows, decoded as one batch")
-    ap.add_argument("--tokens", type=int, default=1024, help="tokens per window (prefill + decoded)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--windows", type=int, default=1, help="WikiText-2 test windows, decoded as one batch"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=1024, help="tokens per window (prefill + decoded)"
+    )
     ap.add_argument("--prefill", type=int, default=128)
-    ap.add_argument("--residual", type=int, default=128, help="fp16 window of the compressed caches")
+    ap.add_argument(
+        "--residual", type=int, default=128, help="fp16 window of the compressed caches"
+    )
     ap.add_argument("--kivi", type=int, nargs="*", default=[2, 4], help="KIVI bit widths")
-    ap.add_argument("--packkv", type=rel_pair, nargs="*", default=[(0.1, 0.2), (0.05, 0.1), (0.03, 0.1)],
-                    help="PackKV k_rel:v_rel pairs")
+    ap.add_argument(
+        "--packkv",
+        type=rel_pair,
+        nargs="*",
+        default=[(0.1, 0.2), (0.05, 0.1), (0.03, 0.1)],
+        help="PackKV k_rel:v_rel pairs",
+    )
     ap.add_argument("--order", default="greedy", choices=["greedy", "median", "none"])
-    ap.add_argument("--parallel", action="store_true",
-                    help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="one forward per cache instead of one per token: the same figures up to rounding, ~8x faster",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)"
+    )
     ap.add_argument("--data", help="text (default: $COMPRESS_DATA_DIR/wikitext-2/wiki.test.raw)")
-    ap.add_argument("--model", default=None, help="a run folder or HF folder (default: the default model)")
-    ap.add_argument("--models", nargs="*", default=[],
-                    help="other folders with the same tokenizer (e.g. attention conversions of --model), "
-                         "each decoded with its own fp16 cache; KL against --model's fp16 cache (--parallel)")
+    ap.add_argument(
+        "--model", default=None, help="a run folder or HF folder (default: the default model)"
+    )
+    ap.add_argument(
+        "--models",
+        nargs="*",
+        default=[],
+        help="other folders with the same tokenizer (e.g. attention conversions of --model), "
+        "each decoded with its own fp16 cache; KL against --model's fp16 cache (--parallel)",
+    )
     ap.add_argument("--out", default="outputs/kv_quality")
     args = ap.parse_args(argv)
 
@@ -269,20 +349,27 @@ def main(argv=None):
         raise CompressError("--models compares other models through --parallel; add --parallel.")
     model, tok = load(args.model or convert_default_model())
     others = [(Path(m).name, "fp16", {}, load(m)[0]) for m in args.models]
-    for (label, *_, m) in others:
+    for label, *_, m in others:
         if m.config.vocab_size != model.config.vocab_size:
-            raise CompressError(f"--models {label}: vocabulary of {m.config.vocab_size} tokens, "
-                                f"--model has {model.config.vocab_size}; give folders with the same tokenizer.")
+            raise CompressError(
+                f"--models {label}: vocabulary of {m.config.vocab_size} tokens, "
+                f"--model has {model.config.vocab_size}; give folders with the same tokenizer."
+            )
     ids = tokenize(tok, read_text(data))
     windows = ids[: args.windows * args.tokens].view(args.windows, args.tokens)
-    rows = (run_parallel if args.parallel else run)(model, windows, configs(args) + others, args.prefill)
+    rows = (run_parallel if args.parallel else run)(
+        model, windows, configs(args) + others, args.prefill
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_quality.json").write_text(json.dumps({"args": vars(args), "rows": rows, "bars": bars(rows)},
-                                                     indent=1))
+    (out / "kv_quality.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows, "bars": bars(rows)}, indent=1)
+    )
     plot(rows, out / "kv_quality.png")
-    print(f"{args.windows} windows x {args.tokens} tokens, prefill {args.prefill}, residual {args.residual}, "
-          f"order {args.order}{', parallel' if args.parallel else ''}")
+    print(
+        f"{args.windows} windows x {args.tokens} tokens, prefill {args.prefill}, residual {args.residual}, "
+        f"order {args.order}{', parallel' if args.parallel else ''}"
+    )
     print(table(rows))
     print("\n".join(bars(rows)))
     print(f"wrote {out / 'kv_quality.json'} and {out / 'kv_quality.png'}")

@@ -18,20 +18,41 @@ from compress.errors import CompressError
 CACHES = {"fp16": FP16Cache, "kivi": KIVICache, "packkv": PackKVCache, "full": FullCache}
 KV_KINDS = tuple(CACHES)
 
-__all__ = ["CACHES", "KV_KINDS", "Cache", "FP16Cache", "FullCache", "KIVICache", "PackKVCache",
-           "make_cache", "new_cache", "static_cache"]
+__all__ = [
+    "CACHES",
+    "KV_KINDS",
+    "Cache",
+    "FP16Cache",
+    "FullCache",
+    "KIVICache",
+    "PackKVCache",
+    "make_cache",
+    "new_cache",
+    "static_cache",
+]
 
 
-def make_cache(kind: str, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
-               dtype: torch.dtype = torch.float32, device="cpu", **opts) -> Cache:
+def make_cache(
+    kind: str,
+    n_layers: int,
+    batch: int,
+    n_kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    **opts,
+) -> Cache:
     """A cache of ``kind`` (one of :data:`KV_KINDS`); ``opts`` are that kind's options."""
     if kind not in CACHES:
         raise CompressError(f"unknown KV cache kind '{kind}'. Use one of {list(KV_KINDS)}.")
     cls = CACHES[kind]
     unknown = set(opts) - set(cls.OPTIONS)
     if unknown:
-        raise CompressError(f"KV cache '{kind}' has no option(s) {sorted(unknown)}; its options are "
-                            f"{list(cls.OPTIONS) or 'none'}.")
+        raise CompressError(
+            f"KV cache '{kind}' has no option(s) {sorted(unknown)}; its options are "
+            f"{list(cls.OPTIONS) or 'none'}."
+        )
     return cls(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, torch.device(device), **opts)
 
 
@@ -47,8 +68,20 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
     extra = {k: v for k, v in layout.items() if v is not None}
     if extra and kind not in ("fp16", "full"):
-        raise CompressError(f"this model's latent (MLA) attention caches one key per token whose first "
-                            f"channels are also the value; the {kind} cache does not store that yet: "
-                            f"use --kv fp16 or full.")
-    return make_cache(kind, shape[0], batch, shape[1], shape[2], max_len, dtype=dtype, device=device,
-                      **extra, **opts)
+        raise CompressError(
+            f"this model's latent (MLA) attention caches one key per token whose first "
+            f"channels are also the value; the {kind} cache does not store that yet: "
+            f"use --kv fp16 or full."
+        )
+    return make_cache(
+        kind,
+        shape[0],
+        batch,
+        shape[1],
+        shape[2],
+        max_len,
+        dtype=dtype,
+        device=device,
+        **extra,
+        **opts,
+    )

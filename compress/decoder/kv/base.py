@@ -45,11 +45,18 @@ class Cache:
 
     OPTIONS: tuple = ()  # keyword options of the kind, for make_cache's check
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
-        self.n_layers, self.batch, self.n_kv_heads, self.head_dim = n_layers, batch, n_kv_heads, head_dim
+    def __init__(
+        self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None
+    ):
+        self.n_layers, self.batch, self.n_kv_heads, self.head_dim = (
+            n_layers,
+            batch,
+            n_kv_heads,
+            head_dim,
+        )
         self.max_len, self.dtype, self.device = max_len, dtype, device
         self.v_dim = v_dim  # latent attention: V is K's first v_dim channels, not stored apart
-        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.lens = [0] * n_layers
 
     @property
@@ -59,25 +66,38 @@ class Cache:
 
     def rollback(self, length: int) -> None:
         """Forget every token at slot ``length`` or later (speculative decoding's rejections)."""
-        raise CompressError(f"the {type(self).__name__} cannot drop tokens it holds, which "
-                            f"speculative decoding needs after a rejected draft; use --kv fp16, "
-                            f"full, kivi or packkv.")
+        raise CompressError(
+            f"the {type(self).__name__} cannot drop tokens it holds, which "
+            f"speculative decoding needs after a rejected draft; use --kv fp16, "
+            f"full, kivi or packkv."
+        )
 
     def check_rollback(self, length: int) -> None:
         if not 0 <= length <= min(self.lens):
-            raise CompressError(f"KV cache rollback to {length} tokens: every layer must hold at "
-                                f"least that many (they hold {sorted(set(self.lens))}).")
+            raise CompressError(
+                f"KV cache rollback to {length} tokens: every layer must hold at "
+                f"least that many (they hold {sorted(set(self.lens))})."
+            )
 
     def check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         want = (self.batch, self.n_kv_heads, k.shape[2], self.head_dim)
-        if k.dim() != 4 or tuple(k.shape) != want or (v is not None and k.shape != v.shape) or (v is None) != bool(self.v_dim):
-            raise CompressError(f"KV cache append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
-                                f"[batch, kv_heads, T, head_dim] = {want}; build the cache with the "
-                                f"model's batch, num_key_value_heads and head_dim.")
+        if (
+            k.dim() != 4
+            or tuple(k.shape) != want
+            or (v is not None and k.shape != v.shape)
+            or (v is None) != bool(self.v_dim)
+        ):
+            raise CompressError(
+                f"KV cache append: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                f"[batch, kv_heads, T, head_dim] = {want}; build the cache with the "
+                f"model's batch, num_key_value_heads and head_dim."
+            )
         if self.lens[layer] + k.shape[2] > self.max_len:
-            raise CompressError(f"KV cache full: layer {layer} holds {self.lens[layer]} tokens and "
-                                f"{k.shape[2]} more exceed max_len={self.max_len}. Create the cache "
-                                f"with a larger max_len (prompt + new tokens).")
+            raise CompressError(
+                f"KV cache full: layer {layer} holds {self.lens[layer]} tokens and "
+                f"{k.shape[2]} more exceed max_len={self.max_len}. Create the cache "
+                f"with a larger max_len (prompt + new tokens)."
+            )
         return k.shape[2]
 
     def slots(self, layer: int, t: int, pos: torch.Tensor | None, after: bool) -> torch.Tensor:
@@ -91,8 +111,10 @@ class Cache:
         """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], Tq)`` for this layer."""
         B, H, Tq, D = q.shape
         if B != self.batch or D != self.head_dim or H % self.n_kv_heads:
-            raise CompressError(f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
-                                f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}].")
+            raise CompressError(
+                f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
+                f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}]."
+            )
         return (q.to(self.dtype) * self.scale).reshape(B, self.n_kv_heads, -1, D), Tq
 
     def heads(self, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,19 @@ class FP16Cache(Cache):
 
     OPTIONS = ("v_dim", "scale")
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale)
-        self.k = [torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=self.storage, device=device)
-                  for _ in range(n_layers)]
-        self.v = [t[..., :v_dim] for t in self.k] if v_dim else [torch.zeros_like(t) for t in self.k]
+    def __init__(
+        self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None
+    ):
+        super().__init__(
+            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale
+        )
+        self.k = [
+            torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=self.storage, device=device)
+            for _ in range(n_layers)
+        ]
+        self.v = (
+            [t[..., :v_dim] for t in self.k] if v_dim else [torch.zeros_like(t) for t in self.k]
+        )
 
     def append(self, layer, k, v, pos=None):
         pos = self.slots(layer, k.shape[2], pos, after=True)
@@ -58,14 +66,20 @@ class FP16Cache(Cache):
 class FullCache(FP16Cache):
     """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None):
+    def __init__(
+        self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None
+    ):
         self.storage = dtype
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale)
+        super().__init__(
+            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim, scale
+        )
 
 
 def static_cache(cache: FP16Cache) -> FP16Cache:
     """``cache`` marked static (attend over all ``max_len`` slots), for the compiled decode step."""
     if not isinstance(cache, FP16Cache):
-        raise CompressError(f"the compiled decode step needs an fp16 or full cache, not {type(cache).__name__}.")
+        raise CompressError(
+            f"the compiled decode step needs an fp16 or full cache, not {type(cache).__name__}."
+        )
     cache.static = True
     return cache

@@ -16,8 +16,8 @@ def minmax_quantize(x: torch.Tensor, bits: int, dim: int):
     """
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     zero = lo.half()
-    scale = ((hi - lo) / (2 ** bits - 1)).clamp(min=2.0 ** -14).half()
-    codes = torch.round((x - zero.float()) / scale.float()).clamp(0, 2 ** bits - 1)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=2.0**-14).half()
+    codes = torch.round((x - zero.float()) / scale.float()).clamp(0, 2**bits - 1)
     return codes.to(torch.int32), zero, scale
 
 
@@ -39,19 +39,40 @@ class KIVICache(ResidualCache):
 
     OPTIONS = ("bits", "group", "residual")
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device,
-                 bits=2, group=32, residual=128):
+    def __init__(
+        self,
+        n_layers,
+        batch,
+        n_kv_heads,
+        head_dim,
+        max_len,
+        dtype,
+        device,
+        bits=2,
+        group=32,
+        residual=128,
+    ):
         if bits not in (2, 4):
             raise CompressError(f"KIVI bits={bits} is not supported; use bits=2 or bits=4.")
         if group < 1 or head_dim % group or head_dim % 32:
-            raise CompressError(f"KIVI needs head_dim ({head_dim}) to be a multiple of 32 and of "
-                                f"group ({group}); use group=32 or another divisor of head_dim.")
+            raise CompressError(
+                f"KIVI needs head_dim ({head_dim}) to be a multiple of 32 and of "
+                f"group ({group}); use group=32 or another divisor of head_dim."
+            )
         self.bits, self.block = bits, group
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
-        BH, cap, D, G, dev = self.batch * self.n_kv_heads, self.cap, self.head_dim, self.block, self.device
-        words = torch.zeros(self.n_layers, BH, cap, D * self.bits // 32, dtype=torch.int32, device=dev)
+        BH, cap, D, G, dev = (
+            self.batch * self.n_kv_heads,
+            self.cap,
+            self.head_dim,
+            self.block,
+            self.device,
+        )
+        words = torch.zeros(
+            self.n_layers, BH, cap, D * self.bits // 32, dtype=torch.int32, device=dev
+        )
         self.kq, self.vq = words, words.clone()
         self.kz = torch.zeros(self.n_layers, BH, cap // G, D, dtype=torch.float16, device=dev)
         self.ks = self.kz.clone()
@@ -59,18 +80,40 @@ class KIVICache(ResidualCache):
         self.vs = self.vz.clone()
 
     def compress(self, layer, k, v):
-        BH, n, D, G, C = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block, self.ncomp[layer]
-        if self.start is not None:  # left padding must not widen a K group: its slots copy the row's first token
-            pad = torch.arange(C, C + n, device=k.device) < self.start.to(k.device)[:, None]    # [B, n]
-            first = (self.start.to(k.device) - C).clamp(0, n - 1).view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, D)
+        BH, n, D, G, C = (
+            self.batch * self.n_kv_heads,
+            k.shape[2],
+            self.head_dim,
+            self.block,
+            self.ncomp[layer],
+        )
+        if (
+            self.start is not None
+        ):  # left padding must not widen a K group: its slots copy the row's first token
+            pad = (
+                torch.arange(C, C + n, device=k.device) < self.start.to(k.device)[:, None]
+            )  # [B, n]
+            first = (
+                (self.start.to(k.device) - C)
+                .clamp(0, n - 1)
+                .view(-1, 1, 1, 1)
+                .expand(-1, k.shape[1], 1, D)
+            )
             k = torch.where(pad[:, None, :, None], k.gather(2, first), k)
         kc, kz, ks = minmax_quantize(k.reshape(BH, n // G, G, D), self.bits, dim=2)
         vc, vz, vs = minmax_quantize(v.reshape(BH, n, D // G, G), self.bits, dim=3)
         plane = f"w{self.bits}"
-        self.kq[layer, :, C:C + n] = pack_planes(kc.reshape(BH * n, D), self.bits)[plane].view(BH, n, -1)
-        self.vq[layer, :, C:C + n] = pack_planes(vc.reshape(BH * n, D), self.bits)[plane].view(BH, n, -1)
-        self.kz[layer, :, C // G:(C + n) // G], self.ks[layer, :, C // G:(C + n) // G] = kz[:, :, 0], ks[:, :, 0]
-        self.vz[layer, :, C:C + n], self.vs[layer, :, C:C + n] = vz[..., 0], vs[..., 0]
+        self.kq[layer, :, C : C + n] = pack_planes(kc.reshape(BH * n, D), self.bits)[plane].view(
+            BH, n, -1
+        )
+        self.vq[layer, :, C : C + n] = pack_planes(vc.reshape(BH * n, D), self.bits)[plane].view(
+            BH, n, -1
+        )
+        self.kz[layer, :, C // G : (C + n) // G], self.ks[layer, :, C // G : (C + n) // G] = (
+            kz[:, :, 0],
+            ks[:, :, 0],
+        )
+        self.vz[layer, :, C : C + n], self.vs[layer, :, C : C + n] = vz[..., 0], vs[..., 0]
 
     def dequantize(self, layer, which: str) -> torch.Tensor:
         """``K_hat`` or ``V_hat`` ``[B, Hkv, C, D]`` in ``dtype``."""
@@ -102,6 +145,6 @@ class KIVICache(ResidualCache):
         G, total = self.block, self.window_nbytes()
         for layer, C in enumerate(self.ncomp):
             total += self.kq[layer, :, :C].nbytes + self.vq[layer, :, :C].nbytes
-            total += self.kz[layer, :, :C // G].nbytes + self.ks[layer, :, :C // G].nbytes
+            total += self.kz[layer, :, : C // G].nbytes + self.ks[layer, :, : C // G].nbytes
             total += self.vz[layer, :, :C].nbytes + self.vs[layer, :, :C].nbytes
         return total

@@ -37,7 +37,9 @@ def order_greedy(codes: torch.Tensor, pack: int = packkv_ref.PACK) -> torch.Tens
             lo = hi = x[rows, pick]
         else:
             span = torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)  # [N, T, C]
-            cost = torch.log2(1 + span).ceil_().sum(-1) + span.sum(-1) / (256 * C)  # tie-break < 1 bit
+            cost = torch.log2(1 + span).ceil_().sum(-1) + span.sum(-1) / (
+                256 * C
+            )  # tie-break < 1 bit
             pick = cost.masked_fill(taken, math.inf).argmin(-1)
             lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
         taken[rows, pick] = True
@@ -50,8 +52,11 @@ def joined(a: tuple, b: tuple) -> tuple:
     return tuple(torch.cat([x, y], 1) for x, y in zip(a, b))
 
 
-ORDERS = {"greedy": order_greedy, "median": order_median,
-          "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2])}
+ORDERS = {
+    "greedy": order_greedy,
+    "median": order_median,
+    "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2]),
+}
 
 
 class PackKVCache(ResidualCache):
@@ -80,15 +85,34 @@ class PackKVCache(ResidualCache):
     OPTIONS = ("k_rel", "v_rel", "block", "pack", "residual", "order", "keep_perm")
     granule = 1
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device,
-                 k_rel=0.04, v_rel=0.1, block=64, pack=16, residual=128, order="greedy", keep_perm=None):
+    def __init__(
+        self,
+        n_layers,
+        batch,
+        n_kv_heads,
+        head_dim,
+        max_len,
+        dtype,
+        device,
+        k_rel=0.04,
+        v_rel=0.1,
+        block=64,
+        pack=16,
+        residual=128,
+        order="greedy",
+        keep_perm=None,
+    ):
         for name, rel in (("k_rel", k_rel), ("v_rel", v_rel)):
             if not packkv_ref.MIN_REL <= rel <= 1:
-                raise CompressError(f"PackKV {name}={rel} is out of range; use a relative error bound in "
-                                    f"[{packkv_ref.MIN_REL:.4f}, 1] (step = rel * token range).")
+                raise CompressError(
+                    f"PackKV {name}={rel} is out of range; use a relative error bound in "
+                    f"[{packkv_ref.MIN_REL:.4f}, 1] (step = rel * token range)."
+                )
         if pack != packkv_ref.PACK or block % pack or block > 256:
-            raise CompressError(f"PackKV needs pack=16 (the packed format's) and block a multiple of 16 "
-                                f"up to 256; got pack={pack}, block={block}.")
+            raise CompressError(
+                f"PackKV needs pack=16 (the packed format's) and block a multiple of 16 "
+                f"up to 256; got pack={pack}, block={block}."
+            )
         if order not in ORDERS:
             raise CompressError(f"PackKV order='{order}' is unknown; use one of {sorted(ORDERS)}.")
         self.k_rel, self.v_rel, self.block, self.order = k_rel, v_rel, block, order
@@ -96,33 +120,76 @@ class PackKVCache(ResidualCache):
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
-        BH, dev, cap = self.batch * self.n_kv_heads, self.device, self.max_len // packkv_ref.PACK * packkv_ref.PACK
-        self.k, self.v = ([packkv_ref.Packed.empty(BH, cap, self.head_dim, packkv_ref.max_code(rel), dev)
-                           for _ in range(self.n_layers)] for rel in (self.k_rel, self.v_rel))
-        self.perm = torch.zeros(self.n_layers, BH, cap if self.keep_perm else 0, dtype=torch.uint8, device=dev)
-        none = torch.zeros(BH, 0, self.head_dim, dtype=torch.uint8, device=dev), \
-            torch.zeros(BH, 0, dtype=torch.float16, device=dev), torch.zeros(BH, 0, dtype=torch.int8, device=dev)
-        self.staged = [(none, none) for _ in range(self.n_layers)]  # per layer, K and V: (codes, tmin, lstep)
+        BH, dev, cap = (
+            self.batch * self.n_kv_heads,
+            self.device,
+            self.max_len // packkv_ref.PACK * packkv_ref.PACK,
+        )
+        self.k, self.v = (
+            [
+                packkv_ref.Packed.empty(BH, cap, self.head_dim, packkv_ref.max_code(rel), dev)
+                for _ in range(self.n_layers)
+            ]
+            for rel in (self.k_rel, self.v_rel)
+        )
+        self.perm = torch.zeros(
+            self.n_layers, BH, cap if self.keep_perm else 0, dtype=torch.uint8, device=dev
+        )
+        none = (
+            torch.zeros(BH, 0, self.head_dim, dtype=torch.uint8, device=dev),
+            torch.zeros(BH, 0, dtype=torch.float16, device=dev),
+            torch.zeros(BH, 0, dtype=torch.int8, device=dev),
+        )
+        self.staged = [
+            (none, none) for _ in range(self.n_layers)
+        ]  # per layer, K and V: (codes, tmin, lstep)
 
     def compress(self, layer, k, v):
         """Quantize the tokens leaving the window, bit-pack whole packs, repack a block when it fills."""
-        BH, n, D, blk, pack = self.batch * self.n_kv_heads, k.shape[2], self.head_dim, self.block, packkv_ref.PACK
+        BH, n, D, blk, pack = (
+            self.batch * self.n_kv_heads,
+            k.shape[2],
+            self.head_dim,
+            self.block,
+            packkv_ref.PACK,
+        )
         pk, pv = self.k[layer], self.v[layer]
         # pending tokens of K and of V, each (codes uint8, tmin, lstep): the staged ones, then these
-        new = [packkv_ref.quantize_tokens(x.reshape(BH, n, D), rel) for x, rel in ((k, self.k_rel), (v, self.v_rel))]
-        kv = [joined(st, (c.to(torch.uint8), tmin, lstep)) for st, (c, tmin, lstep) in zip(self.staged[layer], new)]
+        new = [
+            packkv_ref.quantize_tokens(x.reshape(BH, n, D), rel)
+            for x, rel in ((k, self.k_rel), (v, self.v_rel))
+        ]
+        kv = [
+            joined(st, (c.to(torch.uint8), tmin, lstep))
+            for st, (c, tmin, lstep) in zip(self.staged[layer], new)
+        ]
         start = pk.n // blk * blk  # first slot of the block being filled
-        if pk.n - start + kv[0][0].shape[1] >= blk:  # it fills: take its packs back, to repack it whole
+        if (
+            pk.n - start + kv[0][0].shape[1] >= blk
+        ):  # it fills: take its packs back, to repack it whole
             kv = [joined(p.pop(start), t) for p, t in zip((pk, pv), kv)]
         m = kv[0][0].shape[1]
         full = m // blk * blk if pk.n == start else 0  # whole blocks, from a block's first slot
         packed = m // pack * pack
         if full:
-            codes = torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).long().view(-1, blk, 2 * D)
+            codes = (
+                torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).long().view(-1, blk, 2 * D)
+            )
             perm = ORDERS[self.order](codes).view(BH, full // blk, blk)
             idx = (perm + torch.arange(0, full, blk, device=self.device)[:, None]).view(BH, full)
-            self.store(layer, [[t[:, :full].gather(1, idx if t.dim() == 2 else idx[..., None].expand(-1, -1, D))
-                                for t in x] for x in kv], perm.reshape(BH, full))
+            self.store(
+                layer,
+                [
+                    [
+                        t[:, :full].gather(
+                            1, idx if t.dim() == 2 else idx[..., None].expand(-1, -1, D)
+                        )
+                        for t in x
+                    ]
+                    for x in kv
+                ],
+                perm.reshape(BH, full),
+            )
         if packed > full:  # whole packs of a block not yet full: in arrival order
             self.store(layer, [[t[:, full:packed] for t in x] for x in kv])
         self.staged[layer] = tuple(tuple(t[:, packed:] for t in x) for x in kv)
@@ -135,7 +202,9 @@ class PackKVCache(ResidualCache):
             p.append(codes.long(), tmin, lstep)
         if self.keep_perm:
             slots = torch.arange(C, C + n, device=self.device)
-            self.perm[layer, :, C:C + n] = (slots % self.block if order is None else order).to(torch.uint8)
+            self.perm[layer, :, C : C + n] = (slots % self.block if order is None else order).to(
+                torch.uint8
+            )
 
     def staged_hat(self, layer, which: int) -> torch.Tensor:
         """Dequantized staged tokens ``[BH, s, D]`` fp32 of K (0) or V (1)."""
@@ -145,9 +214,17 @@ class PackKVCache(ResidualCache):
         """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` fp32 of the compressed positions, in position order
         (the stored order, unpermuted; needs ``keep_perm``)."""
         if not self.keep_perm:
-            raise CompressError("PackKV history() needs the permutation: create the cache with keep_perm=True.")
-        n, blk, shape = self.k[layer].n, self.block, (self.batch, self.n_kv_heads, -1, self.head_dim)
-        pos = (torch.arange(n, device=self.device) // blk * blk + self.perm[layer, :, :n].long())[..., None]
+            raise CompressError(
+                "PackKV history() needs the permutation: create the cache with keep_perm=True."
+            )
+        n, blk, shape = (
+            self.k[layer].n,
+            self.block,
+            (self.batch, self.n_kv_heads, -1, self.head_dim),
+        )
+        pos = (torch.arange(n, device=self.device) // blk * blk + self.perm[layer, :, :n].long())[
+            ..., None
+        ]
         out = []
         for which, p in enumerate((self.k[layer], self.v[layer])):
             x = torch.empty(p.tmin.shape[0], n, self.head_dim, device=self.device)
@@ -173,23 +250,29 @@ class PackKVCache(ResidualCache):
         C, n, blk = self.ncomp[layer], self.k[layer].n, self.block
         slots = torch.arange(C, device=self.device)
         if self.keep_perm:
-            packed = slots[:n] // blk * blk + self.perm[layer, :, :n].long()   # staged ones are in order
+            packed = (
+                slots[:n] // blk * blk + self.perm[layer, :, :n].long()
+            )  # staged ones are in order
             pos = torch.cat([packed, slots[n:].expand(len(packed), -1)], 1)
             return pos.view(self.batch, self.n_kv_heads, C)
         # without the permutation a packed slot's position is known up to its block: fine unless a
         # mask boundary (a causal limit qpos + 1, or a row's start) falls inside a repacked block.
         cuts = qpos + 1 if start is None else torch.cat([qpos + 1, start.to(qpos)])
         if ((cuts > 0) & (cuts < n // blk * blk) & (cuts % blk != 0)).any():
-            raise CompressError(f"a mask boundary (left padding start={None if start is None else start.tolist()}"
-                                f" or the causal limit) falls inside PackKV's compressed history of {C} "
-                                f"tokens, whose token order within blocks was not kept. Create the cache "
-                                f"with keep_perm=True (the default when batch > 1).")
+            raise CompressError(
+                f"a mask boundary (left padding start={None if start is None else start.tolist()}"
+                f" or the causal limit) falls inside PackKV's compressed history of {C} "
+                f"tokens, whose token order within blocks was not kept. Create the cache "
+                f"with keep_perm=True (the default when batch > 1)."
+            )
         return slots[None, None]
 
     def nbytes(self) -> int:
         total = self.window_nbytes()
         for layer in range(self.n_layers):
             n = self.k[layer].n
-            total += self.k[layer].nbytes() + self.v[layer].nbytes() + self.perm[layer, :, :n].nbytes
+            total += (
+                self.k[layer].nbytes() + self.v[layer].nbytes() + self.perm[layer, :, :n].nbytes
+            )
             total += sum(t.nbytes for kv in self.staged[layer] for t in kv)
         return total

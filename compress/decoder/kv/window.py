@@ -41,7 +41,9 @@ class ResidualCache(Cache):
         self.lens = [0] * self.n_layers
         self.ncomp = [0] * self.n_layers
         self.start = None  # rows' left padding, as last given to attend
-        empty = torch.zeros(self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device)
+        empty = torch.zeros(
+            self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device
+        )
         self.win_k, self.win_v = [empty] * self.n_layers, [empty] * self.n_layers
         self.reset_history()
 
@@ -68,12 +70,14 @@ class ResidualCache(Cache):
         """
         self.check_rollback(length)
         if length < max(self.ncomp):
-            raise CompressError(f"KV cache rollback to {length} tokens: {max(self.ncomp)} are "
-                                f"already compressed, and compressed tokens cannot be dropped. Keep"
-                                f" more tokens in fp16 (--kv-opt residual=N with N > gamma).")
+            raise CompressError(
+                f"KV cache rollback to {length} tokens: {max(self.ncomp)} are "
+                f"already compressed, and compressed tokens cannot be dropped. Keep"
+                f" more tokens in fp16 (--kv-opt residual=N with N > gamma)."
+            )
         for layer, C in enumerate(self.ncomp):
-            self.win_k[layer] = self.win_k[layer][:, :, :length - C]
-            self.win_v[layer] = self.win_v[layer][:, :, :length - C]
+            self.win_k[layer] = self.win_k[layer][:, :, : length - C]
+            self.win_v[layer] = self.win_v[layer][:, :, : length - C]
         self.lens = [length] * self.n_layers
 
     def attend(self, layer, q, pos=None, start=None):

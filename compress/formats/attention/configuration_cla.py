@@ -14,8 +14,13 @@ class CLAConfig(LlamaConfig):
 
     def __init__(self, cla_share: int = 2, **kwargs):
         self.cla_share = int(cla_share)
-        kwargs.setdefault("auto_map", {"AutoConfig": "configuration_cla.CLAConfig",
-                                       "AutoModelForCausalLM": "modeling_cla.CLAForCausalLM"})
+        kwargs.setdefault(
+            "auto_map",
+            {
+                "AutoConfig": "configuration_cla.CLAConfig",
+                "AutoModelForCausalLM": "modeling_cla.CLAForCausalLM",
+            },
+        )
         super().__init__(**kwargs)
 
     def kv_layer(self, layer: int) -> int:

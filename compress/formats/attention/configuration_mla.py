@@ -13,11 +13,17 @@ from transformers import LlamaConfig
 class MLAConfig(LlamaConfig):
     model_type = "compress_mla"
 
-    def __init__(self, mla_rope_pairs: int = 4, kv_lora_rank: int = 48, mla_d_kv: int = 16,
-                 **kwargs):
+    def __init__(
+        self, mla_rope_pairs: int = 4, kv_lora_rank: int = 48, mla_d_kv: int = 16, **kwargs
+    ):
         self.mla_rope_pairs = int(mla_rope_pairs)
         self.kv_lora_rank = int(kv_lora_rank)
         self.mla_d_kv = int(mla_d_kv)
-        kwargs.setdefault("auto_map", {"AutoConfig": "configuration_mla.MLAConfig",
-                                       "AutoModelForCausalLM": "modeling_mla.MLAForCausalLM"})
+        kwargs.setdefault(
+            "auto_map",
+            {
+                "AutoConfig": "configuration_mla.MLAConfig",
+                "AutoModelForCausalLM": "modeling_mla.MLAForCausalLM",
+            },
+        )
         super().__init__(**kwargs)

@@ -10,9 +10,14 @@ Self-contained (transformers only): a run folder carries this file for ``trust_r
 """
 
 import torch
-from transformers.models.llama.modeling_llama import (ALL_ATTENTION_FUNCTIONS, LlamaAttention,
-                                                      LlamaForCausalLM, apply_rotary_pos_emb,
-                                                      eager_attention_forward, rotate_half)
+from transformers.models.llama.modeling_llama import (
+    ALL_ATTENTION_FUNCTIONS,
+    LlamaAttention,
+    LlamaForCausalLM,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+    rotate_half,
+)
 
 from .configuration_cla import CLAConfig
 
@@ -25,8 +30,9 @@ class CLAAttention(LlamaAttention):
             del self.k_proj, self.v_proj
         self.shared = {}  # {first layer: (K, V)} of the running forward; the model shares one dict
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs
+    ):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         cos, sin = position_embeddings
@@ -42,10 +48,19 @@ class CLAAttention(LlamaAttention):
             k, v = self.shared[self.kv_layer]
         if (self.layer_idx + 1) % self.config.cla_share == 0:  # the group's last layer: let K/V go
             del self.shared[self.kv_layer]
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                          eager_attention_forward)
-        out, weights = attention(self, q, k, v, attention_mask, scaling=self.scaling,
-                                 dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 

@@ -17,8 +17,12 @@ The cache holds ``k_r`` as keys and ``c`` as values. Self-contained (transformer
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import (ALL_ATTENTION_FUNCTIONS, LlamaForCausalLM,
-                                                      eager_attention_forward, rotate_half)
+from transformers.models.llama.modeling_llama import (
+    ALL_ATTENTION_FUNCTIONS,
+    LlamaForCausalLM,
+    eager_attention_forward,
+    rotate_half,
+)
 
 from .configuration_mla import MLAConfig
 
@@ -42,7 +46,7 @@ class MLAAttention(nn.Module):
         p, L = config.mla_rope_pairs, config.kv_lora_rank
         self.heads, self.kv_heads, self.head_dim, self.rope_dim = H, G, D, 2 * p
         self.num_key_value_groups = H // G
-        self.scaling = D ** -0.5
+        self.scaling = D**-0.5
         self.attention_dropout = config.attention_dropout
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, H * D, bias=False)
@@ -53,8 +57,9 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * D, hidden, bias=False)
         self.register_buffer("rope_index", torch.zeros(G, p, dtype=torch.long))
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs
+    ):
         b, t, _ = hidden_states.shape
         G, D, r = self.kv_heads, self.head_dim, self.rope_dim
         cos, sin = position_embeddings
@@ -70,10 +75,19 @@ class MLAAttention(nn.Module):
         k_n = self.k_b_proj(c[:, 0]).view(b, T, G, D - r).transpose(1, 2)
         v = self.v_b_proj(c[:, 0]).view(b, T, G, D).transpose(1, 2)
         k = torch.cat((k_r, k_n), dim=-1)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                          eager_attention_forward)
-        out, weights = attention(self, q, k, v, attention_mask, scaling=self.scaling,
-                                 dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )
         return self.o_proj(out.reshape(b, t, -1).contiguous()), weights
 
 
