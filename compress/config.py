@@ -239,6 +239,17 @@ def check_group_size(group_size, in_features: dict[str, int], key: str) -> None:
         check_layer(name, k, group_size)
 
 
+def eval_device(name: str) -> "torch.device":
+    """``eval.device``: ``auto`` is the GPU when there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise CompressError(f"eval.device={name}: use auto, cpu, or cuda on a machine with a GPU.")
+    return torch.device(name)
+
+
 def validate(cfg: DictConfig) -> None:
     """Everything a run can check before loading the model: costs milliseconds."""
     from compress.data import check_source
@@ -267,6 +278,7 @@ def validate(cfg: DictConfig) -> None:
     if "distill" in cfg.stages and cfg.distill.get("data"):
         check_source(cfg.distill.data, role="distill")
 
+    eval_device(cfg.eval.get("device", "auto"))
     if cfg.decode.enabled:
         check_decode(cfg.decode)
     from compress.hub import check_config

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from compress.checkpoint import load_run, save_checkpoint
-from compress.config import validate
+from compress.config import eval_device, validate
 from compress.data import calib_samples, eval_windows, read_text
 from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
@@ -69,15 +69,6 @@ def _weight_bytes(model, dtype=None) -> tuple[int, int]:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     linear = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith(prefixes))
     return total, linear
-
-
-def eval_device(name: str) -> torch.device:
-    """``eval.device``: ``auto`` is the GPU when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
-        raise CompressError(f"eval.device={name}: use auto, cpu, or cuda on a machine with a GPU.")
-    return torch.device(name)
 
 
 def save_dtype(model, source, trust_remote_code: bool):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compress.attn.absorb import absorb_output, absorb_query, expand_kv
+from compress.formats.attention.absorb import absorb_output, absorb_query, expand_kv
 from compress.attn.checks import check_rope
 from compress.attn.cla import convert_cla
 from compress.attn.gqa import mean_pool_kv

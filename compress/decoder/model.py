@@ -171,24 +171,24 @@ class LatentAttention(Attention):
 
     def absorb(self) -> None:
         """Fold ``k_b_proj`` into the query rows and ``v_b_proj`` into ``o_proj`` (see the class)."""
+        from compress.formats.attention.absorb import absorb_output, absorb_query
+
         H, G, D, r, L = self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent
-        g = torch.arange(H) // (H // G)
         wq = self.q_proj.weight.view(H, D, -1).double()
-        kb = self.k_b_proj.weight.view(G, D - r, L).double()[g]  # [H, n, L]
-        vb = self.v_b_proj.weight.view(G, D, L).double()[g]  # [H, D, L]
-        q_lat = kb.transpose(1, 2) @ wq[:, r:]  # [H, L, hidden]
-        wo = self.o_proj.weight.view(-1, H, D).transpose(0, 1).double()  # [H, hidden, D]
+        kb, vb = self.k_b_proj.weight.double(), self.v_b_proj.weight.double()
+        q_lat = absorb_query(wq[:, r:].transpose(1, 2), kb, G).transpose(1, 2)  # [H, L, hidden]
         dtype = self.q_proj.weight.dtype
         self.q_proj.weight = nn.Parameter(
             torch.cat([wq[:, :r], q_lat], 1).reshape(H * (r + L), -1).to(dtype)
         )
-        self.o_proj.weight = nn.Parameter((wo @ vb).transpose(0, 1).reshape(-1, H * L).to(dtype))
+        self.o_proj.weight = nn.Parameter(
+            absorb_output(self.o_proj.weight.double(), vb, H).to(dtype)
+        )
         self.q_proj.out_features, self.o_proj.in_features = H * (r + L), H * L
         del self.k_b_proj, self.v_b_proj
         # query head h's rotated part goes to its group's slot of the key's 2pG RoPE channels
-        slot = torch.zeros(H, G * r, dtype=dtype)
-        for h in range(H):
-            slot[h, g[h] * r : (g[h] + 1) * r] = 1
+        g = torch.arange(H) // (H // G)
+        slot = (torch.arange(G * r) // r == g[:, None]).to(dtype)  # [H, G 2p]
         self.register_buffer("rope_slot", slot[None, :, None], persistent=False)
 
     def project(self, x, cos, sin):
