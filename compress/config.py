@@ -272,6 +272,10 @@ def validate(cfg: DictConfig) -> None:
         in_features = layer_in_features(AutoConfig.for_model(**config))
     check_stage_settings(cfg, in_features)
 
+    if "iam" in cfg.stages:
+        from compress.iam.stage import check_settings
+
+        check_settings(cfg.iam)
     check_source(cfg.data.eval.source, role="eval")
     if needs_calibration(cfg):
         check_source(cfg.data.calib.source, role="calib")
@@ -303,7 +307,7 @@ def needs_calibration(cfg) -> bool:
         and int8.get("outlier_stats", True)
         and int8.get("threshold", 6.0) != 0
     )
-    return int8_calib or bool({"awq", "prune", "distill"} & set(cfg.stages))
+    return int8_calib or bool({"awq", "prune", "distill", "iam"} & set(cfg.stages))
 
 
 def check_stage_settings(cfg, in_features: dict[str, int]) -> None:

@@ -48,6 +48,10 @@ class Context:
         default_factory=dict
     )  # extra files for the run folder: {relative name: path to copy}
     calib_tokens: torch.Tensor | None = None  # given tokens instead of cfg.data.calib.source
+    # how the saved folder is run for the report, when a stage changes that (IAM: with a small
+    # model alongside): folder -> (model, tokenizer) for eval, (folder, dtype) -> decoder model
+    eval_loader: object = None
+    decode_loader: object = None
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
@@ -107,7 +111,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise
 
 
-def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
+def decode_figures(folder: Path, ids: list[int], dcfg, loader=None) -> dict:
     """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
     from compress.eval.decode_speed import measure
 
@@ -120,7 +124,7 @@ def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
         ", compiled" if dcfg.compile else "",
     )
     try:
-        return measure(folder, ids, dcfg)
+        return measure(folder, ids, dcfg, loader)
     except CompressError as e:
         log.warning("the built-in decoder could not run this folder: %s", e)
         return {"decode_error": str(e)}
@@ -157,7 +161,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows
         )
         device = eval_device(cfg.eval.get("device", "auto"))
-        compressed = load_run(tmp)[0].to(device)  # evaluate what was saved, not the in-memory model
+        compressed = (ctx.eval_loader or load_run)(tmp)[0].to(
+            device
+        )  # evaluate what was saved, not the in-memory model
         reference = (
             load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
             if cfg.eval.compare_source
@@ -172,7 +178,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
 
         if cfg.decode.enabled:  # the built-in decoder loads and runs what was saved
             t = time.time()
-            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode))
+            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode, ctx.decode_loader))
             timings["decode"] = round(time.time() - t, 2)
 
         report = {

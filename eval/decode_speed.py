@@ -49,8 +49,9 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def measure(folder, ids: list[int], cfg) -> dict:
-    """Decode figures of the run folder ``folder``, prompting with the token ids ``ids``."""
+def measure(folder, ids: list[int], cfg, loader=None) -> dict:
+    """Decode figures of the run folder ``folder``, prompting with the token ids ``ids``;
+    ``loader(folder, dtype) -> (model, tokenizer)`` replaces the decoder's ``load``."""
     from compress.decoder.generate import generate
     from compress.decoder.model import load
 
@@ -61,7 +62,7 @@ def measure(folder, ids: list[int], cfg) -> dict:
 
     with torch_threads(cfg.get("threads", 1)):
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
-        model, _ = load(folder, dtype=getattr(torch, cfg.dtype))
+        model, _ = (loader or load)(folder, dtype=getattr(torch, cfg.dtype))
         prompt = ids[: cfg.prompt_tokens]
         kw = dict(
             kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True

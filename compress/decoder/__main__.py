@@ -80,6 +80,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip the untimed first pass over the prompt that prepares (and compiles) the kernels",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument(
+        "--iam",
+        metavar="SMALL",
+        help="IAM attention mapping: a smaller model of the same tokenizer runs alongside and "
+        "the mapped layers take its attention weights (compress.decoder.iam)",
+    )
+    p.add_argument(
+        "--iam-layers",
+        default="auto",
+        help="large layers mapped: a count (the most similar first) or auto (default)",
+    )
+    p.add_argument(
+        "--iam-map",
+        help="mapping file (default: RUN/iam_map.json or RUN.iam.json beside the folder, made "
+        "on first use)",
+    )
     spec_cli.add_arguments(p)
     return p.parse_args(argv)
 
@@ -113,10 +129,22 @@ def main(argv=None) -> None:
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
         spec_cli.check_arguments(args)
+        check_iam_arguments(args)
         run(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_iam_arguments(args) -> None:
+    if args.iam is None:
+        return
+    if not Path(args.iam).exists():
+        raise CompressError(f"--iam '{args.iam}' does not exist; pass the small model's folder.")
+    if args.draft is not None or args.compile:
+        raise CompressError(
+            "--iam decodes eagerly with one model pair: leave out --draft and --compile."
+        )
 
 
 def run(args) -> None:
@@ -131,13 +159,25 @@ def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load(
-        args.run,
+    load_kw = dict(
         dtype=getattr(torch, args.dtype),
         device=args.device,
         qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
         lean=args.lean,
     )
+    if args.iam is not None:
+        from compress.decoder.iam import load_iam
+
+        model, tok = load_iam(
+            args.run,
+            args.iam,
+            args.iam_layers,
+            args.iam_map,
+            log=lambda m: print(m, file=sys.stderr),
+            **load_kw,
+        )
+    else:
+        model, tok = load(args.run, **load_kw)
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
@@ -217,7 +257,8 @@ def run(args) -> None:
         f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
         f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
         f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
-        f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
+        f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})"
+        + (f"; IAM: {len(model.mapped)} layers mapped onto {args.iam}" if args.iam else ""),
         file=sys.stderr,
     )
     if args.draft is not None:

@@ -115,6 +115,10 @@ class Attention(nn.Module):
         """Names of the input projections that :func:`fuse_projections` fuses into ``qkv_proj``."""
         return ["q_proj", "k_proj", "v_proj"] if self.writes_kv else ["q_proj"]
 
+    def dropped(self) -> list[str]:
+        """Projections of the checkpoint this kind loads but never runs (freed after loading)."""
+        return []
+
     def project(self, x, cos, sin):
         """``(q [B, H, T, Dk], k [B, Hkv, T, Dk] or None, v or None)``, position-encoded."""
         B, T, _ = x.shape
@@ -128,7 +132,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache, pos, start):
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        if k is not None:
+        if k is not None or v is not None:
             cache.append(self.kv_slot, k, v, pos)
         y = cache.attend(self.kv_slot, q, pos, start).to(x.dtype)  # [B, H, T, Dv]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -212,6 +216,33 @@ class LatentAttention(Attention):
         return q, k, None
 
 
+class MappedAttention(Attention):
+    """A large-model layer under IAM attention mapping (``compress.decoder.iam``): it projects V
+    only; its cache (``kv.mapped.MappedCache``) mixes V with a small model's attention weights,
+    ``y_h = P_small[m(l)][head(h)] V``, so q_proj and k_proj are loaded and then freed."""
+
+    def inputs(self) -> list[str]:
+        return ["v_proj"]
+
+    def dropped(self) -> list[str]:
+        return ["q_proj", "k_proj"]
+
+    def project(self, x, cos, sin):
+        B, T, _ = x.shape
+        v = self.qkv_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return None, None, v
+
+
+def attention_kind(config, layer: int) -> type:
+    """The attention class of ``layer``: latent (MLA folders), mapped (IAM: ``config.iam_mapped``
+    lists the large layers that take a small model's weights) or grouped-query."""
+    if getattr(config, "kv_lora_rank", None):
+        return LatentAttention
+    if layer in (getattr(config, "iam_mapped", None) or ()):
+        return MappedAttention
+    return Attention
+
+
 class FeedForward(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -234,9 +265,7 @@ class Block(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = (LatentAttention if getattr(config, "kv_lora_rank", None) else Attention)(
-            config, layer
-        )
+        self.self_attn = attention_kind(config, layer)(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
@@ -396,7 +425,7 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
         f.gate_up_proj = fuse_linears(
             [f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up"
         )
-        for name in a.inputs():
+        for name in a.inputs() + a.dropped():
             delattr(a, name)
         del f.gate_proj, f.up_proj
 
@@ -463,6 +492,7 @@ def load(
     device="cpu",
     qdtype: torch.dtype | None = None,
     lean: bool = False,
+    iam_mapped=(),
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
 
@@ -473,11 +503,13 @@ def load(
     that rounds their inputs, so the logits are no longer those of the pipeline's loader.
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
+    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.decoder.iam`` loads them).
     """
     from compress.checkpoint import check_finite
 
     folder = Path(folder)
     config, qcfg = read_config(folder)
+    config.iam_mapped = sorted(int(i) for i in iam_mapped)
     with torch.device("meta"):
         model = Transformer(config)
         swap_quantized(model, config, qcfg)

@@ -62,6 +62,8 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
     model's dtype on a GPU; the ``full`` cache also stores K and V in that dtype.
     """
+    if hasattr(model, "make_cache"):  # a model of two models (IAM) builds its own pair of caches
+        return model.make_cache(kind, batch, max_len, **opts)
     device = model.lm_head.weight.device
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()

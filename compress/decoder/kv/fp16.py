@@ -42,13 +42,21 @@ class FP16Cache(Cache):
             self.v[layer][:, :, pos] = v.to(self.storage)
 
     def attend(self, layer, q, pos=None, start=None):
+        return self.heads(self.mix(layer, self.weights(layer, q, pos, start)), q)
+
+    def weights(self, layer, q, pos=None, start=None) -> torch.Tensor:
+        """The attention weights ``softmax(q K^T * scale + mask)`` ``[B, Hkv, g*Tq, L]`` of
+        ``layer`` over the ``L`` slots it attends to (query head j = KV head j // g, row i*Tq + t)."""
         q4, tq = self.queries(q)
         pos = self.slots(layer, tq, pos, after=False)
         L = self.max_len if self.static else self.lens[layer]
         scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
         kpos = torch.arange(L, device=q.device)[None, None]
-        p = masked_softmax(scores, hidden(kpos, pos, start), tq)
-        return self.heads(p @ self.v[layer][:, :, :L].to(self.dtype), q)
+        return masked_softmax(scores, hidden(kpos, pos, start), tq)
+
+    def mix(self, layer, p: torch.Tensor) -> torch.Tensor:
+        """``p V`` ``[B, Hkv, g*Tq, Dv]``: weights ``p`` (:meth:`weights`' layout) over ``layer``'s values."""
+        return p @ self.v[layer][:, :, : p.shape[-1]].to(self.dtype)
 
     def nbytes(self) -> int:
         width = self.head_dim if self.v_dim else 2 * self.head_dim

@@ -1,0 +1,105 @@
+"""The pipeline stage ``iam``: map the model onto a small one and run the report through both.
+
+Recipe keys (``recipes/iam.yaml``)::
+
+    iam.small:           folder of the small model (same tokenizer), e.g. a minitron_quarter run
+    iam.layers:          large layers mapped: auto | a count (compress.iam.map.select)
+    iam.tokens:          calibration tokens for the similarity (WikiText-2 validation)
+    iam.seqlen:          tokens per calibration sample
+    iam.skip_first:      first layers never mapped
+    iam.min_similarity:  the ``auto`` threshold
+
+The model itself is unchanged; the run folder gets ``iam_map.json`` (and its heat map
+``iam_map.png``), and the report's ppl, KL, decode/prefill tok/s and KV bytes are those of the
+large model decoding with the small one alongside (``compress.decoder.iam``; the KV bytes count
+both caches). report.json gets ``iam`` (the small model, the mapped layers and their similarity).
+"""
+
+import logging
+import shutil
+from pathlib import Path
+
+from compress.errors import CompressError
+
+log = logging.getLogger(__name__)
+
+
+def check_small(small) -> Path:
+    if not small or not (Path(str(small)) / "config.json").is_file():
+        raise CompressError(
+            f"iam.small={small!r}: give the folder of the small model (same tokenizer), e.g. "
+            f"the run folder of recipe=minitron_quarter."
+        )
+    return Path(str(small))
+
+
+def check_settings(c) -> None:
+    """``iam.*`` before anything loads (``compress.config.validate``)."""
+    from omegaconf import OmegaConf
+
+    check_small(None if OmegaConf.is_missing(c, "small") else c.small)
+    layers = c.get("layers", "auto")
+    if layers != "auto" and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+        raise CompressError(f"iam.layers={layers!r}: use auto or a number of layers >= 0.")
+    for key in ("tokens", "seqlen"):
+        if not isinstance(c.get(key), int) or c.get(key) < 1:
+            raise CompressError(f"iam.{key}={c.get(key)!r}: use a whole number >= 1.")
+    if c.tokens < c.seqlen:
+        raise CompressError(f"iam.tokens={c.tokens} is less than one sample of iam.seqlen tokens.")
+
+
+def iam(model, ctx):
+    """Compute the mapping of the (saved) model onto ``iam.small`` and set the report's loaders."""
+    from functools import partial
+
+    from compress.checkpoint import save_checkpoint
+    from compress.iam import map as iam_map
+    from compress.source import cache_dir
+
+    c = ctx.cfg.iam
+    small = check_small(c.small)
+    layers = c.get("layers", "auto")
+    work = cache_dir() / "iam" / f"run{id(ctx)}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        # the folder the pipeline will save
+        save_checkpoint(model, ctx.tokenizer, work / "large", ctx.quantization_config)
+        m = iam_map.build_map(
+            work / "large", small, int(c.tokens), int(c.seqlen), int(c.skip_first),
+            float(c.min_similarity),
+        )  # fmt: skip
+        chosen = iam_map.select(m, layers)
+        iam_map.save_map(m, work / iam_map.MAP_NAME)
+        keep = cache_dir() / "iam" / f"{m['large']['embed_sha']}-{m['small']['embed_sha']}"
+        keep.mkdir(parents=True, exist_ok=True)
+        for name in (iam_map.MAP_NAME, Path(iam_map.MAP_NAME).with_suffix(".png").name):
+            if (work / name).is_file():
+                shutil.copyfile(work / name, keep / name)
+                ctx.files[name] = keep / name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("iam: %d of %d layers mapped onto %s", len(chosen), m["large"]["layers"], small)
+    ctx.record["iam"] = {
+        "small": str(small),
+        "layers": chosen,
+        "layer_map": {ly: m["layer_map"][ly] for ly in chosen},
+        "similarity": {ly: round(m["similarity"][ly], 4) for ly in chosen},
+        "small_layers": m["small"]["layers"],
+        "calibration": m["calibration"],
+    }
+    ctx.eval_loader = partial(_eval_model, small=small, layers=layers)
+    ctx.decode_loader = partial(_decode_model, small=small, layers=layers)
+    return model
+
+
+def _decode_model(folder, small, layers, dtype=None, **kw):
+    from compress.decoder.iam import load_iam
+
+    return load_iam(folder, small, layers, **({"dtype": dtype} if dtype is not None else {}), **kw)
+
+
+def _eval_model(folder, small, layers):
+    from compress.decoder.iam import Logits
+
+    model, tok = _decode_model(folder, small, layers)
+    return Logits(model), tok
