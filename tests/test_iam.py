@@ -160,6 +160,7 @@ def test_mapping_rule_picks_the_argmax():
         best = max(range(4), key=lambda s: sims[s])
         assert m["layer_map"][ly] == best
         assert abs(m["similarity"][ly] - sims[best]) < 1e-12
+        assert m["head_similarity"][ly] == [max(cos[ly, h, best].tolist()) for h in range(3)]
         assert m["head_map"][ly] == [
             max(range(2), key=lambda k: cos[ly, h, best, k]) for h in range(3)
         ]
@@ -263,26 +264,28 @@ def test_decoder_cli_with_iam(pair, tmp_path, capsys):
     assert "leave out --draft and --compile" in capsys.readouterr().err
 
 
-def test_iam_recipe_self_mapped_equals_fp(tiny_dir, tmp_path):
-    """The stage on the tiny model mapped onto itself, every layer: the report's ppl is the fp
-    recipe's, its KL ~0, and the run folder carries the mapping."""
+def test_iam_recipe_self_mapped_equals_the_source(tiny_dir, tmp_path):
+    """The stage on the tiny model mapped onto itself, every layer: the report's ppl is the
+    source's (transformers), its KL ~0, and the run folder carries the mapping."""
     from compress.pipeline import run
 
-    extra = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.new_tokens=4"]
-    fp = run(compose("fp", extra), tmp_path / "fp")
     cfg = compose(
         "iam",
-        [*extra, f"iam.small={tiny_dir}", "iam.skip_first=0", "iam.layers=2", "iam.tokens=128",
-         "iam.seqlen=64"],
+        [f"model.path={tiny_dir}", *TINY_OVERRIDES, "decode.new_tokens=4", f"iam.small={tiny_dir}",
+         "iam.skip_first=0", "iam.layers=2", "iam.tokens=128", "iam.seqlen=64"],
     )  # fmt: skip
     rep = run(cfg, tmp_path / "iam")
-    assert abs(rep["ppl"] - fp["ppl"]) / fp["ppl"] < 1e-5
+    assert abs(rep["ppl"] - rep["source_ppl"]) / rep["source_ppl"] < 1e-5
     assert rep["kl_vs_source"] < 1e-6
     assert rep["iam"]["layers"] == [0, 1] and rep["iam"]["layer_map"] == {0: 0, 1: 1}
+    assert rep["iam"]["small_weight_bytes"] > 0
     m = json.loads((tmp_path / "iam" / "iam_map.json").read_text())
     assert m["layer_map"] == [0, 1]
-    # the pair holds the small model's K/V and the large one's V: 1.5x the fp run's bytes
-    assert rep["kv_bytes_per_token"] == pytest.approx(1.5 * fp["kv_bytes_per_token"])
+    # fp16: the small model's K and V, and the large one's V, in every layer
+    c = json.loads((tiny_dir / "config.json").read_text())
+    d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_layer = 3 * c["num_key_value_heads"] * d * 2
+    assert rep["kv_bytes_per_token"] == c["num_hidden_layers"] * per_layer
 
 
 def test_iam_recipe_refuses_a_missing_small_model(tiny_dir, tmp_path):

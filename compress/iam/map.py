@@ -10,9 +10,9 @@ head with the cosine similarity the paper picks among the measures it compares::
     head map    head(l, h) = argmax_h' cos(l, h; m(l), h')
 
 Which large layers to map (``--iam-layers N``): the first N of ``order``, the large layers ranked
-by ``sim(l, m(l))``, highest first, the first ``skip_first`` layers excluded (they are never
-mapped: the paper keeps the shallow layers, whose errors every later layer inherits). ``auto``
-maps the layers whose ``sim(l, m(l)) >= min_similarity``.
+by ``sim(l, m(l))``, highest first, the first ``skip_first`` layers excluded (never mapped: an
+error in a shallow layer reaches every later one; the count 2 is our choice, as is the ``auto``
+rule, which maps the layers whose ``sim(l, m(l)) >= min_similarity``).
 
 The mapping file (JSON) records both models' identities (config, tokenizer vocabulary and
 embedding hashes), so that a file made for other models is refused by :func:`read_map`.
@@ -146,6 +146,9 @@ def choose(cos: torch.Tensor, skip_first: int = SKIP_FIRST) -> dict:
         "layer_map": small.tolist(),
         "head_map": heads,
         "similarity": sim.tolist(),
+        "head_similarity": [  # cos(l, h; m(l), head(l, h))
+            best_head.values[ly, :, small[ly]].tolist() for ly in range(cos.shape[0])
+        ],
         "layer_similarity": layer_sim.tolist(),
         "order": ranked,
         "skip_first": skip_first,

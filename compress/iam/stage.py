@@ -12,7 +12,8 @@ Recipe keys (``recipes/iam.yaml``)::
 The model itself is unchanged; the run folder gets ``iam_map.json`` (and its heat map
 ``iam_map.png``), and the report's ppl, KL, decode/prefill tok/s and KV bytes are those of the
 large model decoding with the small one alongside (``compress.decoder.iam``; the KV bytes count
-both caches). report.json gets ``iam`` (the small model, the mapped layers and their similarity).
+both caches). report.json gets ``iam`` (the small model and its file bytes, which ``weight_bytes`` does not
+count, the mapped layers and their similarity).
 """
 
 import logging
@@ -85,6 +86,7 @@ def iam(model, ctx):
         "layer_map": {ly: m["layer_map"][ly] for ly in chosen},
         "similarity": {ly: round(m["similarity"][ly], 4) for ly in chosen},
         "small_layers": m["small"]["layers"],
+        "small_weight_bytes": sum(f.stat().st_size for f in small.glob("*.safetensors")),
         "calibration": m["calibration"],
     }
     ctx.eval_loader = partial(_eval_model, small=small, layers=layers)
