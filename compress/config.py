@@ -274,8 +274,9 @@ def validate(cfg: DictConfig) -> None:
 
     if "iam" in cfg.stages:
         from compress.iam.stage import check_settings
+        from compress.source import resolve_path
 
-        check_settings(cfg.iam)
+        check_settings(cfg.iam, resolve_path(str(cfg.model.path))[0])
     check_source(cfg.data.eval.source, role="eval")
     if needs_calibration(cfg):
         check_source(cfg.data.calib.source, role="calib")

@@ -288,12 +288,19 @@ def test_iam_recipe_self_mapped_equals_the_source(tiny_dir, tmp_path):
     assert rep["kv_bytes_per_token"] == c["num_hidden_layers"] * per_layer
 
 
-def test_iam_recipe_refuses_a_missing_small_model(tiny_dir, tmp_path):
+def test_iam_recipe_refuses_bad_settings_before_loading(tiny_dir, tmp_path, monkeypatch):
+    import compress.pipeline as pipeline
     from compress.pipeline import run
 
-    cfg = compose("iam", [f"model.path={tiny_dir}", *TINY_OVERRIDES])
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(pipeline, "load_model", refuse)
+    base = [f"model.path={tiny_dir}", *TINY_OVERRIDES]
     with pytest.raises(CompressError, match="iam.small"):
-        run(cfg, tmp_path / "x")
-    cfg = compose("iam", [f"model.path={tiny_dir}", f"iam.small={tmp_path}", "iam.layers=-1"])
-    with pytest.raises(CompressError, match="iam.small"):
-        run(cfg, tmp_path / "y")
+        run(compose("iam", base), tmp_path / "x")
+    with pytest.raises(CompressError, match="iam.layers"):
+        run(compose("iam", [*base, f"iam.small={tiny_dir}", "iam.layers=-1"]), tmp_path / "y")
+    other = save(tiny_hf(**SMALL), tmp_path / "other", tiny_tokenizer())  # a 300-token vocabulary
+    with pytest.raises(CompressError, match="another vocabulary"):
+        run(compose("iam", [*base, f"iam.small={other}"]), tmp_path / "z")

@@ -53,18 +53,9 @@ def identity(folder) -> dict:
     the tokenizer's vocabulary and the embedding matrix, each hashed."""
     from safetensors import safe_open
 
-    from compress.checkpoint import read_tokenizer
-
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
     arch = {k: v for k, v in raw.items() if k not in ("_name_or_path", "transformers_version")}
-    tok = read_tokenizer(folder)
-    if tok is None:
-        raise CompressError(
-            f"'{folder}' has no tokenizer files; IAM maps models that share a tokenizer, so both "
-            f"folders must carry theirs."
-        )
-    vocab = json.dumps(sorted(tok.get_vocab().items())).encode()
     embed = None
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -74,11 +65,24 @@ def identity(folder) -> dict:
         raise CompressError(f"'{folder}' has no model.embed_tokens.weight in its safetensors.")
     return {
         "config_sha": _sha(json.dumps(arch, sort_keys=True).encode()),
-        "vocab_sha": _sha(vocab),
+        "vocab_sha": vocab_sha(folder),
         "embed_sha": _sha(embed),
         "layers": raw["num_hidden_layers"],
         "heads": raw["num_attention_heads"],
     }
+
+
+def vocab_sha(folder) -> str:
+    """A hash of the tokenizer's vocabulary (token -> id) in ``folder``."""
+    from compress.checkpoint import read_tokenizer
+
+    tok = read_tokenizer(Path(folder))
+    if tok is None:
+        raise CompressError(
+            f"'{folder}' has no tokenizer files; IAM maps models that share a tokenizer, so both "
+            f"folders must carry theirs."
+        )
+    return _sha(json.dumps(sorted(tok.get_vocab().items())).encode())
 
 
 def check_pair(large: dict, small: dict, large_name, small_name) -> None:

@@ -34,11 +34,10 @@ def check_small(small) -> Path:
     return Path(str(small))
 
 
-def check_settings(c) -> None:
-    """``iam.*`` before anything loads (``compress.config.validate``)."""
-    from omegaconf import OmegaConf
-
-    check_small(None if OmegaConf.is_missing(c, "small") else c.small)
+def check_settings(c, model_path=None) -> None:
+    """``iam.*`` before the model loads (``compress.config.validate``), the small model's
+    tokenizer against ``model_path``'s when that is a local folder."""
+    small = check_small(c.get("small"))
     layers = c.get("layers", "auto")
     if layers != "auto" and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
         raise CompressError(f"iam.layers={layers!r}: use auto or a number of layers >= 0.")
@@ -47,6 +46,11 @@ def check_settings(c) -> None:
             raise CompressError(f"iam.{key}={c.get(key)!r}: use a whole number >= 1.")
     if c.tokens < c.seqlen:
         raise CompressError(f"iam.tokens={c.tokens} is less than one sample of iam.seqlen tokens.")
+    if model_path is not None and (Path(model_path) / "tokenizer_config.json").is_file():
+        from compress.iam.map import check_pair, vocab_sha
+
+        check_pair({"vocab_sha": vocab_sha(model_path)}, {"vocab_sha": vocab_sha(small)},
+                   model_path, small)  # fmt: skip
 
 
 def iam(model, ctx):
