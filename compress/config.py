@@ -279,6 +279,9 @@ def validate(cfg: DictConfig) -> None:
         check_source(cfg.distill.data, role="distill")
 
     eval_device(cfg.eval.get("device", "auto"))
+    from compress.quant.head import check_head
+
+    check_head((cfg.get("quant") or {}).get("lm_head", "none"))
     if cfg.decode.enabled:
         check_decode(cfg.decode)
     from compress.hub import check_config

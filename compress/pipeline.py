@@ -26,6 +26,7 @@ from compress.eval.run_report import write_report
 from compress.hub import push_after_run
 from compress.manifest import write_manifest
 from compress.model_card import write_model_card
+from compress.quant.head import quantize_head
 from compress.run_folder import atomic_dir, commit_dir
 from compress.source import cache_dir, load_model
 from compress.stages import get_stage
@@ -107,20 +108,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise
 
 
-def decode_figures(folder: Path, ids: list[int], dcfg) -> dict:
+def decode_figures(folder: Path, ids: list[int], dcfg, head: str = "none") -> dict:
     """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
     from compress.eval.decode_speed import measure
 
     log.info(
-        "decoder: %d tokens after a %d-token prompt (%s, kv %s%s)",
+        "decoder: %d tokens after a %d-token prompt (%s, kv %s, head %s%s)",
         dcfg.new_tokens,
         dcfg.prompt_tokens,
         dcfg.dtype,
         dcfg.kv,
+        head,
         ", compiled" if dcfg.compile else "",
     )
     try:
-        return measure(folder, ids, dcfg)
+        return measure(folder, ids, dcfg, head)
     except CompressError as e:
         log.warning("the built-in decoder could not run this folder: %s", e)
         return {"decode_error": str(e)}
@@ -141,6 +143,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         timings[name] = round(time.time() - t, 2)
 
     tmp = atomic_dir(run_dir)
+    head = (cfg.get("quant") or {}).get("lm_head", "none")
     try:
         t = time.time()
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
@@ -157,7 +160,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows
         )
         device = eval_device(cfg.eval.get("device", "auto"))
-        compressed = load_run(tmp)[0].to(device)  # evaluate what was saved, not the in-memory model
+        compressed = load_run(tmp)[0]  # evaluate what was saved, not the in-memory model
+        quantize_head(compressed, head, ctx.quantization_config)  # as the decoder loads it
+        compressed = compressed.to(device)
         reference = (
             load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
             if cfg.eval.compare_source
@@ -172,7 +177,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
 
         if cfg.decode.enabled:  # the built-in decoder loads and runs what was saved
             t = time.time()
-            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode))
+            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode, head))
             timings["decode"] = round(time.time() - t, 2)
 
         report = {
@@ -181,6 +186,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             **figures,
             "weight_bytes": weight_bytes,
             "linear_weight_bytes": linear_bytes,
+            "lm_head": head,
             **ctx.record,
             "stages": timings,
             "elapsed_s": round(time.time() - start, 2),

@@ -364,7 +364,9 @@ def test_cli_json_and_errors(tiny, capsys):
         "prefill_tok_s",
         "peak_mem_bytes",
         "kv_bytes_per_token",
+        "config",
     }
+    assert out["config"]["dtype"] == "float32" and not out["config"]["fast"]  # an fp folder
     model, _ = load(folder)
     ref = generate(model, [tok("the quick").input_ids], 12, tok, kv="full")
     assert out["text"] == ref.texts[0]

@@ -62,7 +62,7 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
     model's dtype on a GPU; the ``full`` cache also stores K and V in that dtype.
     """
-    device = model.lm_head.weight.device
+    device = model.device
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
     shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
