@@ -338,6 +338,11 @@ def check_decode(dcfg) -> None:
             f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
             f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
         )
+    if dcfg.get("lean") and dcfg.dtype != "bfloat16":
+        raise CompressError(
+            f"decode.lean=true keeps only the bfloat16 int4pack form of the int layers, so it "
+            f"needs decode.dtype=bfloat16 (got {dcfg.dtype}); or set decode.lean=false."
+        )
     from compress.eval.decode_speed import check_threads
 
     check_threads(dcfg.get("threads", 1))

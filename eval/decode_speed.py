@@ -64,7 +64,8 @@ def measure(folder, ids: list[int], cfg, head: str = "none") -> dict:
 
     with torch_threads(cfg.get("threads", 1)):
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
-        model, _ = load(folder, dtype=getattr(torch, cfg.dtype), head=head)
+        lean = bool(cfg.get("lean", False))
+        model, _ = load(folder, dtype=getattr(torch, cfg.dtype), lean=lean, head=head)
         prompt = ids[: cfg.prompt_tokens]
         kw = dict(
             kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True
@@ -85,7 +86,7 @@ def measure(folder, ids: list[int], cfg, head: str = "none") -> dict:
         "decode_config": {
             "dtype": cfg.dtype,
             "qdtype": cfg.dtype,
-            "lean": False,
+            "lean": lean,
             "compile": bool(cfg.compile),
             "head": head,
             "kv": cfg.kv,

@@ -493,13 +493,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
 # --- the default model (minutes) ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "Water boils at",
-]
+from compress.eval.bench.fast_vs_faithful import PROMPTS  # noqa: E402  (the equivalence prompts)
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,7 @@ def test_pipeline_evaluates_the_quantized_head(tiny_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from compress.checkpoint import load_run
+    from compress.config import validate
     from compress.data import eval_windows, read_text
     from compress.pipeline import run
     from tests.conftest import TINY_OVERRIDES
@@ -140,9 +141,9 @@ def test_pipeline_evaluates_the_quantized_head(tiny_dir, tmp_path, monkeypatch):
     ref = evaluate(model, windows)
     assert abs(report["ppl"] - ref["ppl"]) / ref["ppl"] < 1e-4
     with pytest.raises(CompressError, match="quant.lm_head='int3'"):
-        from compress.config import validate
-
         validate(compose("rtn_int4", [*overrides[:-1], "quant.lm_head=int3"]))
+    with pytest.raises(CompressError, match="needs decode.dtype=bfloat16"):
+        validate(compose("rtn_int4", [*overrides, "decode.lean=true"]))
 
 
 def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
@@ -170,8 +171,14 @@ def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
         "fast": True,
     }
     faithful = conf(str(q4), "--dtype", "float32")
-    assert faithful == {**fast, "dtype": "float32", "qdtype": "float32", "lean": False}
-    assert faithful["compile"] is False and faithful["fast"] is False
+    assert faithful == {
+        **fast,
+        "dtype": "float32",
+        "qdtype": "float32",
+        "lean": False,
+        "compile": False,
+        "fast": False,
+    }
     assert conf(str(q4), "--kv", "packkv")["compile"] is False  # the static step needs fp16/full
     assert conf(str(q4), "--no-compile", "--head", "int4")["compile"] is False
     assert conf(str(fp))["dtype"] == "float32" and not conf(str(fp))["fast"]
