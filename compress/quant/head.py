@@ -13,7 +13,9 @@ per ``group_size`` consecutive input channels of a row, b = 8 (``int8``) or 4 (`
 runs through the same kernels (``compress.kernels.quant_matmul``: ATen's int4pack on bfloat16
 CPU inputs, one call for int4 and two for int8; the K-packed planes for float32; Triton on
 CUDA). A tied head is untied first: only the head's copy is quantized, the embedding lookup
-stays exact.
+stays exact. int8 is these weight-only group-wise codes rather than LLM.int8's per-row int8
+GEMM (``compress.kernels.int8_matmul``), which would also round the activations to int8 per
+token and has no group scales.
 
 The saved checkpoint is not changed: the head is stored as the source's (AutoAWQ's format has
 no quantized head, and transformers and vLLM load the folder as it is). The run's choice is
