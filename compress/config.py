@@ -284,6 +284,15 @@ def validate(cfg: DictConfig) -> None:
         check_source(cfg.distill.data, role="distill")
 
     eval_device(cfg.eval.get("device", "auto"))
+    from compress.quant.head import check_head
+
+    head = (cfg.get("quant") or {}).get("lm_head", "none")
+    check_head(head)
+    if head != "none" and "iam" in cfg.stages:
+        raise CompressError(
+            f"quant.lm_head={head} with the iam stage: the IAM pair is evaluated with the heads "
+            f"as stored. Leave quant.lm_head=none for an iam recipe."
+        )
     if cfg.decode.enabled:
         check_decode(cfg.decode)
     from compress.hub import check_config
@@ -339,6 +348,11 @@ def check_decode(dcfg) -> None:
         raise CompressError(
             f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
             f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
+        )
+    if dcfg.get("lean") and dcfg.dtype != "bfloat16":
+        raise CompressError(
+            f"decode.lean=true keeps only the bfloat16 int4pack form of the int layers, so it "
+            f"needs decode.dtype=bfloat16 (got {dcfg.dtype}); or set decode.lean=false."
         )
     from compress.eval.decode_speed import check_threads
 

@@ -185,6 +185,14 @@ def render(
         lines += [origin, ""]
     if qcfg:
         lines += [f"On-disk format: `quantization_config` = `{json.dumps(qcfg)}`.", ""]
+    if report.get("lm_head", "none") != "none":
+        lines += [
+            f"Output head: the figures below quantize it group-wise to {report['lm_head']} when "
+            f"the folder is loaded (`quant.lm_head={report['lm_head']}`, recorded in "
+            f"`manifest.json`); the head is stored unquantized, so other loaders run it as "
+            f"stored. compress's decoder quantizes it as the evaluation did.",
+            "",
+        ]
     if repo_id == PLACEHOLDER_REPO:
         lines += [PLACEHOLDER_NOTE, ""]
     lines += [

@@ -26,6 +26,7 @@ from compress.eval.run_report import write_report
 from compress.hub import push_after_run
 from compress.manifest import write_manifest
 from compress.model_card import write_model_card
+from compress.quant.head import quantize_head
 from compress.run_folder import atomic_dir, commit_dir
 from compress.source import cache_dir, load_model
 from compress.stages import get_stage
@@ -111,20 +112,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise
 
 
-def decode_figures(folder: Path, ids: list[int], dcfg, loader=None) -> dict:
+def decode_figures(folder: Path, ids: list[int], dcfg, loader=None, head: str = "none") -> dict:
     """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
     from compress.eval.decode_speed import measure
 
     log.info(
-        "decoder: %d tokens after a %d-token prompt (%s, kv %s%s)",
+        "decoder: %d tokens after a %d-token prompt (%s, kv %s, head %s%s)",
         dcfg.new_tokens,
         dcfg.prompt_tokens,
         dcfg.dtype,
         dcfg.kv,
+        head,
         ", compiled" if dcfg.compile else "",
     )
     try:
-        return measure(folder, ids, dcfg, loader)
+        return measure(folder, ids, dcfg, loader, head)
     except CompressError as e:
         log.warning("the built-in decoder could not run this folder: %s", e)
         return {"decode_error": str(e)}
@@ -145,6 +147,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         timings[name] = round(time.time() - t, 2)
 
     tmp = atomic_dir(run_dir)
+    head = (cfg.get("quant") or {}).get("lm_head", "none")
     try:
         t = time.time()
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
@@ -161,9 +164,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows
         )
         device = eval_device(cfg.eval.get("device", "auto"))
-        compressed = (ctx.eval_loader or load_run)(tmp)[0].to(
-            device
-        )  # evaluate what was saved, not the in-memory model
+        # evaluate what was saved, not the in-memory model; the head as the decoder loads it
+        compressed = (ctx.eval_loader or load_run)(tmp)[0]
+        quantize_head(compressed, head, ctx.quantization_config)
+        compressed = compressed.to(device)
         reference = (
             load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
             if cfg.eval.compare_source
@@ -178,7 +182,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
 
         if cfg.decode.enabled:  # the built-in decoder loads and runs what was saved
             t = time.time()
-            figures.update(decode_figures(tmp, windows[0].tolist(), cfg.decode, ctx.decode_loader))
+            figures.update(
+                decode_figures(tmp, windows[0].tolist(), cfg.decode, ctx.decode_loader, head)
+            )
             timings["decode"] = round(time.time() - t, 2)
 
         report = {
@@ -187,6 +193,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             **figures,
             "weight_bytes": weight_bytes,
             "linear_weight_bytes": linear_bytes,
+            "lm_head": head,
             **ctx.record,
             "stages": timings,
             "elapsed_s": round(time.time() - start, 2),

@@ -7,6 +7,8 @@ and run by ``compress.decoder`` (its own model and kernels, not transformers), b
                         (EOS ignored), after one untimed warm-up that prepares (and compiles) kernels
     prefill_tok_s       one prefill of ``prefill_tokens`` tokens
     kv_bytes_per_token  what the ``kv`` cache holds at the end of the decode, per token held
+    decode_config       the configuration measured: dtype, qdtype (the int layers' dtype), lean,
+                        compile, head (the output head's load-time quantization), kv, threads
 
 Settings come from the recipe's ``decode`` group (``recipes/base.yaml``); the prompt is the
 start of the first eval window. ``decode.threads`` (default 1) is torch's thread count for the
@@ -49,9 +51,10 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def measure(folder, ids: list[int], cfg, loader=None) -> dict:
+def measure(folder, ids: list[int], cfg, loader=None, head: str = "none") -> dict:
     """Decode figures of the run folder ``folder``, prompting with the token ids ``ids``;
-    ``loader(folder, dtype) -> (model, tokenizer)`` replaces the decoder's ``load``."""
+    ``loader(folder, dtype, **load_kw) -> (model, tokenizer)`` replaces the decoder's ``load``;
+    the output head quantized at load as ``head`` (none, int8, int4: ``compress.quant.head``)."""
     from compress.decoder.generate import generate
     from compress.decoder.model import load
 
@@ -62,7 +65,8 @@ def measure(folder, ids: list[int], cfg, loader=None) -> dict:
 
     with torch_threads(cfg.get("threads", 1)):
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
-        model, _ = (loader or load)(folder, dtype=getattr(torch, cfg.dtype))
+        lean = bool(cfg.get("lean", False))
+        model, _ = (loader or load)(folder, dtype=getattr(torch, cfg.dtype), lean=lean, head=head)
         prompt = ids[: cfg.prompt_tokens]
         kw = dict(
             kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True
@@ -80,4 +84,13 @@ def measure(folder, ids: list[int], cfg, loader=None) -> dict:
         "prefill_tok_s": p.prefill_tok_s,
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "decode_threads": threads,
+        "decode_config": {
+            "dtype": cfg.dtype,
+            "qdtype": cfg.dtype,
+            "lean": lean,
+            "compile": bool(cfg.compile),
+            "head": head,
+            "kv": cfg.kv,
+            "threads": threads,
+        },
     }

@@ -69,6 +69,7 @@ def metrics_table(report: dict) -> list[str]:
         "distill_tokens",
         "bits",
         "group_size",
+        "lm_head",
         "llm_int8_threshold",
         "llm_int8_threshold_reason",
         "decode_tok_s",

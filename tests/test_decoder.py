@@ -364,7 +364,9 @@ def test_cli_json_and_errors(tiny, capsys):
         "prefill_tok_s",
         "peak_mem_bytes",
         "kv_bytes_per_token",
+        "config",
     }
+    assert out["config"]["dtype"] == "float32" and not out["config"]["fast"]  # an fp folder
     model, _ = load(folder)
     ref = generate(model, [tok("the quick").input_ids], 12, tok, kv="full")
     assert out["text"] == ref.texts[0]
@@ -491,13 +493,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
 # --- the default model (minutes) ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "Water boils at",
-]
+from compress.eval.bench.fast_vs_faithful import PROMPTS  # noqa: E402  (the equivalence prompts)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class ModelDraft:
         else:
             self.cache = new_cache(self.model, self.kv, 1, max_len, **self.kv_opts)
         if len(ids) > 1:  # the last prompt token is fed with the first draft
-            device = self.model.lm_head.weight.device
+            device = self.model.device
             self.model(torch.tensor([ids[:-1]], device=device), self.cache, last=True)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class ModelDraft:
         return logits
 
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
-        L, device = self.cache.length, self.model.lm_head.weight.device
+        L, device = self.cache.length, self.model.device
         return run_drafts(self.forward, seq[L:], L, gamma, sampling, gen, device)
 
     def sync(self, seq: list[int]) -> None:
@@ -110,7 +110,7 @@ class LayerSkipDraft:
         pass
 
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
-        L, device = len(seq) - 1, self.model.lm_head.weight.device
+        L, device = len(seq) - 1, self.model.device
 
         def forward(ids, pos):
             return self.model(ids, target_cache, pos=pos, last=True, skip=self.skip)
@@ -132,7 +132,7 @@ def check_vocab(target_size: int, draft_size: int) -> None:
 
 def check_draft(target, draft) -> None:
     """Refuse a draft whose vocabulary size is not the target's (ids would mean other tokens)."""
-    check_vocab(target.lm_head.weight.shape[0], draft.lm_head.weight.shape[0])
+    check_vocab(target.lm_head.out_features, draft.lm_head.out_features)
     check_vocab(target.config.vocab_size, draft.config.vocab_size)
 
 

@@ -59,7 +59,7 @@ class Engine:
             else 0
         )
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.ids = itertools.count()
         self.generated = 0  # tokens sampled, all requests
         self.steps = 0

@@ -177,7 +177,7 @@ def generate(
     if stop and tokenizer is None:
         raise CompressError("stop strings need a tokenizer, and this run folder has none.")
     sampling = sampling or Sampling()
-    device = model.lm_head.weight.device
+    device = model.device
     pad = (
         tokenizer.pad_token_id
         if tokenizer is not None and tokenizer.pad_token_id is not None

@@ -66,6 +66,10 @@ class IAMModel(nn.Module):
         return self.large.lm_head
 
     @property
+    def device(self) -> torch.device:
+        return self.large.device
+
+    @property
     def dtype(self):
         return self.large.dtype
 
@@ -76,7 +80,7 @@ class IAMModel(nn.Module):
         """The small model's recording cache (``full`` when ``kind`` is, else fp16) and the large
         model's ``kind`` cache (unmapped layers) with V-only slots (fp16, or ``full``) for the
         mapped ones."""
-        device = self.large.lm_head.weight.device
+        device = self.large.device
         dtype = torch.float32 if device.type == "cpu" else self.large.dtype
         s = self.small.kv_layout()
         extra = {k: s[k] for k in ("v_dim", "scale") if s[k] is not None}

@@ -69,7 +69,7 @@ def agreement(model, ids: list[int], skip) -> float:
     K/V of the text before each position, predicts the target's argmax next token."""
     from compress.decoder.kv import new_cache
 
-    device, skip = model.lm_head.weight.device, frozenset(skip)
+    device, skip = model.device, frozenset(skip)
     cache = new_cache(model, "full", 1, len(ids))
     target = model(torch.tensor([ids], device=device), cache)[0].argmax(-1)  # the target's K/V
     hits = 0
@@ -88,7 +88,7 @@ def layer_costs(model, reps: int = 5) -> tuple[float, float]:
     """``(c_0, c_layer)`` seconds of one decode step: the part outside the layers and one layer."""
     from compress.decoder.kv import new_cache
 
-    L, device = model.config.num_hidden_layers, model.lm_head.weight.device
+    L, device = model.config.num_hidden_layers, model.device
     cache = new_cache(model, "fp16", 1, 64)
     x = torch.tensor([[1]], device=device)
 

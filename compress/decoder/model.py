@@ -40,6 +40,7 @@ from compress.checkpoint import (
     swap_quantized,
 )
 from compress.errors import CompressError
+from compress.quant.head import quantize_head
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
@@ -326,6 +327,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -456,7 +461,7 @@ def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     from compress.kernels.cpu import int4pack_fits, keep_int4pack_only
     from compress.formats import QuantLinear
 
-    if qdtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu":
+    if qdtype != torch.bfloat16 or model.device.type != "cpu":
         raise CompressError(
             "lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "
             "load on the CPU with dtype or qdtype bfloat16, or without lean."
@@ -493,6 +498,7 @@ def load(
     qdtype: torch.dtype | None = None,
     lean: bool = False,
     iam_mapped=(),
+    head: str = "none",
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
 
@@ -504,6 +510,9 @@ def load(
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
     ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.decoder.iam`` loads them).
+    ``head`` (none, int8, int4) group-quantizes the output head at load
+    (``compress.quant.head``: the embedding stays exact); it then computes like the other
+    quantized layers (``qdtype``, ``lean``).
     """
     from compress.checkpoint import check_finite
 
@@ -517,6 +526,7 @@ def load(
     model.inv_freq.copy_(rope_inv_freq(model.head_dim, config.rope_parameters))
     load_state(model, read_tensors(folder), str(folder))
     check_finite(model, f"run folder '{folder}'")
+    quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)
     for p in model.parameters():
         p.data = p.data.to(dtype)

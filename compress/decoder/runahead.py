@@ -111,9 +111,7 @@ def run_chunk(model, ids: torch.Tensor, bounds: list[int], rank: int, group=None
     """Rank ``rank``'s part of the prefill of ``ids [T]``: ``(logits [1, 1, V], full cache)``."""
     s, e = bounds[rank], bounds[rank + 1]
     cache = RunaheadCache(new_cache(model, "full", 1, e), rank, bounds, group)
-    logits = model(
-        ids[None, s:e].to(model.lm_head.weight.device), cache, pos=torch.arange(s, e), last=True
-    )
+    logits = model(ids[None, s:e].to(model.device), cache, pos=torch.arange(s, e), last=True)
     cache.wait()
     return logits, cache.inner
 
@@ -174,7 +172,7 @@ class RunaheadPrefill:
             )
         if balance not in ("cost", "even"):
             raise CompressError(f"KV-Runahead balance is 'cost' or 'even', not '{balance}'.")
-        if model.lm_head.weight.device.type != "cpu":
+        if model.device.type != "cpu":
             raise CompressError(
                 "KV-Runahead hands K/V between processes over gloo, on the CPU; "
                 "load the model on the CPU (NCCL for GPUs is not implemented)."

@@ -144,7 +144,7 @@ def speculative_generate(
         raise CompressError("stop strings need a tokenizer, and this run folder has none.")
     sampling = sampling or Sampling()
     seq = list(prompts[0])
-    T0, device = len(seq), model.lm_head.weight.device
+    T0, device = len(seq), model.device
     max_len = cache_size(model, T0, max_new_tokens, max_len)
     n_new = min(max_new_tokens, max_len - T0)
     cache = new_cache(model, kv, 1, max_len, **(kv_opts or {}))

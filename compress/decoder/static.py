@@ -70,7 +70,7 @@ class StaticDecoder(nn.Module):
 
     def __init__(self, model, batch: int):
         super().__init__()
-        if model.lm_head.weight.device.type != "cpu":
+        if model.device.type != "cpu":
             raise CompressError(
                 "the static compiled decode step is for the CPU; on CUDA the Triton kernels "
                 "already fuse the work, decode without --compile."

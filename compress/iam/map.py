@@ -115,9 +115,9 @@ def attention_maps(model, ids: torch.Tensor) -> torch.Tensor:
     extra = {k: layout[k] for k in ("v_dim", "scale") if layout[k] is not None}
     cache = RecordingCache(
         layout["n_layers"], 1, layout["n_kv_heads"], layout["head_dim"], T, torch.float32,
-        model.lm_head.weight.device, keep=range(n), exact=True, **extra,
+        model.device, keep=range(n), exact=True, **extra,
     )  # fmt: skip
-    model(ids[None].to(model.lm_head.weight.device), cache, last=True)
+    model(ids[None].to(model.device), cache, last=True)
     return torch.stack([cache.heads_of(ly)[0].float().cpu() for ly in range(n)])
 
 

@@ -65,7 +65,7 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     """
     if hasattr(model, "make_cache"):  # a model of two models (IAM) builds its own pair of caches
         return model.make_cache(kind, batch, max_len, **opts)
-    device = model.lm_head.weight.device
+    device = model.device
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
     shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]

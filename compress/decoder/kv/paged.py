@@ -127,7 +127,7 @@ def new_paged_cache(model, num_blocks: int, block_size: int = 16, kind: str = "f
             f"the paged KV cache needs at least one block of at least one token "
             f"(got {num_blocks} blocks of {block_size})."
         )
-    device = model.lm_head.weight.device
+    device = model.device
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
     storage = torch.float16 if kind == "fp16" else dtype
