@@ -1,7 +1,8 @@
 """Speculative decoding, batch 1, greedy: every drafting system against the target alone, one run.
 
     python -m compress.eval.bench.bench_spec [--target SOURCE] --drafts outputs/awq_int4 [...]
-        [--qdtype bfloat16 --lean] [--compile] [--gamma 5] [--skip-counts 3 6 8] [--all-arms]
+        [--qdtype bfloat16 --lean] [--compile] [--draft-head int8] [--gamma 5]
+        [--draft-gammas 3 4 5] [--skip-counts 3 6 8] [--all-arms]
         [--search] [--new 128] [--threads 1] [--json OUT] [--quick]
 
 Prompts: 16 WikiText-2 validation article openings (title and first paragraph, at most
@@ -12,7 +13,9 @@ prompt (one untimed warm-up round first):
     target              compress.decoder's plain greedy decoding (fp16 KV cache)
     spec:NAME           the target verifying draft NAME's γ tokens per round (``--gamma``;
                         ``--qdtype bfloat16 --lean``: the draft's int4 layers in ATen's int4pack;
-                        ``+compile`` with ``--compile``: the draft's steps compiled)
+                        ``+compile`` with ``--compile``: the draft's steps compiled;
+                        ``+headint8``: its output head quantized at load; ``:gG`` per
+                        ``--draft-gammas``)
     hf-assisted:NAME    transformers ``generate(assistant_model=...)`` on the same pair (its own
                         loader, eager; candidate length: its "heuristic" schedule from 5)
     self:skipN          self-speculative, the N middle layers of unified layer skipping, γ fixed
@@ -163,10 +166,13 @@ def systems(args, target, tok):
             tok,
             lean=args.lean,
             qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
+            head=args.draft_head,
         )
-        out[f"spec:{Path(folder).name}"] = spec(ModelDraft(draft))
-        if args.compile:
-            out[f"spec:{Path(folder).name}+compile"] = spec(ModelDraft(draft, compile=True))
+        name = Path(folder).name + (f"+head{args.draft_head}" if args.draft_head != "none" else "")
+        for g in args.draft_gammas or [args.gamma]:
+            tag = f"spec:{name}" + ("+compile" if args.compile else "")
+            tag += f":g{g}" if args.draft_gammas else ""
+            out[tag] = spec(ModelDraft(draft, compile=args.compile), g)
     if not args.no_hf:
         for folder in args.drafts:
             out[f"hf-assisted:{Path(folder).name}"] = HFAssisted(args.target, folder)
@@ -285,7 +291,16 @@ def main(argv=None) -> None:
         help="drafts keep only the int4pack form (with --qdtype bfloat16)",
     )
     p.add_argument(
-        "--compile", action="store_true", help="also each draft with its decode step compiled (CPU)"
+        "--compile", action="store_true", help="each draft's decode step compiled (CPU)"
+    )
+    p.add_argument(
+        "--draft-head",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="the drafts' output head quantized at load (compress.quant.head)",
+    )
+    p.add_argument(
+        "--draft-gammas", type=int, nargs="*", help="one row per γ for each draft (default --gamma)"
     )
     p.add_argument("--threads", type=int)
     p.add_argument(

@@ -13,7 +13,7 @@ the token's true position. :meth:`PagedCache.bind` gives the cache the step's sl
 
     append:  pool[slot[b, j]] = k[b, :, j]                        (padding not written)
     attend:  K_b = pool[table_b]  at virtual slots start[b] + 0 .. len_b - 1
-             softmax(q K_b^T * scale + mask) V_b                 (``hidden``/``masked_softmax``)
+             softmax(q K_b^T * scale + mask) V_b          (``hidden``, ``fused_attention``)
 
 with slots past ``len_b`` masked as the future. Storage is fp16 (``fp16``) or the compute dtype
 (``full``, exact), attention computes as the contiguous caches do.
@@ -21,7 +21,7 @@ with slots past ``len_b`` masked as the future. Storage is fp16 (``fp16``) or th
 
 import torch
 
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, fused_attention, hidden
 from compress.errors import CompressError
 
 PAGED_KINDS = ("fp16", "full")
@@ -92,13 +92,21 @@ class PagedCache(Cache):
 
     def attend(self, layer, q, pos=None, start=None):
         s = self.step
-        q4, tq = self.queries(q)
+        if q.shape[0] != self.batch or q.shape[1] % self.n_kv_heads:
+            self.queries(q)  # its shape error
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
-        keys = self.k[layer][s["gather"]].to(self.dtype).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-        values = self.v[layer][s["gather"]].to(self.dtype).permute(0, 2, 1, 3)
-        p = masked_softmax(q4 @ keys.transpose(-1, -2), hidden(s["kpos"], pos, s["start"]), tq)
-        return self.heads(p @ values, q)
+        B, L = s["gather"].shape
+        flat = s["gather"].reshape(-1)
+        keys = self.k[layer].index_select(0, flat).view(B, L, self.n_kv_heads, -1)
+        values = self.v[layer].index_select(0, flat).view(B, L, self.n_kv_heads, -1)
+        return fused_attention(
+            q,
+            keys.transpose(1, 2).to(self.dtype),
+            values.transpose(1, 2).to(self.dtype),
+            hidden(s["kpos"], pos, s["start"]),
+            self.scale,
+        )
 
     def block_bytes(self) -> int:
         """Bytes of one block over all layers (K and V)."""
