@@ -240,6 +240,38 @@ def dequantize(p: Packed) -> torch.Tensor:
     return values(unpack_codes(p), p.tmin[:, : p.n], p.lstep[:, : p.n])
 
 
+def order_greedy(codes: torch.Tensor, pack: int = PACK) -> torch.Tensor:
+    """Permutation ``[N, T]`` of each block row of ``codes [N, T, C]`` (K and V codes side by
+    side) filling packs of ``pack`` one token at a time.
+
+    Each pack starts from the remaining token with the lowest (lower) median code, then takes,
+    ``pack - 1`` times, the remaining token with the smallest
+    ``key = sum_c bit_length(span_c) * 256 C + sum_c span_c``, ``span_c = max(hi_c, x_c) -
+    min(lo_c, x_c)`` over the pack's channel ranges ``[lo, hi]``: the fewest bits, ties to the
+    smallest growth of the ranges, then to the first token.
+    """
+    N, T, C = codes.shape
+    x = codes.long()
+    rows = torch.arange(N, device=codes.device)
+    lengths = bit_width(torch.arange(MAX_CODE + 1, device=codes.device))
+    seed_key = codes.median(-1).values.long()
+    taken = torch.zeros(N, T, dtype=torch.bool, device=codes.device)
+    perm = torch.empty(N, T, dtype=torch.long, device=codes.device)
+    never = torch.iinfo(torch.long).max
+    for s in range(T):
+        if s % pack == 0:
+            pick = seed_key.masked_fill(taken, never).argmin(-1)
+            lo = hi = x[rows, pick]
+        else:
+            span = torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)  # [N, T, C]
+            key = lengths[span].sum(-1) * (256 * C) + span.sum(-1)
+            pick = key.masked_fill(taken, never).argmin(-1)
+            lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
+        taken[rows, pick] = True
+        perm[:, s] = pick
+    return perm
+
+
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` (fp32), through a scratch copy of
     ``k_hat``."""

@@ -466,3 +466,33 @@ def test_kv_quality_parallel_equals_token_by_token(tmp_path):
             "label"
         ]  # history one token off: 1-3%
     assert par[1]["kl"] > par[2]["kl"] > 1e-4  # the compressed caches did change the outputs
+
+
+@pytest.mark.parametrize(
+    "kind,opts",
+    [
+        ("packkv", {"residual": 32, "keep_perm": True}),
+        ("packkv", {"residual": 0}),
+        ("kivi", {"residual": 40, "bits": 4}),
+        ("fp16", {}),
+    ],
+)
+def test_settle_after_prefill_changes_nothing_but_when(kind, opts):
+    """``settle()`` after the prefill compresses the prompt then, not in the first decode step:
+    every later attend output, the bytes held and the compressed count are exactly those of a
+    cache that was not settled (whose error the tests above bound)."""
+    q, k, v = data(230, seed=4)
+    lazy, eager = (make_cache(kind, 1, B, HKV, D, 230, **opts) for _ in range(2))
+    for c in (lazy, eager):
+        c.append(0, k[:, :, :150], v[:, :, :150])
+    eager.settle()
+    if kind != "fp16":
+        assert 0 < eager.ncomp[0] <= 150 and lazy.ncomp[0] == 0
+    for t in range(150, 230):
+        outs = []
+        for c in (lazy, eager):
+            c.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(c.attend(0, q[:, :, t : t + 1]))
+        assert torch.equal(outs[0], outs[1]) and lazy.nbytes() == eager.nbytes()
+        if kind != "fp16":
+            assert lazy.ncomp == eager.ncomp

@@ -212,6 +212,7 @@ def generate(
 
     t0 = time.perf_counter()
     logits = model(ids, cache, start=start, last=True)[:, -1]
+    cache.settle()  # a compressed cache compresses the prompt now, as part of the prefill
     sync(device)
     t1 = time.perf_counter()
     x = sample(logits, sampling, gen)

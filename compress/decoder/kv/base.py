@@ -8,7 +8,7 @@
 the first ``v_dim`` channels of K, stored once.
 
 ``pos`` defaults to the next T slots (append) and to the last Tq slots written (attend).
-    cache.length, cache.nbytes(), cache.reset(), cache.rollback(length)
+    cache.length, cache.nbytes(), cache.reset(), cache.rollback(length), cache.settle()
 
 K arrives position-encoded, as the model's attention computes it. Query head ``j`` reads KV
 head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``) and, per row ``b``,
@@ -71,6 +71,10 @@ class Cache:
             f"speculative decoding needs after a rejected draft; use --kv fp16, "
             f"full, kivi or packkv."
         )
+
+    def settle(self) -> None:
+        """After a prefill: do now the work the next append would do anyway (compressed caches
+        compress the prompt here); a no-op for the uncompressed caches."""
 
     def check_rollback(self, length: int) -> None:
         if not 0 <= length <= min(self.lens):

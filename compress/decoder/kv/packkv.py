@@ -1,12 +1,10 @@
 """PackKV (arXiv 2512.24449): error-bounded per-token codes, repacked per block, bit-packed per 16."""
 
-import math
-
 import torch
 
 from compress.decoder.kv.window import ResidualCache
 from compress.errors import CompressError
-from compress.kernels import packkv_pv, packkv_qk, packkv_ref
+from compress.kernels import packkv_order, packkv_pv, packkv_qk, packkv_ref
 
 
 def order_median(codes: torch.Tensor) -> torch.Tensor:
@@ -18,42 +16,13 @@ def order_median(codes: torch.Tensor) -> torch.Tensor:
     return key.argsort(dim=-1, stable=True)
 
 
-def order_greedy(codes: torch.Tensor, pack: int = packkv_ref.PACK) -> torch.Tensor:
-    """Permutation ``[N, T]`` filling packs one token at a time.
-
-    Each pack starts from the remaining token with the lowest median code, then takes, 15
-    times, the remaining token that least grows the pack's bits ``sum_c bit_length(max_c - min_c)``
-    over its K and V channels (ties go to the smaller growth of the ranges).
-    """
-    N, T, C = codes.shape
-    x = codes.float()
-    rows = torch.arange(N, device=codes.device)
-    seed_key = codes.median(-1).values.float()
-    taken = torch.zeros(N, T, dtype=torch.bool, device=codes.device)
-    perm = torch.empty(N, T, dtype=torch.long, device=codes.device)
-    for s in range(T):
-        if s % pack == 0:
-            pick = seed_key.masked_fill(taken, math.inf).argmin(-1)
-            lo = hi = x[rows, pick]
-        else:
-            span = torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)  # [N, T, C]
-            cost = torch.log2(1 + span).ceil_().sum(-1) + span.sum(-1) / (
-                256 * C
-            )  # tie-break < 1 bit
-            pick = cost.masked_fill(taken, math.inf).argmin(-1)
-            lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
-        taken[rows, pick] = True
-        perm[:, s] = pick
-    return perm
-
-
 def joined(a: tuple, b: tuple) -> tuple:
     """Tensors of ``a`` and ``b`` pairwise concatenated along the token axis (1)."""
     return tuple(torch.cat([x, y], 1) for x, y in zip(a, b))
 
 
 ORDERS = {
-    "greedy": order_greedy,
+    "greedy": packkv_order,  # C++ on the CPU (packkv_order.cpp); rule in packkv_ref
     "median": order_median,
     "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2]),
 }
@@ -172,9 +141,7 @@ class PackKVCache(ResidualCache):
         full = m // blk * blk if pk.n == start else 0  # whole blocks, from a block's first slot
         packed = m // pack * pack
         if full:
-            codes = (
-                torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).long().view(-1, blk, 2 * D)
-            )
+            codes = torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).view(-1, blk, 2 * D)
             perm = ORDERS[self.order](codes).view(BH, full // blk, blk)
             idx = (perm + torch.arange(0, full, blk, device=self.device)[:, None]).view(BH, full)
             self.store(

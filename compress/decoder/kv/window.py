@@ -49,18 +49,32 @@ class ResidualCache(Cache):
 
     def append(self, layer, k, v, pos=None):
         T = self.check_append(layer, k, v)
-        old = self.win_k[layer].shape[2]
-        wk = torch.cat([self.win_k[layer], k.half()], 2)
-        wv = torch.cat([self.win_v[layer], v.half()], 2)
-        # tokens older than this chunk and outside the newest `residual`, in whole granules
+        self.win_k[layer] = torch.cat([self.win_k[layer], k.half()], 2)
+        self.win_v[layer] = torch.cat([self.win_v[layer], v.half()], 2)
+        self.lens[layer] += T
+        self.evict(
+            layer, max(T, self.residual)
+        )  # older than this chunk, outside the newest `residual`
+
+    def settle(self):
+        """Compress now, in every layer, what the next append will compress whatever it brings.
+
+        Called after a prefill: the prompt is then compressed in the prefill that brought it,
+        not in the first decode step, and the cache ends up exactly as that step would leave it
+        (the next append's ``n`` tokens are these, then its own share: both whole granules).
+        """
+        for layer in range(self.n_layers):
+            self.evict(layer, max(self.residual - 1, 0))
+
+    def evict(self, layer: int, keep: int) -> None:
+        """Compress the window's oldest tokens, in whole granules, all but the newest ``keep``."""
         granule = self.granule or self.block
-        n = max(0, min(old, old + T - self.residual)) // granule * granule
+        wk, wv = self.win_k[layer], self.win_v[layer]
+        n = max(0, wk.shape[2] - keep) // granule * granule
         if n:
             self.compress(layer, wk[:, :, :n].float(), wv[:, :, :n].float())
             self.ncomp[layer] += n
-            wk, wv = wk[:, :, n:].clone(), wv[:, :, n:].clone()
-        self.win_k[layer], self.win_v[layer] = wk, wv
-        self.lens[layer] += T
+            self.win_k[layer], self.win_v[layer] = wk[:, :, n:].clone(), wv[:, :, n:].clone()
 
     def rollback(self, length: int) -> None:
         """Drop the tokens past ``length`` from the fp16 window; they must not be compressed yet.
