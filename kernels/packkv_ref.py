@@ -70,12 +70,14 @@ def step_of(lstep: torch.Tensor) -> torch.Tensor:
     return torch.exp2(lstep.float() / STEPS_PER_OCTAVE)
 
 
-def quantize_tokens(x: torch.Tensor, rel: float):
+def quantize_tokens(x: torch.Tensor, rel, cmax: torch.Tensor | None = None):
     """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16,
     lstep int8)``.
 
     The stored minimum and step are used to compute the codes, so the bound
-    ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values.
+    ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values. ``rel`` is a
+    float, or an fp32 tensor broadcasting against ``x[..., 0]`` with ``cmax`` (its
+    :func:`max_code`, fp32) beside it: K and V, stacked, quantized in one pass.
     """
     x = x.float()
     lo, hi = x.amin(-1), x.amax(-1)
@@ -84,7 +86,11 @@ def quantize_tokens(x: torch.Tensor, rel: float):
     lstep = torch.floor(torch.log2(step) * STEPS_PER_OCTAVE).clamp(MIN_LSTEP, 127)
     lstep = lstep - (step_of(lstep) > step).float()  # log2's rounding must not put tstep above step
     codes = torch.round((x - tmin.float()[..., None]) / step_of(lstep)[..., None])
-    return codes.clamp(0, max_code(rel)).long(), tmin, lstep.to(torch.int8)
+    if cmax is None:
+        codes = codes.clamp(0, max_code(rel))
+    else:
+        codes = torch.minimum(codes.clamp_(min=0), cmax[..., None])
+    return codes.long(), tmin, lstep.to(torch.int8)
 
 
 def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Tensor:

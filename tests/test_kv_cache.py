@@ -496,3 +496,17 @@ def test_settle_after_prefill_changes_nothing_but_when(kind, opts):
         assert torch.equal(outs[0], outs[1]) and lazy.nbytes() == eager.nbytes()
         if kind != "fp16":
             assert lazy.ncomp == eager.ncomp
+
+
+def test_packkv_quantizes_k_and_v_in_one_pass_as_apart():
+    """``quantize_tokens`` of stacked K and V with a rel per entry (the cache's path) stores
+    exactly what quantizing each with its own float rel stores."""
+    g = torch.Generator().manual_seed(9)
+    for k_rel, v_rel in ((0.04, 0.1), (packkv_ref.MIN_REL, 1.0), (0.3, 0.02)):
+        k, v = torch.randn(3, 9, 64, generator=g) * 4, torch.randn(3, 9, 64, generator=g) * 0.01
+        rel = torch.tensor([k_rel, v_rel]).view(2, 1, 1)
+        cmax = torch.tensor([float(packkv_ref.max_code(r)) for r in (k_rel, v_rel)]).view(2, 1, 1)
+        both = packkv_ref.quantize_tokens(torch.stack([k, v]), rel, cmax)
+        for i, (x, r) in enumerate(((k, k_rel), (v, v_rel))):
+            apart = packkv_ref.quantize_tokens(x, r)
+            assert all(torch.equal(a[i], b) for a, b in zip(both, apart))

@@ -30,6 +30,18 @@ def hidden(kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None) -
     return m
 
 
+def sees_everything(qpos: torch.Tensor, start: torch.Tensor | None, length: int) -> bool:
+    """True for one CPU query at the newest slot of ``length`` without padding: the mask of
+    :func:`hidden` is all False, so attention can skip building and applying it (a decode
+    step; on a GPU the check would synchronize, so it is never taken there)."""
+    return (
+        start is None
+        and qpos.numel() == 1
+        and qpos.device.type == "cpu"
+        and int(qpos.reshape(())) >= length - 1
+    )
+
+
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
     """Softmax over keys of ``scores [B, Hkv, g*Tq, Lk]`` with ``mask`` from :func:`hidden`.
 

@@ -9,7 +9,7 @@ ones, so every decode step has the same shapes and one compiled graph serves the
 
 import torch
 
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, hidden, masked_softmax, sees_everything
 from compress.errors import CompressError
 
 
@@ -46,8 +46,11 @@ class FP16Cache(Cache):
         pos = self.slots(layer, tq, pos, after=False)
         L = self.max_len if self.static else self.lens[layer]
         scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
-        kpos = torch.arange(L, device=q.device)[None, None]
-        p = masked_softmax(scores, hidden(kpos, pos, start), tq)
+        if not self.static and sees_everything(pos, start, L):
+            p = scores.softmax(-1)
+        else:
+            kpos = torch.arange(L, device=q.device)[None, None]
+            p = masked_softmax(scores, hidden(kpos, pos, start), tq)
         return self.heads(p @ self.v[layer][:, :, :L].to(self.dtype), q)
 
     def nbytes(self) -> int:

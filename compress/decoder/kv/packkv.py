@@ -86,6 +86,11 @@ class PackKVCache(ResidualCache):
             raise CompressError(f"PackKV order='{order}' is unknown; use one of {sorted(ORDERS)}.")
         self.k_rel, self.v_rel, self.block, self.order = k_rel, v_rel, block, order
         self.keep_perm = batch > 1 if keep_perm is None else bool(keep_perm)
+        # quantize_tokens' per-entry rel and max code of stacked [K, V]
+        self.rels = tuple(
+            torch.tensor(x, dtype=torch.float32, device=device).view(2, 1, 1)
+            for x in ([k_rel, v_rel], [packkv_ref.max_code(k_rel), packkv_ref.max_code(v_rel)])
+        )
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
@@ -124,14 +129,11 @@ class PackKVCache(ResidualCache):
         )
         pk, pv = self.k[layer], self.v[layer]
         # pending tokens of K and of V, each (codes uint8, tmin, lstep): the staged ones, then these
-        new = [
-            packkv_ref.quantize_tokens(x.reshape(BH, n, D), rel)
-            for x, rel in ((k, self.k_rel), (v, self.v_rel))
-        ]
-        kv = [
-            joined(st, (c.to(torch.uint8), tmin, lstep))
-            for st, (c, tmin, lstep) in zip(self.staged[layer], new)
-        ]
+        codes, tmin, lstep = packkv_ref.quantize_tokens(
+            torch.stack([k.reshape(BH, n, D), v.reshape(BH, n, D)]), *self.rels
+        )  # K and V in one pass
+        codes = codes.to(torch.uint8)
+        kv = [joined(st, (codes[i], tmin[i], lstep[i])) for i, st in enumerate(self.staged[layer])]
         start = pk.n // blk * blk  # first slot of the block being filled
         if (
             pk.n - start + kv[0][0].shape[1] >= blk

@@ -14,7 +14,7 @@ bit width, offset and permutation, and the fp16 window.
 
 import torch
 
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, hidden, masked_softmax, sees_everything
 from compress.errors import CompressError
 
 
@@ -100,12 +100,16 @@ class ResidualCache(Cache):
         C, qpos = self.ncomp[layer], self.slots(layer, tq, pos, after=False)
         wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
         scores = q4 @ wk.transpose(-1, -2)
-        kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
         if C:
             scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
-            hpos = self.history_positions(layer, qpos, start)
-            kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
-        p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
+        if sees_everything(qpos, start, self.lens[layer]):
+            p = scores.softmax(-1)
+        else:
+            kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
+            if C:
+                hpos = self.history_positions(layer, qpos, start)
+                kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
+            p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
         out = p[..., C:] @ wv
         if C:
             out = out + self.history_mix(layer, p[..., :C].contiguous()).to(self.dtype)
