@@ -47,8 +47,8 @@ class PackKVCache(ResidualCache):
     (``python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536``).
 
     Attention products come from ``compress.kernels`` (Triton, decoding in registers, on CUDA;
-    C++ decoding pack by pack on the CPU). The staged tokens (under 16) are
-    dequantized and multiplied in PyTorch.
+    C++ decoding pack by pack on the CPU). The staged tokens (under 16) are dequantized as they
+    arrive and multiplied together with the fp16 window (``tail``).
     """
 
     OPTIONS = ("k_rel", "v_rel", "block", "pack", "residual", "order", "keep_perm")
@@ -117,6 +117,8 @@ class PackKVCache(ResidualCache):
         self.staged = [
             (none, none) for _ in range(self.n_layers)
         ]  # per layer, K and V: (codes, tmin, lstep)
+        # per layer, their x_hat fp32 [2 (K, V), BH, s, D]: attention's tail, made as they arrive
+        self.staged_x = [torch.zeros(2, BH, 0, self.head_dim, device=dev)] * self.n_layers
 
     def compress(self, layer, k, v):
         """Quantize the tokens leaving the window, bit-pack whole packs, repack a block when it fills."""
@@ -133,6 +135,7 @@ class PackKVCache(ResidualCache):
             torch.stack([k.reshape(BH, n, D), v.reshape(BH, n, D)]), *self.rels
         )  # K and V in one pass
         codes = codes.to(torch.uint8)
+        staged_before = self.staged[layer][0][0].shape[1]
         kv = [joined(st, (codes[i], tmin[i], lstep[i])) for i, st in enumerate(self.staged[layer])]
         start = pk.n // blk * blk  # first slot of the block being filled
         if (
@@ -162,6 +165,12 @@ class PackKVCache(ResidualCache):
         if packed > full:  # whole packs of a block not yet full: in arrival order
             self.store(layer, [[t[:, full:packed] for t in x] for x in kv])
         self.staged[layer] = tuple(tuple(t[:, packed:] for t in x) for x in kv)
+        if not packed and m == staged_before + n:  # the staged ones, then these: extend x_hat
+            self.staged_x[layer] = torch.cat(
+                [self.staged_x[layer], packkv_ref.values(codes, tmin, lstep)], 2
+            )
+        else:
+            self.staged_x[layer] = torch.stack([packkv_ref.values(*x) for x in self.staged[layer]])
 
     def store(self, layer, kv, order=None):
         """Append whole packs ``kv = [K, V]`` of ``(codes, tmin, lstep)``; ``order [BH, n]``: each one's
@@ -177,7 +186,15 @@ class PackKVCache(ResidualCache):
 
     def staged_hat(self, layer, which: int) -> torch.Tensor:
         """Dequantized staged tokens ``[BH, s, D]`` fp32 of K (0) or V (1)."""
-        return packkv_ref.values(*self.staged[layer][which])
+        return self.staged_x[layer][which]
+
+    def tail(self, layer):
+        """The staged tokens, dequantized as they arrived: attention takes them with the window."""
+        x = self.staged_x[layer]
+        if not x.shape[2]:
+            return None
+        shape = (self.batch, self.n_kv_heads, -1, self.head_dim)
+        return x[0].view(shape).to(self.dtype), x[1].view(shape).to(self.dtype)
 
     def history(self, layer):
         """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` fp32 of the compressed positions, in position order
@@ -202,18 +219,14 @@ class PackKVCache(ResidualCache):
         return tuple(out)
 
     def history_scores(self, layer, q4):
+        """Scores of the packed tokens (the staged ones are the :meth:`tail`)."""
         B, H, M, D = q4.shape
-        q = q4.reshape(B * H, M, D).float()
-        s = packkv_qk(q, self.k[layer]) if self.k[layer].n else q.new_zeros(B * H, M, 0)
-        return torch.cat([s, q @ self.staged_hat(layer, 0).transpose(1, 2)], -1).view(B, H, M, -1)
+        return packkv_qk(q4.reshape(B * H, M, D).float(), self.k[layer]).view(B, H, M, -1)
 
     def history_mix(self, layer, p):
-        B, H, M, C = p.shape
-        n, p = self.k[layer].n, p.reshape(B * H, M, C).float()
-        out = p[..., n:] @ self.staged_hat(layer, 1)
-        if n:
-            out = out + packkv_pv(p[..., :n].contiguous(), self.v[layer])
-        return out.view(B, H, M, -1)
+        """Mix of the packed tokens' values."""
+        B, H, M, n = p.shape
+        return packkv_pv(p.reshape(B * H, M, n).float(), self.v[layer]).view(B, H, M, -1)
 
     def history_positions(self, layer, qpos, start):
         C, n, blk = self.ncomp[layer], self.k[layer].n, self.block

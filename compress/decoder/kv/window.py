@@ -23,7 +23,8 @@ class ResidualCache(Cache):
 
     Per layer: ``win_k, win_v`` fp16 ``[B, Hkv, w, D]`` hold positions ``ncomp .. length-1``;
     positions ``0 .. ncomp-1`` are compressed (``ncomp`` a multiple of ``block``). Subclasses
-    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions.
+    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions
+    (and, optionally, its newest tokens dequantized: :meth:`tail`).
     """
 
     block = 64
@@ -99,8 +100,12 @@ class ResidualCache(Cache):
         q4, tq = self.queries(q)
         C, qpos = self.ncomp[layer], self.slots(layer, tq, pos, after=False)
         wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
+        tail = self.tail(layer)  # the newest compressed tokens, taken with the window
+        if tail is not None:
+            wk, wv = torch.cat([tail[0], wk], 2), torch.cat([tail[1], wv], 2)
+        H = C - (0 if tail is None else tail[0].shape[2])  # from history_scores / history_mix
         scores = q4 @ wk.transpose(-1, -2)
-        if C:
+        if H:
             scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
         if sees_everything(qpos, start, self.lens[layer]):
             p = scores.softmax(-1)
@@ -110,10 +115,17 @@ class ResidualCache(Cache):
                 hpos = self.history_positions(layer, qpos, start)
                 kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
             p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
-        out = p[..., C:] @ wv
-        if C:
-            out = out + self.history_mix(layer, p[..., :C].contiguous()).to(self.dtype)
+        out = p[..., H:] @ wv
+        if H:
+            out = out + self.history_mix(layer, p[..., :H].contiguous()).to(self.dtype)
         return self.heads(out, q)
+
+    def tail(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(K_hat, V_hat)`` ``[B, Hkv, s, D]`` in ``dtype`` of the newest ``s`` compressed
+        positions, which attention multiplies together with the window (one product each) rather
+        than through ``history_scores`` / ``history_mix`` (these then cover the first ``C - s``);
+        None (the default) when the history covers them all."""
+        return None
 
     def history_positions(self, layer, qpos, start) -> torch.Tensor:
         """Positions ``[B|1, Hkv|1, C]`` of the compressed slots; in order by default."""
