@@ -510,3 +510,31 @@ def test_packkv_quantizes_k_and_v_in_one_pass_as_apart():
         for i, (x, r) in enumerate(((k, k_rel), (v, v_rel))):
             apart = packkv_ref.quantize_tokens(x, r)
             assert all(torch.equal(a[i], b) for a, b in zip(both, apart))
+
+
+@pytest.mark.parametrize("kind,opts", [("packkv", {"residual": 16}), ("kivi", {"bits": 4})])
+def test_compressed_caches_without_a_compiler(kind, opts, monkeypatch):
+    """A machine without a C++ compiler: one warning, then the PyTorch path decodes the same
+    cache (the same bytes; the same outputs up to fp32 summation order) as the C++ kernels."""
+    import warnings
+
+    from compress.kernels import native
+
+    q, k, v = data(200, seed=5)
+    monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
+    if native.library() is None:
+        pytest.fail("the C++ CPU kernels did not build on this machine (see the warning)")
+    built = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    outs = decode(built, q, k, v, 100, {150, 199})
+    monkeypatch.setattr(native, "_LIB", {})
+    monkeypatch.setenv("CXX", "no-such-c++")
+    bare = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler") as caught:
+        bare_outs = decode(bare, q, k, v, 100, {150, 199})
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert native._LIB == {"lib": None} and bare.nbytes() == built.nbytes()
+    for t in (150, 199):
+        assert rel_err(bare_outs[t], outs[t].double()) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert torch.equal(bare.attend(0, q[:, :, -1:]), bare_outs[199])
