@@ -7,6 +7,8 @@
     packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton), packkv_cpu.py
     packkv_pv(p, v)              products                  (C++, built on first use),
                                                            packkv_ref.py
+    packkv_order(codes)          PackKV's greedy token     packkv_cpu.py (C++), packkv_ref.py
+                                 order of a block          (also on CUDA)
     kivi_qk(q, codes, z, s, ..)  KIVI's two attention      kivi_cpu.py (C++, built on first
     kivi_pv(p, codes, z, s, ..)  products                  use), kivi_ref.py (also on CUDA)
 
@@ -100,6 +102,19 @@ def packkv_qk(q: torch.Tensor, k, out: torch.Tensor | None = None) -> torch.Tens
 def packkv_pv(p: torch.Tensor, v, out: torch.Tensor | None = None) -> torch.Tensor:
     """``p [BH, M, n] @ v_hat -> [BH, M, D]`` fp32 of a PackKV-packed ``v``."""
     return _packkv(p, v.dim).pv(p, v, out=out)
+
+
+def packkv_order(codes: torch.Tensor) -> torch.Tensor:
+    """PackKV's greedy permutation ``[N, T]`` of each block row of codes ``[N, T, C]`` (the rule
+    in ``packkv_ref.order_greedy``): C++ on the CPU where it builds, else the reference."""
+    if backend(codes) == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager":
+        from compress.kernels import native, packkv_cpu
+
+        if native.library() is not None:
+            return packkv_cpu.order_greedy(codes)
+    from compress.kernels import packkv_ref
+
+    return packkv_ref.order_greedy(codes)
 
 
 def _kivi(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str):

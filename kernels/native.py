@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (``packkv_cpu.cpp``, ``kivi_cpu.cpp``), one library built on first use.
+"""The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``): one library,
+built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(f) for f in ("packkv_cpu.cpp", "kivi_cpu.cpp")]
+SOURCES = [
+    Path(__file__).with_name(f) for f in ("packkv_cpu.cpp", "packkv_order.cpp", "kivi_cpu.cpp")
+]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -27,6 +30,7 @@ P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {  # argument types of the exported functions (all return void)
     "packkv_qk": [P, P, I64, I64, I64, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
     "packkv_pv": [P, P, I64, I64, I64, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
+    "packkv_order_greedy": [P, P, I64, I64, I64, I64, INT],
     "kivi_qk": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
     "kivi_pv": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
 }

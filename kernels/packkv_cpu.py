@@ -75,6 +75,24 @@ def _check(x: torch.Tensor, packed: Packed, name: str, inner: int) -> None:
         )
 
 
+def order_greedy(codes: torch.Tensor, pack: int = PACK) -> torch.Tensor:
+    """``packkv_ref.order_greedy`` (the rule is there) in C++ (``packkv_order.cpp``): block rows
+    spread over ``torch.get_num_threads()`` threads."""
+    N, T, C = codes.shape
+    wide = codes.dtype != torch.uint8 and (int(codes.max()) > 255 or int(codes.min()) < 0)
+    if codes.device.type != "cpu" or wide or T % pack:
+        raise CompressError(
+            f"PackKV order: codes {tuple(codes.shape)} on {codes.device} must be CPU codes "
+            f"0..255 of blocks of a multiple of {pack} tokens."
+        )
+    x = codes.to(torch.uint8).contiguous()
+    perm = torch.empty(N, T, dtype=torch.long)
+    library().packkv_order_greedy(
+        x.data_ptr(), perm.data_ptr(), N, T, C, pack, torch.get_num_threads()
+    )
+    return perm
+
+
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores ``q [BH, M, D] @ k_hat^T -> [BH, M, n]`` fp32, decoding ``k`` pack by pack."""
     _check(q, k, "qk", k.dim)

@@ -70,12 +70,14 @@ def step_of(lstep: torch.Tensor) -> torch.Tensor:
     return torch.exp2(lstep.float() / STEPS_PER_OCTAVE)
 
 
-def quantize_tokens(x: torch.Tensor, rel: float):
+def quantize_tokens(x: torch.Tensor, rel, cmax: torch.Tensor | None = None):
     """Error-bounded per-token quantization of ``x [..., T, D]``: ``(codes int64, tmin fp16,
     lstep int8)``.
 
     The stored minimum and step are used to compute the codes, so the bound
-    ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values.
+    ``|x - x_hat| <= tstep / 2 <= rel * range / 2`` holds for the stored values. ``rel`` is a
+    float, or an fp32 tensor broadcasting against ``x[..., 0]`` with ``cmax`` (its
+    :func:`max_code`, fp32) beside it: K and V, stacked, quantized in one pass.
     """
     x = x.float()
     lo, hi = x.amin(-1), x.amax(-1)
@@ -84,7 +86,11 @@ def quantize_tokens(x: torch.Tensor, rel: float):
     lstep = torch.floor(torch.log2(step) * STEPS_PER_OCTAVE).clamp(MIN_LSTEP, 127)
     lstep = lstep - (step_of(lstep) > step).float()  # log2's rounding must not put tstep above step
     codes = torch.round((x - tmin.float()[..., None]) / step_of(lstep)[..., None])
-    return codes.clamp(0, max_code(rel)).long(), tmin, lstep.to(torch.int8)
+    if cmax is None:
+        codes = codes.clamp(0, max_code(rel))
+    else:
+        codes = torch.minimum(codes.clamp_(min=0), cmax[..., None])
+    return codes.long(), tmin, lstep.to(torch.int8)
 
 
 def put_bits(vals: torch.Tensor, bitpos: torch.Tensor, n_words: int) -> torch.Tensor:
@@ -238,6 +244,38 @@ def values(codes: torch.Tensor, tmin: torch.Tensor, lstep: torch.Tensor) -> torc
 def dequantize(p: Packed) -> torch.Tensor:
     """``x_hat [BH, n, D]`` fp32 of the stored tokens."""
     return values(unpack_codes(p), p.tmin[:, : p.n], p.lstep[:, : p.n])
+
+
+def order_greedy(codes: torch.Tensor, pack: int = PACK) -> torch.Tensor:
+    """Permutation ``[N, T]`` of each block row of ``codes [N, T, C]`` (K and V codes side by
+    side) filling packs of ``pack`` one token at a time.
+
+    Each pack starts from the remaining token with the lowest (lower) median code, then takes,
+    ``pack - 1`` times, the remaining token with the smallest
+    ``key = sum_c bit_length(span_c) * 256 C + sum_c span_c``, ``span_c = max(hi_c, x_c) -
+    min(lo_c, x_c)`` over the pack's channel ranges ``[lo, hi]``: the fewest bits, ties to the
+    smallest growth of the ranges, then to the first token.
+    """
+    N, T, C = codes.shape
+    x = codes.long()
+    rows = torch.arange(N, device=codes.device)
+    lengths = bit_width(torch.arange(MAX_CODE + 1, device=codes.device))
+    seed_key = codes.median(-1).values.long()
+    taken = torch.zeros(N, T, dtype=torch.bool, device=codes.device)
+    perm = torch.empty(N, T, dtype=torch.long, device=codes.device)
+    never = torch.iinfo(torch.long).max
+    for s in range(T):
+        if s % pack == 0:
+            pick = seed_key.masked_fill(taken, never).argmin(-1)
+            lo = hi = x[rows, pick]
+        else:
+            span = torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)  # [N, T, C]
+            key = lengths[span].sum(-1) * (256 * C) + span.sum(-1)
+            pick = key.masked_fill(taken, never).argmin(-1)
+            lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
+        taken[rows, pick] = True
+        perm[:, s] = pick
+    return perm
 
 
 def qk(q: torch.Tensor, k: Packed, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -466,3 +466,75 @@ def test_kv_quality_parallel_equals_token_by_token(tmp_path):
             "label"
         ]  # history one token off: 1-3%
     assert par[1]["kl"] > par[2]["kl"] > 1e-4  # the compressed caches did change the outputs
+
+
+@pytest.mark.parametrize(
+    "kind,opts",
+    [
+        ("packkv", {"residual": 32, "keep_perm": True}),
+        ("packkv", {"residual": 0}),
+        ("kivi", {"residual": 40, "bits": 4}),
+        ("fp16", {}),
+    ],
+)
+def test_settle_after_prefill_changes_nothing_but_when(kind, opts):
+    """``settle()`` after the prefill compresses the prompt then, not in the first decode step:
+    every later attend output, the bytes held and the compressed count are exactly those of a
+    cache that was not settled (whose error the tests above bound)."""
+    q, k, v = data(230, seed=4)
+    lazy, eager = (make_cache(kind, 1, B, HKV, D, 230, **opts) for _ in range(2))
+    for c in (lazy, eager):
+        c.append(0, k[:, :, :150], v[:, :, :150])
+    eager.settle()
+    if kind != "fp16":
+        assert 0 < eager.ncomp[0] <= 150 and lazy.ncomp[0] == 0
+    for t in range(150, 230):
+        outs = []
+        for c in (lazy, eager):
+            c.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(c.attend(0, q[:, :, t : t + 1]))
+        assert torch.equal(outs[0], outs[1]) and lazy.nbytes() == eager.nbytes()
+        if kind != "fp16":
+            assert lazy.ncomp == eager.ncomp
+
+
+def test_packkv_quantizes_k_and_v_in_one_pass_as_apart():
+    """``quantize_tokens`` of stacked K and V with a rel per entry (the cache's path) stores
+    exactly what quantizing each with its own float rel stores."""
+    g = torch.Generator().manual_seed(9)
+    for k_rel, v_rel in ((0.04, 0.1), (packkv_ref.MIN_REL, 1.0), (0.3, 0.02)):
+        k, v = torch.randn(3, 9, 64, generator=g) * 4, torch.randn(3, 9, 64, generator=g) * 0.01
+        rel = torch.tensor([k_rel, v_rel]).view(2, 1, 1)
+        cmax = torch.tensor([float(packkv_ref.max_code(r)) for r in (k_rel, v_rel)]).view(2, 1, 1)
+        both = packkv_ref.quantize_tokens(torch.stack([k, v]), rel, cmax)
+        for i, (x, r) in enumerate(((k, k_rel), (v, v_rel))):
+            apart = packkv_ref.quantize_tokens(x, r)
+            assert all(torch.equal(a[i], b) for a, b in zip(both, apart))
+
+
+@pytest.mark.parametrize("kind,opts", [("packkv", {"residual": 16}), ("kivi", {"bits": 4})])
+def test_compressed_caches_without_a_compiler(kind, opts, monkeypatch):
+    """A machine without a C++ compiler: one warning, then the PyTorch path decodes the same
+    cache (the same bytes; the same outputs up to fp32 summation order) as the C++ kernels."""
+    import warnings
+
+    from compress.kernels import native
+
+    q, k, v = data(200, seed=5)
+    monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
+    if native.library() is None:
+        pytest.fail("the C++ CPU kernels did not build on this machine (see the warning)")
+    built = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    outs = decode(built, q, k, v, 100, {150, 199})
+    monkeypatch.setattr(native, "_LIB", {})
+    monkeypatch.setenv("CXX", "no-such-c++")
+    bare = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler") as caught:
+        bare_outs = decode(bare, q, k, v, 100, {150, 199})
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert native._LIB == {"lib": None} and bare.nbytes() == built.nbytes()
+    for t in (150, 199):
+        assert rel_err(bare_outs[t], outs[t].double()) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert torch.equal(bare.attend(0, q[:, :, -1:]), bare_outs[199])

@@ -165,10 +165,12 @@ def generate(
     on_text=None,
     compile: bool = False,
     ignore_eos: bool = False,
+    on_prefill=None,
 ) -> Result:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
 
-    ``on_text(row, text)`` receives text as it becomes final. ``compile`` decodes with the
+    ``on_text(row, text)`` receives text as it becomes final; ``on_prefill()`` is called between
+    the prefill and the decode loop, untimed (benchmarks reset their peak-memory mark there). ``compile`` decodes with the
     static-shape compiled step (``compress.decoder.static``; fp16 or full cache only), whose
     cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so that calls share a graph.
     """
@@ -212,10 +214,13 @@ def generate(
 
     t0 = time.perf_counter()
     logits = model(ids, cache, start=start, last=True)[:, -1]
+    cache.settle()  # a compressed cache compresses the prompt now, as part of the prefill
     sync(device)
     t1 = time.perf_counter()
     x = sample(logits, sampling, gen)
     take(x)
+    if on_prefill is not None:
+        on_prefill()
     t2 = time.perf_counter()
     steps = 0
     while steps < n_new - 1 and not all(done):

@@ -43,6 +43,10 @@ class PairCache:
         self.small.reset()
         self.large.reset()
 
+    def settle(self) -> None:
+        self.small.settle()
+        self.large.settle()
+
     def rollback(self, length: int) -> None:
         raise CompressError("IAM decoding cannot roll back its caches (no speculative decoding).")
 

@@ -17,7 +17,22 @@ Systems (``--systems`` picks some):
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
     llama.cpp       llama-cpp-python on the default model's own GGUF Q4_1, n_threads = --threads (2)
     NAME[KV]        compress.decoder (fp32, eager) on ``--folders NAME=PATH`` with each ``--kvs`` cache:
-                    any run folder, attention-converted ones too, beside the default model's
+                    any run folder, attention-converted ones too, beside the default model's.
+                    KV is a cache kind with options, ``kivi:bits=4`` (``compress.decoder.kv``)
+    NAME[KV]@N      the same after an N-token prompt, for each N of ``--contexts``
+
+The context-length axis (the compressed caches against fp16 as the history grows)::
+
+    python -m compress.eval.bench.bench_decode --contexts 512 2048 8000 [--kvs fp16 kivi:bits=4 packkv]
+        [--folders NAME=PATH] [--rounds 2] [--new 64] [--json OUT]
+
+runs the default model (or each ``--folders`` folder) with each cache after prompts of N tokens
+of WikiText-2 test (real text: ``COMPRESS_DATA_DIR`` must hold ``wikitext-2/``), one context at a
+time (its workers only, so the machine holds one context's processes). Its table gives decode
+tok/s and the ratio to the fp16 cache at the same context, the decode loop's peak RSS (the
+mark is reset after each round's prefill, whose transient N x N scores would otherwise hide the
+cache), the cache's MiB, and the prefill tok/s of that round's N-token prompt (a compressed cache
+compresses the prompt there: ``cache.settle()``). No separate prefill phase runs for these rows.
 
 Each system runs in two worker processes, one timing decode and then one timing prefill,
 so that each has its own peak RSS (prefill's larger activations and kernels do not count
@@ -41,6 +56,7 @@ Wall-clock figures on a shared machine are noisy: compare rows of one run, not r
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,40 +99,83 @@ def model_bytes(model) -> int:
     return tensor_bytes([*model.parameters(), *model.buffers(), *caches])
 
 
-def prompt_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
-    """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without the data)."""
+def prompt_ids(tokenizer, n: int, offset: int = 0, real: bool = False) -> list[int]:
+    """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without
+    the data, unless ``real``: then the data must be there)."""
+    from compress.data import wikitext_file
+    from compress.errors import CompressError
+
     f = Path(os.environ.get("COMPRESS_DATA_DIR", ".")) / "wikitext-2" / "wiki.test.raw"
+    if real:
+        f = wikitext_file("wiki.test.raw")  # names the variable to set when it is unset
+        if not f.is_file():
+            raise CompressError(f"{f} not found: long-context prompts need WikiText-2 test.")
     text = (
         f.read_text()[: 50000 + 6 * (n + offset)]
         if f.is_file()
         else "The quick brown fox jumps over the lazy dog. " * (400 + n // 8)
     )
-    return tokenizer(text).input_ids[offset : offset + n]
+    ids = tokenizer(text).input_ids[offset : offset + n]
+    if len(ids) != n:
+        raise CompressError(f"the prompt text gave {len(ids)} tokens, not {n}.")
+    return ids
+
+
+def kv_spec(spec: str) -> tuple[str, dict]:
+    """``"kivi:bits=4,group=32"`` -> ``("kivi", {"bits": 4, "group": 32})`` (values as JSON when
+    they parse)."""
+    kind, _, rest = spec.partition(":")
+    opts = {}
+    for pair in filter(None, rest.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"KV cache option '{pair}' of '{spec}' is not KEY=VALUE")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    return kind, opts
 
 
 # ---- workers: one system each, driven over stdin/stdout ----------------------------------------
 
 
 class Ours:
-    def __init__(self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16"):
+    def __init__(self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16", context=None):
         from compress.decoder.model import load
 
         self.model, _ = load(
             folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean
         )
-        self.compile, self.kv = compile, kv
+        self.compile, (self.kv, self.kv_opts), self.context = compile, kv_spec(kv), context
 
     def decode(self, ids, new):
-        from compress.decoder.generate import generate
+        from compress.decoder.generate import generate, peak_memory_reset
+        from compress.decoder.model import release_freed_memory
 
-        r = generate(self.model, [ids], new, compile=self.compile, ignore_eos=True, kv=self.kv)
-        self.kv_bytes_per_token = r.kv_bytes_per_token
+        def decode_only():  # a long prompt's prefill peak is not decoding's
+            release_freed_memory()
+            peak_memory_reset()
+
+        r = generate(
+            self.model,
+            [ids],
+            new,
+            compile=self.compile,
+            ignore_eos=True,
+            kv=self.kv,
+            kv_opts=self.kv_opts,
+            on_prefill=decode_only if self.context else None,
+        )
+        self.kv_bytes_per_token, self.kv_bytes = r.kv_bytes_per_token, r.kv_bytes
+        self.prefill_tok_s = r.prefill_tok_s
         return r.decode_tok_s, r.tokens[0]
 
     def prefill(self, ids):
         from compress.decoder.generate import generate
 
-        return generate(self.model, [ids], 1, ignore_eos=True, kv=self.kv).prefill_tok_s
+        r = generate(self.model, [ids], 1, ignore_eos=True, kv=self.kv, kv_opts=self.kv_opts)
+        return r.prefill_tok_s
 
     def weight_bytes(self):
         return model_bytes(self.model)
@@ -202,18 +261,23 @@ class LlamaCpp:
         return Path(self.gguf).stat().st_size  # mmapped file: weights as stored
 
 
+FOLDER_SYSTEM = re.compile(r"^(?P<base>[^\[\]@]+)\[(?P<kv>[^\]]+)\](?:@(?P<context>\d+))?$")
+
+
 def folder_system(name: str, args):
-    """``(folder, kv)`` of a ``NAME[KV]`` system from ``--folders``, or None."""
-    if not name.endswith("]") or "[" not in name:
+    """``(folder, kv, context or None)`` of a ``NAME[KV]`` or ``NAME[KV]@N`` system from
+    ``--folders``, or None."""
+    m = FOLDER_SYSTEM.match(name)
+    if not m:
         return None
-    base, kv = name[:-1].split("[")
-    return dict(f.split("=", 1) for f in args.folders)[base], kv
+    context = m["context"] and int(m["context"])
+    return dict(f.split("=", 1) for f in args.folders)[m["base"]], m["kv"], context
 
 
 def make_system(name, args):
     if folder_system(name, args):
-        folder, kv = folder_system(name, args)
-        return Ours(folder, "float32", False, kv=kv)
+        folder, kv, context = folder_system(name, args)
+        return Ours(folder, "float32", False, kv=kv, context=context)
     if name.startswith("ours-"):
         base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
         base, lean = base.removesuffix("-lean"), base.endswith("-lean")
@@ -238,12 +302,13 @@ def worker(spec: str, args) -> None:
     from compress.decoder.generate import peak_memory, peak_memory_reset
     from compress.decoder.model import release_freed_memory
 
-    name, task = spec.split(":")
+    name, task = spec.rsplit(":", 1)
     torch.set_num_threads(args.threads)
     out, sys.stdout = sys.stdout, sys.stderr  # libraries' chatter goes to stderr
     tok = AutoTokenizer.from_pretrained(args.fp)
+    context = (folder_system(name, args) or (None, None, None))[2]
     ids = (
-        prompt_ids(tok, args.prompt_len)
+        prompt_ids(tok, context or args.prompt_len, real=bool(context))
         if task == "decode"
         else prompt_ids(tok, args.prefill_len, args.prompt_len)
     )
@@ -266,6 +331,8 @@ def worker(spec: str, args) -> None:
                     "peak_mem_bytes": peak_memory(),
                     "memory_bytes": system.weight_bytes(),
                     "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
+                    "kv_bytes": getattr(system, "kv_bytes", None),
+                    "prompt_prefill_tok_s": getattr(system, "prefill_tok_s", None),
                     "text": tok.decode(tokens),
                 }
             ),
@@ -380,6 +447,86 @@ def targets(results: dict) -> list[str]:
     return out
 
 
+LONG_KVS = ["fp16", "kivi:bits=4", "packkv"]  # --contexts' caches unless --kvs names others
+CONTEXT_BARS = {2048: 0.8, 8000: 1.0}  # the issue's: PackKV decode tok/s over fp16's, at least
+
+
+def check_kvs(kvs: list[str]) -> None:
+    """Each ``--kvs`` entry names a cache kind and only options it has (before any worker loads)."""
+    from compress.decoder.kv import CACHES
+
+    for spec in kvs:
+        kind, opts = kv_spec(spec)
+        if kind not in CACHES:
+            raise ValueError(f"unknown cache '{kind}' in '{spec}'; use one of {list(CACHES)}")
+        unknown = set(opts) - set(CACHES[kind].OPTIONS)
+        if unknown:
+            raise ValueError(f"'{spec}': {kind} has no option(s) {sorted(unknown)}")
+
+
+def phases(systems: list[str], args) -> list[tuple[str, list[str]]]:
+    """``(task, systems)`` run one after another: decode of the short-prompt systems, decode of
+    each context's systems (its own workers), then prefill of the short-prompt systems (the
+    rows without +compile: prefill runs eagerly either way)."""
+    context = {n: (folder_system(n, args) or (None, None, None))[2] for n in systems}
+    short = [n for n in systems if not context[n]]
+    out = [("decode", short)] if short else []
+    for n in dict.fromkeys(c for c in context.values() if c):
+        out.append(("decode", [s for s in systems if context[s] == n]))
+    prefill = [n for n in short if not n.endswith("+compile")]
+    return out + ([("prefill", prefill)] if prefill else [])
+
+
+def context_table(results: dict, args) -> list[str]:
+    """One row per ``NAME[KV]@N`` system, with its decode speed over the fp16 cache's at N."""
+    lines = [
+        (
+            "| context | folder | cache | decode tok/s | vs fp16 | peak MiB (decode) | KV MiB "
+            "| KV B/token | prefill tok/s (the prompt) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        parsed = FOLDER_SYSTEM.match(name)
+        if not parsed or not parsed["context"]:
+            continue
+        n, base, kv = int(parsed["context"]), parsed["base"], parsed["kv"]
+        head = f"| {n} | {base} | {kv} |"
+        if "decode_tok_s" not in r:
+            lines.append(f"{head} {r.get('error', 'no result')} | | | | | |")
+            continue
+        fp16 = results.get(f"{base}[fp16]@{n}", {}).get("decode_tok_s")
+        d, nan = r["decode_tok_s"], float("nan")
+        lines.append(
+            f"{head} {d:.1f} | {d / fp16 if fp16 else nan:.2f}x | "
+            f"{r['peak_mem_bytes'] / 2**20:.0f} | {(r.get('kv_bytes') or nan) / 2**20:.1f} | "
+            f"{r.get('kv_bytes_per_token') or nan:.0f} | {r.get('prefill_tok_s', nan):.0f} |"
+        )
+    return lines
+
+
+def context_targets(results: dict, args) -> list[str]:
+    """The issue's bars: PackKV decode at 2,048 tokens >= 0.8x the fp16 cache's, at 8,000 >= 1.0x;
+    the other compressed caches reported against the same figures."""
+    out = []
+    for name, r in results.items():
+        parsed = FOLDER_SYSTEM.match(name)
+        if not parsed or not parsed["context"] or parsed["kv"] == "fp16":
+            continue
+        n, base = int(parsed["context"]), parsed["base"]
+        fp16 = results.get(f"{base}[fp16]@{n}", {})
+        if "decode_tok_s" not in r or "decode_tok_s" not in fp16:
+            continue
+        ratio, bar = r["decode_tok_s"] / fp16["decode_tok_s"], CONTEXT_BARS.get(n)
+        verdict = ""
+        if bar is not None:
+            verdict = f" (bar for packkv >= {bar})"
+            if kv_spec(parsed["kv"])[0] == "packkv":
+                verdict += f": {'PASS' if ratio >= bar else 'FAIL'}"
+        out.append(f"{name} / fp16 cache decode: {ratio:.2f}x{verdict}")
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
@@ -399,7 +546,20 @@ def parse_args(argv=None):
         help="run folders (e.g. attention conversions) decoded fp32 with each --kvs cache",
     )
     p.add_argument(
-        "--kvs", nargs="*", default=["fp16"], help="KV caches for --folders (fp16 kivi packkv)"
+        "--kvs",
+        nargs="*",
+        default=None,
+        help="KV caches for --folders, with options: fp16 kivi:bits=4 packkv:k_rel=0.04 "
+        f"(default: fp16; with --contexts: {' '.join(LONG_KVS)})",
+    )
+    p.add_argument(
+        "--contexts",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="N",
+        help="prompt lengths for the context-length axis, e.g. 512 2048 8000 (the default "
+        "model's folder unless --folders)",
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new", type=int, default=128)
@@ -423,25 +583,35 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args.worker, args)
     if args.systems is None:
-        args.systems = [] if args.folders else [s for s in SYSTEMS if "q16" not in s]
+        args.systems = (
+            [] if args.folders or args.contexts else [s for s in SYSTEMS if "q16" not in s]
+        )
     bad = [f for f in args.folders if "=" not in f or not Path(f.split("=", 1)[1]).is_dir()]
     if bad:
         sys.exit(f"error: --folders takes NAME=PATH with PATH a run folder; not {bad}")
-    args.systems += [f"{f.split('=', 1)[0]}[{kv}]" for f in args.folders for kv in args.kvs]
+    if args.contexts and not args.folders:
+        args.folders = [f"default={args.fp}"]
+    kvs = args.kvs or (LONG_KVS if args.contexts else ["fp16"])
+    try:
+        check_kvs(kvs)
+    except ValueError as e:
+        sys.exit(f"error: --kvs: {e}")
+    names = [f.split("=", 1)[0] for f in args.folders]
+    if args.contexts:
+        args.systems += [f"{b}[{kv}]@{n}" for n in args.contexts for b in names for kv in kvs]
+    else:
+        args.systems += [f"{b}[{kv}]" for b in names for kv in kvs]
     if any(s.startswith("ours-int4") for s in args.systems) and not args.int4:
         sys.exit("error: --int4 RUN_FOLDER is needed for ours-int4 (or leave it out of --systems)")
-    passthrough = _strip(argv, {"--systems", "--json"}) + ["--fp", args.fp, "--systems"]
+    passthrough = _strip(argv, {"--systems", "--json", "--folders"})
+    passthrough += ["--fp", args.fp, "--folders", *args.folders, "--systems"]
     load_before = os.getloadavg()[0]
     results = {name: {"disk_bytes": disk_bytes(name, args)} for name in args.systems}
     rounds = {}
-    for task in (
-        "decode",
-        "prefill",
-    ):  # separate processes: each has its own peak RSS; one phase at a time
+    for task, group in phases(args.systems, args):
+        # separate processes: each has its own peak RSS; one phase (and context) at a time
         workers = {}
-        for name in args.systems:
-            if task == "prefill" and name.endswith("+compile"):
-                continue  # prefill runs eagerly either way: the row without +compile has it
+        for name in group:
             try:
                 workers[name, task] = Worker(f"{name}:{task}", passthrough)
                 rounds[name, task] = []
@@ -457,7 +627,9 @@ def main(argv=None) -> None:
                     continue
                 if i:
                     rounds[key].append(r)
-            print(f"{task} round {i}/{args.rounds} done", file=sys.stderr)
+            context = (folder_system(group[0], args) or (None, None, None))[2] if group else None
+            where = f" ({context}-token context)" if context else ""
+            print(f"{task}{where} round {i}/{args.rounds} done", file=sys.stderr)
         for w in workers.values():
             w.close()
     for (name, task), rs in rounds.items():
@@ -470,14 +642,30 @@ def main(argv=None) -> None:
                     rs[-1]["text"],
                 )
                 results[name]["kv_bytes_per_token"] = rs[-1]["kv_bytes_per_token"]
+                results[name]["kv_bytes"] = rs[-1]["kv_bytes"]
                 results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
-    print(
-        f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS ignored); "
-        f"prefill {args.prefill_len} tokens; median of {args.rounds} after a warm-up; "
-        f"torch threads {args.threads}; load average {load_before:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after"
-    )
-    print("\n".join(table(results) + [""] + targets(results)))
+                if folder_system(name, args) and folder_system(name, args)[2]:
+                    results[name]["prefill_tok_s"] = statistics.median(
+                        r["prompt_prefill_tok_s"] for r in rs
+                    )
+    short = [n for n in args.systems if not (folder_system(n, args) or [0, 0, 0])[2]]
+    if short:
+        print(
+            f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS "
+            f"ignored); prefill {args.prefill_len} tokens; median of {args.rounds} after a "
+            f"warm-up; torch threads {args.threads}; load average {load_before:.1f} before, "
+            f"{os.getloadavg()[0]:.1f} after"
+        )
+        sub = {n: results[n] for n in short}
+        print("\n".join(table(sub) + [""] + targets(sub)))
+    if args.contexts:
+        print(
+            f"\nbatch 1, WikiText-2 prompts of {', '.join(map(str, args.contexts))} tokens + "
+            f"{args.new} new tokens (greedy, EOS ignored); fp32 model, attention in fp32; median "
+            f"of {args.rounds} after a warm-up; torch threads {args.threads}; load average "
+            f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        )
+        print("\n".join(context_table(results, args) + [""] + context_targets(results, args)))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

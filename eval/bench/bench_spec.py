@@ -290,9 +290,7 @@ def main(argv=None) -> None:
         action="store_true",
         help="drafts keep only the int4pack form (with --qdtype bfloat16)",
     )
-    p.add_argument(
-        "--compile", action="store_true", help="each draft's decode step compiled (CPU)"
-    )
+    p.add_argument("--compile", action="store_true", help="each draft's decode step compiled (CPU)")
     p.add_argument(
         "--draft-head",
         choices=("none", "int8", "int4"),

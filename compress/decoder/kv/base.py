@@ -8,7 +8,7 @@
 the first ``v_dim`` channels of K, stored once.
 
 ``pos`` defaults to the next T slots (append) and to the last Tq slots written (attend).
-    cache.length, cache.nbytes(), cache.reset(), cache.rollback(length)
+    cache.length, cache.nbytes(), cache.reset(), cache.rollback(length), cache.settle()
 
 K arrives position-encoded, as the model's attention computes it. Query head ``j`` reads KV
 head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``) and, per row ``b``,
@@ -29,6 +29,18 @@ def hidden(kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None) -
     if start is not None:
         m = m | (kpos < start.view(-1, 1, 1))[:, :, None, None, :]
     return m
+
+
+def sees_everything(qpos: torch.Tensor, start: torch.Tensor | None, length: int) -> bool:
+    """True for one CPU query at the newest slot of ``length`` without padding: the mask of
+    :func:`hidden` is all False, so attention can skip building and applying it (a decode
+    step; on a GPU the check would synchronize, so it is never taken there)."""
+    return (
+        start is None
+        and qpos.numel() == 1
+        and qpos.device.type == "cpu"
+        and int(qpos.reshape(())) >= length - 1
+    )
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
@@ -89,6 +101,10 @@ class Cache:
             f"speculative decoding needs after a rejected draft; use --kv fp16, "
             f"full, kivi or packkv."
         )
+
+    def settle(self) -> None:
+        """After a prefill: do now the work the next append would do anyway (compressed caches
+        compress the prompt here); a no-op for the uncompressed caches."""
 
     def check_rollback(self, length: int) -> None:
         if not 0 <= length <= min(self.lens):

@@ -9,7 +9,7 @@ ones, so every decode step has the same shapes and one compiled graph serves the
 
 import torch
 
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, hidden, masked_softmax, sees_everything
 from compress.errors import CompressError
 
 
@@ -51,6 +51,8 @@ class FP16Cache(Cache):
         pos = self.slots(layer, tq, pos, after=False)
         L = self.max_len if self.static else self.lens[layer]
         scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
+        if not self.static and sees_everything(pos, start, L):
+            return scores.softmax(-1)
         kpos = torch.arange(L, device=q.device)[None, None]
         return masked_softmax(scores, hidden(kpos, pos, start), tq)
 

@@ -1,12 +1,10 @@
 """PackKV (arXiv 2512.24449): error-bounded per-token codes, repacked per block, bit-packed per 16."""
 
-import math
-
 import torch
 
 from compress.decoder.kv.window import ResidualCache
 from compress.errors import CompressError
-from compress.kernels import packkv_pv, packkv_qk, packkv_ref
+from compress.kernels import packkv_order, packkv_pv, packkv_qk, packkv_ref
 
 
 def order_median(codes: torch.Tensor) -> torch.Tensor:
@@ -18,42 +16,13 @@ def order_median(codes: torch.Tensor) -> torch.Tensor:
     return key.argsort(dim=-1, stable=True)
 
 
-def order_greedy(codes: torch.Tensor, pack: int = packkv_ref.PACK) -> torch.Tensor:
-    """Permutation ``[N, T]`` filling packs one token at a time.
-
-    Each pack starts from the remaining token with the lowest median code, then takes, 15
-    times, the remaining token that least grows the pack's bits ``sum_c bit_length(max_c - min_c)``
-    over its K and V channels (ties go to the smaller growth of the ranges).
-    """
-    N, T, C = codes.shape
-    x = codes.float()
-    rows = torch.arange(N, device=codes.device)
-    seed_key = codes.median(-1).values.float()
-    taken = torch.zeros(N, T, dtype=torch.bool, device=codes.device)
-    perm = torch.empty(N, T, dtype=torch.long, device=codes.device)
-    for s in range(T):
-        if s % pack == 0:
-            pick = seed_key.masked_fill(taken, math.inf).argmin(-1)
-            lo = hi = x[rows, pick]
-        else:
-            span = torch.maximum(hi[:, None], x) - torch.minimum(lo[:, None], x)  # [N, T, C]
-            cost = torch.log2(1 + span).ceil_().sum(-1) + span.sum(-1) / (
-                256 * C
-            )  # tie-break < 1 bit
-            pick = cost.masked_fill(taken, math.inf).argmin(-1)
-            lo, hi = torch.minimum(lo, x[rows, pick]), torch.maximum(hi, x[rows, pick])
-        taken[rows, pick] = True
-        perm[:, s] = pick
-    return perm
-
-
 def joined(a: tuple, b: tuple) -> tuple:
     """Tensors of ``a`` and ``b`` pairwise concatenated along the token axis (1)."""
     return tuple(torch.cat([x, y], 1) for x, y in zip(a, b))
 
 
 ORDERS = {
-    "greedy": order_greedy,
+    "greedy": packkv_order,  # C++ on the CPU (packkv_order.cpp); rule in packkv_ref
     "median": order_median,
     "none": lambda codes: torch.arange(codes.shape[1], device=codes.device).expand(codes.shape[:2]),
 }
@@ -78,8 +47,8 @@ class PackKVCache(ResidualCache):
     (``python -m compress.eval.bench.kv_quality --parallel --windows 4 --tokens 1536``).
 
     Attention products come from ``compress.kernels`` (Triton, decoding in registers, on CUDA;
-    C++ decoding pack by pack on the CPU). The staged tokens (under 16) are
-    dequantized and multiplied in PyTorch.
+    C++ decoding pack by pack on the CPU). The staged tokens (under 16) are dequantized as they
+    arrive and multiplied together with the fp16 window (``tail``).
     """
 
     OPTIONS = ("k_rel", "v_rel", "block", "pack", "residual", "order", "keep_perm")
@@ -117,6 +86,11 @@ class PackKVCache(ResidualCache):
             raise CompressError(f"PackKV order='{order}' is unknown; use one of {sorted(ORDERS)}.")
         self.k_rel, self.v_rel, self.block, self.order = k_rel, v_rel, block, order
         self.keep_perm = batch > 1 if keep_perm is None else bool(keep_perm)
+        # quantize_tokens' per-entry rel and max code of stacked [K, V]
+        self.rels = tuple(
+            torch.tensor(x, dtype=torch.float32, device=device).view(2, 1, 1)
+            for x in ([k_rel, v_rel], [packkv_ref.max_code(k_rel), packkv_ref.max_code(v_rel)])
+        )
         super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
 
     def reset_history(self):
@@ -143,6 +117,8 @@ class PackKVCache(ResidualCache):
         self.staged = [
             (none, none) for _ in range(self.n_layers)
         ]  # per layer, K and V: (codes, tmin, lstep)
+        # per layer, their x_hat fp32 [2 (K, V), BH, s, D]: attention's tail, made as they arrive
+        self.staged_x = [torch.zeros(2, BH, 0, self.head_dim, device=dev)] * self.n_layers
 
     def compress(self, layer, k, v):
         """Quantize the tokens leaving the window, bit-pack whole packs, repack a block when it fills."""
@@ -155,14 +131,12 @@ class PackKVCache(ResidualCache):
         )
         pk, pv = self.k[layer], self.v[layer]
         # pending tokens of K and of V, each (codes uint8, tmin, lstep): the staged ones, then these
-        new = [
-            packkv_ref.quantize_tokens(x.reshape(BH, n, D), rel)
-            for x, rel in ((k, self.k_rel), (v, self.v_rel))
-        ]
-        kv = [
-            joined(st, (c.to(torch.uint8), tmin, lstep))
-            for st, (c, tmin, lstep) in zip(self.staged[layer], new)
-        ]
+        codes, tmin, lstep = packkv_ref.quantize_tokens(
+            torch.stack([k.reshape(BH, n, D), v.reshape(BH, n, D)]), *self.rels
+        )  # K and V in one pass
+        codes = codes.to(torch.uint8)
+        staged_before = self.staged[layer][0][0].shape[1]
+        kv = [joined(st, (codes[i], tmin[i], lstep[i])) for i, st in enumerate(self.staged[layer])]
         start = pk.n // blk * blk  # first slot of the block being filled
         if (
             pk.n - start + kv[0][0].shape[1] >= blk
@@ -172,9 +146,7 @@ class PackKVCache(ResidualCache):
         full = m // blk * blk if pk.n == start else 0  # whole blocks, from a block's first slot
         packed = m // pack * pack
         if full:
-            codes = (
-                torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).long().view(-1, blk, 2 * D)
-            )
+            codes = torch.cat([kv[0][0][:, :full], kv[1][0][:, :full]], -1).view(-1, blk, 2 * D)
             perm = ORDERS[self.order](codes).view(BH, full // blk, blk)
             idx = (perm + torch.arange(0, full, blk, device=self.device)[:, None]).view(BH, full)
             self.store(
@@ -193,6 +165,12 @@ class PackKVCache(ResidualCache):
         if packed > full:  # whole packs of a block not yet full: in arrival order
             self.store(layer, [[t[:, full:packed] for t in x] for x in kv])
         self.staged[layer] = tuple(tuple(t[:, packed:] for t in x) for x in kv)
+        if not packed and m == staged_before + n:  # the staged ones, then these: extend x_hat
+            self.staged_x[layer] = torch.cat(
+                [self.staged_x[layer], packkv_ref.values(codes, tmin, lstep)], 2
+            )
+        else:
+            self.staged_x[layer] = torch.stack([packkv_ref.values(*x) for x in self.staged[layer]])
 
     def store(self, layer, kv, order=None):
         """Append whole packs ``kv = [K, V]`` of ``(codes, tmin, lstep)``; ``order [BH, n]``: each one's
@@ -208,7 +186,15 @@ class PackKVCache(ResidualCache):
 
     def staged_hat(self, layer, which: int) -> torch.Tensor:
         """Dequantized staged tokens ``[BH, s, D]`` fp32 of K (0) or V (1)."""
-        return packkv_ref.values(*self.staged[layer][which])
+        return self.staged_x[layer][which]
+
+    def tail(self, layer):
+        """The staged tokens, dequantized as they arrived: attention takes them with the window."""
+        x = self.staged_x[layer]
+        if not x.shape[2]:
+            return None
+        shape = (self.batch, self.n_kv_heads, -1, self.head_dim)
+        return x[0].view(shape).to(self.dtype), x[1].view(shape).to(self.dtype)
 
     def history(self, layer):
         """``(K_hat, V_hat)`` ``[B, Hkv, C, D]`` fp32 of the compressed positions, in position order
@@ -233,18 +219,14 @@ class PackKVCache(ResidualCache):
         return tuple(out)
 
     def history_scores(self, layer, q4):
+        """Scores of the packed tokens (the staged ones are the :meth:`tail`)."""
         B, H, M, D = q4.shape
-        q = q4.reshape(B * H, M, D).float()
-        s = packkv_qk(q, self.k[layer]) if self.k[layer].n else q.new_zeros(B * H, M, 0)
-        return torch.cat([s, q @ self.staged_hat(layer, 0).transpose(1, 2)], -1).view(B, H, M, -1)
+        return packkv_qk(q4.reshape(B * H, M, D).float(), self.k[layer]).view(B, H, M, -1)
 
     def history_mix(self, layer, p):
-        B, H, M, C = p.shape
-        n, p = self.k[layer].n, p.reshape(B * H, M, C).float()
-        out = p[..., n:] @ self.staged_hat(layer, 1)
-        if n:
-            out = out + packkv_pv(p[..., :n].contiguous(), self.v[layer])
-        return out.view(B, H, M, -1)
+        """Mix of the packed tokens' values."""
+        B, H, M, n = p.shape
+        return packkv_pv(p.reshape(B * H, M, n).float(), self.v[layer]).view(B, H, M, -1)
 
     def history_positions(self, layer, qpos, start):
         C, n, blk = self.ncomp[layer], self.k[layer].n, self.block

@@ -14,7 +14,7 @@ bit width, offset and permutation, and the fp16 window.
 
 import torch
 
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, hidden, masked_softmax, sees_everything
 from compress.errors import CompressError
 
 
@@ -23,7 +23,8 @@ class ResidualCache(Cache):
 
     Per layer: ``win_k, win_v`` fp16 ``[B, Hkv, w, D]`` hold positions ``ncomp .. length-1``;
     positions ``0 .. ncomp-1`` are compressed (``ncomp`` a multiple of ``block``). Subclasses
-    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions.
+    store the history and give its scores ``q K_hat^T``, its mix ``p V_hat`` and its positions
+    (and, optionally, its newest tokens dequantized: :meth:`tail`).
     """
 
     block = 64
@@ -49,18 +50,32 @@ class ResidualCache(Cache):
 
     def append(self, layer, k, v, pos=None):
         T = self.check_append(layer, k, v)
-        old = self.win_k[layer].shape[2]
-        wk = torch.cat([self.win_k[layer], k.half()], 2)
-        wv = torch.cat([self.win_v[layer], v.half()], 2)
-        # tokens older than this chunk and outside the newest `residual`, in whole granules
+        self.win_k[layer] = torch.cat([self.win_k[layer], k.half()], 2)
+        self.win_v[layer] = torch.cat([self.win_v[layer], v.half()], 2)
+        self.lens[layer] += T
+        self.evict(
+            layer, max(T, self.residual)
+        )  # older than this chunk, outside the newest `residual`
+
+    def settle(self):
+        """Compress now, in every layer, what the next append will compress whatever it brings.
+
+        Called after a prefill: the prompt is then compressed in the prefill that brought it,
+        not in the first decode step, and the cache ends up exactly as that step would leave it
+        (the next append's ``n`` tokens are these, then its own share: both whole granules).
+        """
+        for layer in range(self.n_layers):
+            self.evict(layer, max(self.residual - 1, 0))
+
+    def evict(self, layer: int, keep: int) -> None:
+        """Compress the window's oldest tokens, in whole granules, all but the newest ``keep``."""
         granule = self.granule or self.block
-        n = max(0, min(old, old + T - self.residual)) // granule * granule
+        wk, wv = self.win_k[layer], self.win_v[layer]
+        n = max(0, wk.shape[2] - keep) // granule * granule
         if n:
             self.compress(layer, wk[:, :, :n].float(), wv[:, :, :n].float())
             self.ncomp[layer] += n
-            wk, wv = wk[:, :, n:].clone(), wv[:, :, n:].clone()
-        self.win_k[layer], self.win_v[layer] = wk, wv
-        self.lens[layer] += T
+            self.win_k[layer], self.win_v[layer] = wk[:, :, n:].clone(), wv[:, :, n:].clone()
 
     def rollback(self, length: int) -> None:
         """Drop the tokens past ``length`` from the fp16 window; they must not be compressed yet.
@@ -85,17 +100,32 @@ class ResidualCache(Cache):
         q4, tq = self.queries(q)
         C, qpos = self.ncomp[layer], self.slots(layer, tq, pos, after=False)
         wk, wv = self.win_k[layer].to(self.dtype), self.win_v[layer].to(self.dtype)
+        tail = self.tail(layer)  # the newest compressed tokens, taken with the window
+        if tail is not None:
+            wk, wv = torch.cat([tail[0], wk], 2), torch.cat([tail[1], wv], 2)
+        H = C - (0 if tail is None else tail[0].shape[2])  # from history_scores / history_mix
         scores = q4 @ wk.transpose(-1, -2)
-        kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
-        if C:
+        if H:
             scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
-            hpos = self.history_positions(layer, qpos, start)
-            kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
-        p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
-        out = p[..., C:] @ wv
-        if C:
-            out = out + self.history_mix(layer, p[..., :C].contiguous()).to(self.dtype)
+        if sees_everything(qpos, start, self.lens[layer]):
+            p = scores.softmax(-1)
+        else:
+            kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
+            if C:
+                hpos = self.history_positions(layer, qpos, start)
+                kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
+            p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
+        out = p[..., H:] @ wv
+        if H:
+            out = out + self.history_mix(layer, p[..., :H].contiguous()).to(self.dtype)
         return self.heads(out, q)
+
+    def tail(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(K_hat, V_hat)`` ``[B, Hkv, s, D]`` in ``dtype`` of the newest ``s`` compressed
+        positions, which attention multiplies together with the window (one product each) rather
+        than through ``history_scores`` / ``history_mix`` (these then cover the first ``C - s``);
+        None (the default) when the history covers them all."""
+        return None
 
     def history_positions(self, layer, qpos, start) -> torch.Tensor:
         """Positions ``[B|1, Hkv|1, C]`` of the compressed slots; in order by default."""
