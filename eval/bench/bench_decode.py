@@ -10,6 +10,7 @@ Systems (``--systems`` picks some):
                     int4pack kernel; inputs rounded to bfloat16, so not bit-faithful to the run folder)
     ours-int4-bf16  the same with everything in bfloat16 (embedding and head included)
     ...-lean        the same, loaded ``lean``: only the int4pack form of each layer is kept
+    ...-head8/4     the same, the output head group-quantized at load (``--head int8/int4``)
     ...+compile     the same system decoding with the static-shape compiled step
                     (``compress.decoder.static``; compiled in the warm-up round)
     ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
@@ -73,7 +74,8 @@ OURS = (
     "ours-fp32",
     "ours-bf16",
 )
-SYSTEMS = (*OURS, *(f"{s}+compile" for s in OURS), "hf-fp32", "llama.cpp")
+HEADS = ("ours-int4-bf16-lean-head8", "ours-int4-bf16-lean-head4")  # the head quantized at load
+SYSTEMS = (*OURS, *HEADS, *(f"{s}+compile" for s in (*OURS, *HEADS)), "hf-fp32", "llama.cpp")
 
 
 def tensor_bytes(objs) -> int:
@@ -141,11 +143,17 @@ def kv_spec(spec: str) -> tuple[str, dict]:
 
 
 class Ours:
-    def __init__(self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16", context=None):
+    def __init__(
+        self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16", context=None, head="none"
+    ):
         from compress.decoder.model import load
 
         self.model, _ = load(
-            folder, dtype=getattr(torch, dtype), qdtype=qdtype and getattr(torch, qdtype), lean=lean
+            folder,
+            dtype=getattr(torch, dtype),
+            qdtype=qdtype and getattr(torch, qdtype),
+            lean=lean,
+            head=head,
         )
         self.compile, (self.kv, self.kv_opts), self.context = compile, kv_spec(kv), context
 
@@ -280,6 +288,8 @@ def make_system(name, args):
         return Ours(folder, "float32", False, kv=kv, context=context)
     if name.startswith("ours-"):
         base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
+        head = {"-head8": "int8", "-head4": "int4"}.get(base[-6:], "none")
+        base = base.removesuffix("-head8").removesuffix("-head4")
         base, lean = base.removesuffix("-lean"), base.endswith("-lean")
         return Ours(
             args.int4 if name.startswith("ours-int4") else args.fp,
@@ -287,6 +297,7 @@ def make_system(name, args):
             compiled,
             "bfloat16" if base.endswith("q16") else None,
             lean,
+            head=head,
         )
     if name == "hf-fp32":
         return HF(args.fp)
@@ -536,7 +547,7 @@ def parse_args(argv=None):
         nargs="*",
         choices=SYSTEMS,
         default=None,
-        help="default: all but the q16 rows; none when --folders is given",
+        help="default: all but the q16 and head rows; none when --folders is given",
     )
     p.add_argument(
         "--folders",
@@ -584,7 +595,9 @@ def main(argv=None) -> None:
         return worker(args.worker, args)
     if args.systems is None:
         args.systems = (
-            [] if args.folders or args.contexts else [s for s in SYSTEMS if "q16" not in s]
+            []
+            if args.folders or args.contexts
+            else [s for s in SYSTEMS if "q16" not in s and "head" not in s]
         )
     bad = [f for f in args.folders if "=" not in f or not Path(f.split("=", 1)[1]).is_dir()]
     if bad:
