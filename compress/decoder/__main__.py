@@ -131,17 +131,9 @@ def _cuda() -> bool:
 
 
 def kv_options(pairs: list[str]) -> dict:
-    """``["bits=2", "rel_k=0.05"]`` -> ``{"bits": 2, "rel_k": 0.05}`` (values parsed as JSON when they can be)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CompressError(f"--kv-opt takes KEY=VALUE, got '{pair}'.")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    from compress.decoder.kv import parse_options
+
+    return parse_options(pairs)
 
 
 def main(argv=None) -> None:

@@ -126,16 +126,14 @@ def prompt_ids(tokenizer, n: int, offset: int = 0, real: bool = False) -> list[i
 def kv_spec(spec: str) -> tuple[str, dict]:
     """``"kivi:bits=4,group=32"`` -> ``("kivi", {"bits": 4, "group": 32})`` (values as JSON when
     they parse)."""
+    from compress.decoder.kv import parse_options
+    from compress.errors import CompressError
+
     kind, _, rest = spec.partition(":")
-    opts = {}
-    for pair in filter(None, rest.split(",")):
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"KV cache option '{pair}' of '{spec}' is not KEY=VALUE")
-        try:
-            opts[key] = json.loads(value)
-        except json.JSONDecodeError:
-            opts[key] = value
+    try:
+        opts = parse_options(list(filter(None, rest.split(","))), f"the cache '{spec}'")
+    except CompressError as e:
+        raise ValueError(str(e)) from None
     return kind, opts
 
 

@@ -19,6 +19,24 @@ from compress.errors import CompressError
 CACHES = {"fp16": FP16Cache, "kivi": KIVICache, "packkv": PackKVCache, "full": FullCache}
 KV_KINDS = tuple(CACHES)
 
+
+def parse_options(pairs: list[str], what: str = "--kv-opt") -> dict:
+    """``["bits=2", "k_rel=0.05"]`` -> ``{"bits": 2, "k_rel": 0.05}`` (values parsed as JSON when
+    they can be)."""
+    import json
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CompressError(f"{what} takes KEY=VALUE, got '{pair}'.")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 __all__ = [
     "CACHES",
     "KV_KINDS",
