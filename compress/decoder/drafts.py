@@ -132,7 +132,7 @@ def check_vocab(target_size: int, draft_size: int) -> None:
 
 def check_draft(target, draft) -> None:
     """Refuse a draft whose vocabulary size is not the target's (ids would mean other tokens)."""
-    check_vocab(target.lm_head.out_features, draft.lm_head.out_features)
+    check_vocab(target.model.embed_tokens.num_embeddings, draft.model.embed_tokens.num_embeddings)
     check_vocab(target.config.vocab_size, draft.config.vocab_size)
 
 
