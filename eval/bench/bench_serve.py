@@ -184,7 +184,13 @@ def ttft(label, path, dtype, args) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--folder", action="append", required=True, metavar="LABEL=PATH[:DTYPE]")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="*",
+        default=[1, 2, 4, 8, 16, 32],
+        help="batch sizes for throughput (none: only the --ttft runs)",
+    )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-lens", type=int, nargs=2, default=[16, 256])
     p.add_argument("--new-lens", type=int, nargs=2, default=[64, 128])
@@ -208,7 +214,8 @@ def main(argv=None) -> None:
         folders = [parse_folder(s) for s in args.folder]
         rows = {"throughput": [], "ttft": []}
         for label, path, dtype in folders:
-            rows["throughput"] += throughput(label, path, dtype, args)
+            if args.batch:
+                rows["throughput"] += throughput(label, path, dtype, args)
             if args.ttft:
                 rows["ttft"] += ttft(label, path, dtype, args)
     except CompressError as e:
