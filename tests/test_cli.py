@@ -140,6 +140,12 @@ def test_cfg_job_prints_the_checked_recipe():
     assert res.returncode == 0 and "group_size: 64" in res.stdout
 
 
+def default_sigint() -> None:
+    """In the child: SIGINT at its default, whatever this test process inherited or set (a child
+    that starts with SIGINT ignored keeps it ignored, and Ctrl-C could not reach it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
     """SIGINT while the checkpoint is being evaluated: one line, exit 130, no folder left;
@@ -157,7 +163,13 @@ def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
     ]  # every window: an evaluation long enough to hit
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     deadline = time.time() + 120
     while not list(tmp_path.glob(".run.tmp-*")) and proc.poll() is None and time.time() < deadline:
@@ -193,7 +205,13 @@ def test_ctrl_c_before_anything_is_written(tiny_dir, tmp_path):
     ]
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     line = proc.stdout.readline()
     while line and "loading" not in line:
