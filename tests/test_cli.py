@@ -146,6 +146,18 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def start(args, env) -> subprocess.Popen:
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=default_sigint,
+    )
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
     """SIGINT while the checkpoint is being evaluated: one line, exit 130, no folder left;
@@ -162,15 +174,7 @@ def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
         f"hydra.run.dir={out}",
     ]  # every window: an evaluation long enough to hit
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=default_sigint,
-    )
+    proc = start(args, env)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".run.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -204,15 +208,7 @@ def test_ctrl_c_before_anything_is_written(tiny_dir, tmp_path):
         f"hydra.run.dir={out}",
     ]
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=default_sigint,
-    )
+    proc = start(args, env)
     line = proc.stdout.readline()
     while line and "loading" not in line:
         line = proc.stdout.readline()
