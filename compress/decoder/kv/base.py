@@ -141,14 +141,19 @@ class Cache:
         end = self.lens[layer] + t if after else self.lens[layer]
         return torch.arange(end - t, end, device=self.device)
 
-    def queries(self, q: torch.Tensor):
-        """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], Tq)`` for this layer."""
+    def check_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` if it is ``[batch, H (a multiple of Hkv), Tq, head_dim]``, else a clear error."""
         B, H, Tq, D = q.shape
         if B != self.batch or D != self.head_dim or H % self.n_kv_heads:
             raise CompressError(
                 f"KV cache attend: q {tuple(q.shape)} must be [batch={self.batch}, "
                 f"heads (a multiple of kv_heads={self.n_kv_heads}), Tq, {self.head_dim}]."
             )
+        return q
+
+    def queries(self, q: torch.Tensor):
+        """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], Tq)`` for this layer."""
+        B, H, Tq, D = self.check_queries(q).shape
         return (q.to(self.dtype) * self.scale).reshape(B, self.n_kv_heads, -1, D), Tq
 
     def heads(self, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,14 @@ class PagedCache(Cache):
         # a key slot past the row's length gets a virtual slot beyond every query: masked as future
         kpos = torch.where(j < lens[:, None], start[:, None] + j, torch.iinfo(torch.long).max)
         self.batch = len(tables)
-        self.step = dict(keep=keep, dest=flat[keep], gather=gather, kpos=kpos[:, None], start=start)
+        self.step = dict(
+            keep=keep,
+            dest=flat[keep],
+            gather=gather,
+            flat=gather.reshape(-1),  # every layer's gather index, made once a step
+            kpos=kpos[:, None],
+            start=start,
+        )
 
     def append(self, layer, k, v, pos=None):
         s = self.step
@@ -92,14 +99,12 @@ class PagedCache(Cache):
 
     def attend(self, layer, q, pos=None, start=None):
         s = self.step
-        if q.shape[0] != self.batch or q.shape[1] % self.n_kv_heads:
-            self.queries(q)  # its shape error
+        self.check_queries(q)
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
         B, L = s["gather"].shape
-        flat = s["gather"].reshape(-1)
-        keys = self.k[layer].index_select(0, flat).view(B, L, self.n_kv_heads, -1)
-        values = self.v[layer].index_select(0, flat).view(B, L, self.n_kv_heads, -1)
+        keys = self.k[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
+        values = self.v[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         return fused_attention(
             q,
             keys.transpose(1, 2).to(self.dtype),
