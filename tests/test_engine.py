@@ -61,6 +61,30 @@ def test_batched_greedy_equals_each_alone(tiny, kv):
     no_leaks(engine)
 
 
+def test_prefill_budget_bounds_the_padded_batch():
+    """A prefill step's padded batch (rows x widest chunk) stays within ``max_step_tokens``; every
+    prompt is fed whole, chunk by chunk, and several prompts share a step."""
+    from compress.decoder.blocks import BlockManager
+    from compress.decoder.scheduler import Scheduler, Sequence
+
+    sch = Scheduler(BlockManager(256, 4), max_seqs=8, max_step_tokens=24)
+    seqs = [Sequence(i, p, Params(max_tokens=1)) for i, p in enumerate(random_prompts(12, 3))]
+    for s in seqs:
+        sch.add(s)
+    fed, rows = {}, []
+    while sch.waiting or sch.running:
+        batch = sch._prefill()
+        assert batch and len(batch) * max(n for _, n in batch) <= 24
+        rows.append(len(batch))
+        for s, n in batch:
+            s.computed += n
+        for s in [s for s in sch.running if s.pending <= 1]:  # a last token left: decode feeds it
+            fed[s.id] = s.computed + s.pending
+            sch.retire(s)
+    assert fed == {s.id: len(s.tokens) for s in seqs}
+    assert max(rows) > 1
+
+
 def test_paged_forward_matches_contiguous_cache(tiny):
     """One prefill step of three prompts in the paged layout gives each row's last logits as the
     contiguous cache does for the left-padded batch (same model forward, same attention)."""

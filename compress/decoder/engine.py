@@ -140,7 +140,7 @@ class Engine:
         idx, pos, start = self.layout(batch)
         logits = self.model(idx, self.cache, pos=pos, start=start, last=True)[:, -1]
         self.steps += 1
-        greedy = logits.argmax(-1).tolist()
+        greedy = logits.float().argmax(-1).tolist()  # bf16 argmax is ~5x slower on the CPU
         events = []
         for b, (seq, n) in enumerate(batch):
             seq.computed += n

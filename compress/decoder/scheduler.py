@@ -2,8 +2,8 @@
 
 Every step the scheduler admits and retires sequences (iteration-level batching, Orca/vLLM),
 prefill first: a step either feeds prompt chunks (sequences still prefilling, then waiting
-ones while seats and the step's token budget last; a prompt longer than the budget is
-prefilled in chunks over several steps), or, when there is no prompt work, one token of every
+ones while seats and the step's token budget last, the budget bounding the padded batch
+``rows x width``; a prompt longer than the budget is prefilled in chunks over several steps), or, when there is no prompt work, one token of every
 decoding sequence. When a decoding sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are released and it returns to the head of the queue, to be
 recomputed from its tokens (prompt + generated) later, through the prefix cache where its
@@ -118,26 +118,34 @@ class Scheduler:
         raise CompressError("internal: the scheduler found no step to run.")
 
     def _prefill(self) -> list[tuple[Sequence, int]]:
-        bm, budget, batch = self.blocks, self.max_step_tokens, []
+        """Prompt chunks for one step. The step runs a padded ``[rows, width]`` batch, so the
+        budget ``max_step_tokens`` bounds ``rows * width``, not the sum of the chunks: a row
+        joins with a chunk of at most ``max_step_tokens // rows`` tokens, and none joins once
+        the step is as wide as that allows."""
+        bm, batch, width = self.blocks, [], 0
+
+        def chunk(seq) -> int:  # this row's tokens, 0 when it does not fit the step
+            cap = self.max_step_tokens // (len(batch) + 1)
+            return min(seq.pending, cap) if cap >= width else 0
+
         for seq in self.running:
-            if seq.pending > 1 and budget > 0:
-                n = min(seq.pending, budget)
+            if seq.pending > 1 and (n := chunk(seq)):
                 if bm.can_grow(seq, seq.computed + n):
                     bm.grow(seq, seq.computed + n)
                     batch.append((seq, n))
-                    budget -= n
-        while self.waiting and len(self.running) < self.max_seqs and budget > 0:
+                    width = max(width, n)
+        while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             bm.match_prefix(seq)
-            n = min(seq.pending, budget)
-            if not bm.can_grow(seq, seq.computed + n):
+            n = chunk(seq)
+            if not n or not bm.can_grow(seq, seq.computed + n):
                 bm.release(seq)
                 break
             bm.hit_tokens += seq.computed
             bm.grow(seq, seq.computed + n)
             self.running.append(self.waiting.popleft())
             batch.append((seq, n))
-            budget -= n
+            width = max(width, n)
         return batch
 
     def _decode(self) -> list[tuple[Sequence, int]]:

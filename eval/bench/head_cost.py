@@ -9,6 +9,8 @@ the folder loaded as the pipeline loads it (``compress.checkpoint.load_run``), o
 setting (``compress.quant.head.quantize_head``). A recipe run with ``quant.lm_head=int8`` reports
 the same figures for its own folder; this script measures an existing folder without running
 the recipe again. The table gives each setting's relative ppl change against the head as stored.
+The source's log-probs are cached as the pipeline's ``eval.cache_logprobs`` does, so the source
+runs once for all head settings.
 """
 
 import argparse
@@ -24,7 +26,7 @@ def main(argv=None) -> None:
     from compress.config import eval_device
     from compress.data import eval_windows, read_text
     from compress.quant.head import check_head, quantize_head
-    from compress.source import load_model
+    from compress.source import cache_dir, load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="a run folder (with manifest.json)")
@@ -34,23 +36,31 @@ def main(argv=None) -> None:
     p.add_argument("--data", help="eval text (default: the manifest's data.eval.source)")
     p.add_argument("--source", help="source model (default: the manifest's source.path)")
     p.add_argument("--json", help="also write the figures here")
+    p.add_argument(
+        "--no-logprob-cache",
+        action="store_true",
+        help="run the source on every head setting instead of caching its log-probs",
+    )
     args = p.parse_args(argv)
     for kind in args.heads:
         check_head(kind, "--heads")
     manifest = json.loads((args.run / "manifest.json").read_text())
     recipe = manifest["recipe"]
-    source, tok, _ = load_model(args.source or manifest["source"]["path"], "float32")
+    source, tok, info = load_model(args.source or manifest["source"]["path"], "float32")
     text = read_text(args.data or recipe["data"]["eval"]["source"], role="eval")
     windows = eval_windows(tok, text, args.seqlen, args.windows)
     device = eval_device("auto")
     source = source.to(device)
     _, qcfg = read_config(args.run)
+    cache = None if args.no_logprob_cache or not info.sha256 else cache_dir() / "logprobs"
     rows = {}
     for kind in args.heads:
         model = load_run(args.run)[0]
         quantize_head(model, kind, qcfg)
         with torch.no_grad():
-            rows[kind] = evaluate(model.to(device), windows, source, desc=f"head {kind}")
+            rows[kind] = evaluate(
+                model.to(device), windows, source, f"head {kind}", cache, info.sha256
+            )
         del model
     base = rows.get("none", {}).get("ppl")
     src = next(iter(rows.values()))["source_ppl"]
