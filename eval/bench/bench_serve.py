@@ -15,8 +15,9 @@ process, no HTTP) runs at most B of them at a time:
 
 B = 1 serves them one at a time, so ``speed-up`` = tok/s at B / tok/s at 1 of the same run.
 
-TTFT (``--ttft``): a prompt of each length prefilled in one process, and with ``--ranks`` N > 1
-by KV-Runahead (``compress.decoder.runahead``) over N processes with balanced and with even
+TTFT (``--ttft``): a prompt of each length prefilled in one process (in forwards of ``--chunk``
+tokens, default 1024, which keeps the attention scores small; 0: one forward), and with ``--ranks``
+N > 1 by KV-Runahead (``compress.decoder.runahead``) over N processes with balanced and with even
 chunks; ``--threads`` (default 1) threads in every process, so N ranks use N times the cores.
 Medians of ``--rounds`` after one warm-up. Wall-clock figures on a shared machine are noisy.
 """
@@ -149,14 +150,20 @@ def ttft(label, path, dtype, args) -> list[dict]:
 
     for T in args.ttft:
         ids = corpus_ids(tok, model.config.vocab_size, T, args.seed)
+        step = args.chunk or T
 
         def single():
+            cache = new_cache(model, "full", 1, T)
             with torch.no_grad():
-                model(torch.tensor([ids]), new_cache(model, "full", 1, T), last=True)
+                for c in range(0, T, step):
+                    model(torch.tensor([ids[c : c + step]]), cache, last=True)
 
         one = timed(single)
-        rows.append({"label": label, "tokens": T, "ranks": 1, "balance": None, "ttft_s": one})
-        print(f"{label:>10} T={T:>5} 1 rank   {one:7.2f} s", flush=True)
+        how = f"chunks of {step}" if step < T else "one forward"
+        rows.append(
+            {"label": label, "tokens": T, "ranks": 1, "chunk": step, "balance": None, "ttft_s": one}
+        )
+        print(f"{label:>10} T={T:>5} 1 rank ({how})  {one:7.2f} s", flush=True)
         for n in (r for r in args.ranks if r > 1):
             for balance in ("cost", "even"):
                 pool = RunaheadPrefill(model, path, n, dtype, threads=args.threads, balance=balance)
@@ -199,6 +206,12 @@ def main(argv=None) -> None:
         "--ttft", type=int, nargs="*", default=[], help="prompt lengths for time to first token"
     )
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=1024,
+        help="the 1-rank prefill runs in forwards of this many tokens (0: one forward)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per process for the TTFT runs")
     p.add_argument("--seed", type=int, default=0)
@@ -209,7 +222,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.requests, args.prompt_lens, args.new_lens = [1, 4], 4, [8, 24], [4, 8]
-        args.ttft, args.ranks, args.rounds = args.ttft or [64], [1, 2], 1
+        args.ttft, args.ranks, args.rounds, args.chunk = args.ttft or [64], [1, 2], 1, 16
     try:
         folders = [parse_folder(s) for s in args.folder]
         rows = {"throughput": [], "ttft": []}
