@@ -3,11 +3,11 @@
 Every step the scheduler admits and retires sequences (iteration-level batching, Orca/vLLM),
 prefill first: a step either feeds prompt chunks (sequences still prefilling, then waiting
 ones while seats and the step's token budget last, the budget bounding the padded batch
-``rows x width``; a prompt longer than the budget is prefilled in chunks over several steps), or, when there is no prompt work, one token of every
-decoding sequence. When a decoding sequence needs a block and none is free, the newest running
-sequence is preempted: its blocks are released and it returns to the head of the queue, to be
-recomputed from its tokens (prompt + generated) later, through the prefix cache where its
-blocks survive.
+``rows x width``; a prompt longer than the budget is prefilled in chunks over several steps),
+or, when there is no prompt work, one token of every decoding sequence. When a decoding
+sequence needs a block and none is free, the newest running sequence is preempted: its blocks
+are released and it returns to the head of the queue, to be recomputed from its tokens (prompt
++ generated) later, through the prefix cache where its blocks survive.
 """
 
 from collections import deque
