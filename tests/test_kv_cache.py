@@ -145,6 +145,36 @@ def test_fp16_cache_matches_exact_attention():
     assert cache.length == 260
 
 
+def test_long_prompt_attends_in_query_blocks():
+    """A prompt longer than ``QUERY_BLOCK`` attends block by block (each block's own query slots,
+    left padding kept) and gives float64 attention's output; a later decode step reads the same
+    cache."""
+    q, k, v = data(200, seed=3)
+    start = torch.tensor([0, 37])
+    cache = make_cache("full", 1, B, HKV, D, 201)
+    cache.QUERY_BLOCK = 48
+    calls = []
+    weights = cache.weights
+    cache.weights = lambda *a, **kw: calls.append(a[1].shape[2]) or weights(*a, **kw)
+    cache.append(0, k, v)
+    out = cache.attend(0, q, start=start)
+    assert calls == [48, 48, 48, 48, 8]
+    ref = reference(q, k, v, start)
+    real = torch.arange(200) >= start[:, None, None]  # queries in row 1's padding attend nothing
+    mask = real.expand(-1, q.shape[1], -1)
+    err, norm = (out.double() - ref).norm(dim=-1)[mask], ref.norm(dim=-1)[mask]
+    assert (err <= 1e-5 * norm).all()
+    q1, k1, v1 = data(201, seed=4)
+    cache.append(0, k1[:, :, -1:], v1[:, :, -1:])
+    k2, v2 = torch.cat([k, k1[:, :, -1:]], 2), torch.cat([v, v1[:, :, -1:]], 2)
+    assert (
+        rel_err(
+            cache.attend(0, q1[:, :, -1:], start=start), reference(q1[:, :, -1:], k2, v2, start)
+        )
+        < 1e-6
+    )
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_within_bound(bits):
     cache = make_cache("kivi", 1, B, HKV, D, 300, bits=bits, residual=32)
