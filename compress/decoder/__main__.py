@@ -130,12 +130,6 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def kv_options(pairs: list[str]) -> dict:
-    from compress.decoder.kv import parse_options
-
-    return parse_options(pairs)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
@@ -261,7 +255,9 @@ def run(args) -> None:
         )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    kv_opts = kv_options(args.kv_opt)
+    from compress.decoder.kv import parse_options
+
+    kv_opts = parse_options(args.kv_opt)
     t1 = time.perf_counter()
     if args.draft is not None:
         from functools import partial

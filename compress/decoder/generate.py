@@ -171,8 +171,9 @@ def generate(
 
     ``on_text(row, text)`` receives text as it becomes final; ``on_prefill()`` is called between
     the prefill and the decode loop, untimed (benchmarks reset their peak-memory mark there).
-    ``compile`` decodes with the static-shape compiled step (``compress.decoder.static``; fp16 or full cache only), whose
-    cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so that calls share a graph.
+    ``compile`` decodes with the static-shape compiled step (``compress.decoder.static``; fp16
+    or full cache only), whose cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so
+    that calls share a graph.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CompressError("a prompt is empty; give at least one token of text to continue.")
