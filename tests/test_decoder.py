@@ -468,7 +468,7 @@ def test_lean_load_keeps_one_form(tmp_path):
 
 
 def test_compiled_step_errors_and_fallback(ours, monkeypatch):
-    from compress.decoder.static import StaticDecoder
+    from compress.decoder.compiled import StaticDecoder
 
     model, _ = ours
     with pytest.raises(CompressError, match="--kv fp16 or full"):

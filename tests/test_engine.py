@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 
-from compress.decoder.engine import Engine
+from compress.serve.engine import Engine
 from compress.decoder.generate import generate, left_pad
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling
-from compress.decoder.scheduler import Params
+from compress.serve.scheduler import Params
 from compress.errors import CompressError
 from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
@@ -64,8 +64,8 @@ def test_batched_greedy_equals_each_alone(tiny, kv):
 def test_prefill_budget_bounds_the_padded_batch():
     """A prefill step's padded batch (rows x widest chunk) stays within ``max_step_tokens``; every
     prompt is fed whole, chunk by chunk, and several prompts share a step."""
-    from compress.decoder.blocks import BlockManager
-    from compress.decoder.scheduler import Scheduler, Sequence
+    from compress.serve.block_manager import BlockManager
+    from compress.serve.scheduler import Scheduler, Sequence
 
     sch = Scheduler(BlockManager(256, 4), max_seqs=8, max_step_tokens=24)
     seqs = [Sequence(i, p, Params(max_tokens=1)) for i, p in enumerate(random_prompts(12, 3))]

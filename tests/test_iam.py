@@ -13,7 +13,7 @@ import torch
 from conftest import TINY_OVERRIDES, compose
 from test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
-from compress.decoder.iam import IAMModel, load_iam
+from compress.iam.decode import IAMModel, load_iam
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from compress.decoder.engine import Engine
+from compress.serve.engine import Engine
 from compress.decoder.generate import generate
 from compress.decoder.model import load
 from compress.serve.app import create_app

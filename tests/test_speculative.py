@@ -1,4 +1,4 @@
-"""Speculative decoding (compress.decoder.speculative) on tiny random Llamas: greedy output
+"""Speculative decoding (compress.decoder.speculative.generate) on tiny random Llamas: greedy output
 identical to the target's own, the sampling rule's output distribution equal to the target's
 (chi-square), KV cache rollback, self-speculative drafts, bandits and bad input."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from compress.decoder.__main__ import main as cli
-from compress.decoder.bandit import UCB1, Unimodal, self_bandit
-from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
+from compress.decoder.speculative.bandit import UCB1, Unimodal, self_bandit
+from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache
-from compress.decoder.layer_skip import (
+from compress.decoder.speculative.layer_skip import (
     agreement,
     parse_layers,
     searched_skip,
@@ -22,8 +22,8 @@ from compress.decoder.layer_skip import (
 )
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
-from compress.decoder.schedule import AutoGamma, Fixed
-from compress.decoder.speculative import speculative_generate, verify
+from compress.decoder.speculative.gamma import AutoGamma, Fixed
+from compress.decoder.speculative.generate import speculative_generate, verify
 from compress.errors import CompressError
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
@@ -322,7 +322,7 @@ def test_layer_skip_draft_shares_the_target_cache(pair):
 def test_searched_skip_is_saved_once(pair, monkeypatch):
     folder, target, _, _ = pair
     calls = []
-    import compress.decoder.layer_skip as ls
+    import compress.decoder.speculative.layer_skip as ls
 
     real = ls.search_skip
     monkeypatch.setattr(ls, "search_skip", lambda *a, **k: calls.append(1) or real(*a, **k))

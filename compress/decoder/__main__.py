@@ -4,7 +4,7 @@ Streams the continuation to stdout as it is produced (greedy unless ``--temperat
 prints TTFT, prefill and decode tokens/s, peak memory and KV bytes per token to stderr.
 ``--json`` prints one JSON object instead: ``text`` (the continuation only), ``ttft_s``,
 ``decode_tok_s``, ``prefill_tok_s``, ``peak_mem_bytes`` and ``kv_bytes_per_token``.
-With ``--draft`` it decodes speculatively (``compress.decoder.spec_cli`` has the options) and
+With ``--draft`` it decodes speculatively (``compress.decoder.speculative.cli`` has the options) and
 adds ``acceptance`` (α), ``tokens_per_pass`` and ``rounds``.
 
 On a group-quantized folder on the CPU the default is the fast configuration (bfloat16, lean,
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from compress.decoder import spec_cli
+from compress.decoder.speculative import cli as spec_cli
 from compress.errors import CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--iam",
         metavar="SMALL",
         help="IAM attention mapping: a smaller model of the same tokenizer runs alongside and "
-        "the mapped layers take its attention weights (compress.decoder.iam)",
+        "the mapped layers take its attention weights (compress.iam.decode)",
     )
     p.add_argument(
         "--iam-layers",
@@ -232,7 +232,7 @@ def run(args) -> None:
         head=conf["head"],
     )
     if args.iam is not None:
-        from compress.decoder.iam import load_iam
+        from compress.iam.decode import load_iam
 
         model, tok = load_iam(
             args.run,
@@ -262,7 +262,7 @@ def run(args) -> None:
     if args.draft is not None:
         from functools import partial
 
-        from compress.decoder.speculative import speculative_generate
+        from compress.decoder.speculative.generate import speculative_generate
 
         load_kwargs = dict(
             dtype=getattr(torch, conf["dtype"]),

@@ -171,7 +171,7 @@ def generate(
 
     ``on_text(row, text)`` receives text as it becomes final; ``on_prefill()`` is called between
     the prefill and the decode loop, untimed (benchmarks reset their peak-memory mark there).
-    ``compile`` decodes with the static-shape compiled step (``compress.decoder.static``; fp16
+    ``compile`` decodes with the static-shape compiled step (``compress.decoder.compiled``; fp16
     or full cache only), whose cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so
     that calls share a graph.
     """
@@ -248,7 +248,7 @@ STATIC_BUCKET = 256  # the compiled step's cache length is a multiple of this
 
 def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
     """``(step, cache)`` for compiled decoding: a :class:`StaticDecoder` kept on the model per batch size."""
-    from compress.decoder.static import StaticDecoder
+    from compress.decoder.compiled import StaticDecoder
 
     if kv not in ("fp16", "full") or kv_opts:
         raise CompressError(

@@ -11,7 +11,7 @@ Recipe keys (``recipes/iam.yaml``)::
 
 The model itself is unchanged; the run folder gets ``iam_map.json`` (and its heat map
 ``iam_map.png``), and the report's ppl, KL, decode/prefill tok/s and KV bytes are those of the
-large model decoding with the small one alongside (``compress.decoder.iam``; the KV bytes count
+large model decoding with the small one alongside (``compress.iam.decode``; the KV bytes count
 both caches). report.json gets ``iam`` (the small model and its file bytes, which ``weight_bytes`` does not
 count, the mapped layers and their similarity).
 """
@@ -99,13 +99,13 @@ def iam(model, ctx):
 
 
 def _decode_model(folder, small, layers, dtype=None, **kw):
-    from compress.decoder.iam import load_iam
+    from compress.iam.decode import load_iam
 
     return load_iam(folder, small, layers, **({"dtype": dtype} if dtype is not None else {}), **kw)
 
 
 def _eval_model(folder, small, layers):
-    from compress.decoder.iam import Logits
+    from compress.iam.decode import Logits
 
     model, tok = _decode_model(folder, small, layers)
     return Logits(model), tok

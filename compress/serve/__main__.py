@@ -1,7 +1,7 @@
 """``python -m compress.serve RUN [--host 127.0.0.1 --port 8000]``: serve a run folder over HTTP.
 
 OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` (streaming or not),
-``/v1/models``, ``/health`` and ``/metrics``, from one engine (``compress.decoder.engine``) that
+``/v1/models``, ``/health`` and ``/metrics``, from one engine (``compress.serve.engine``) that
 batches every request in flight over a pool of ``--num-blocks`` KV blocks. Listens on
 127.0.0.1 unless ``--host`` says otherwise.
 """
@@ -77,7 +77,7 @@ def serve(args) -> None:
     import torch
     import uvicorn
 
-    from compress.decoder.engine import Engine
+    from compress.serve.engine import Engine
     from compress.decoder.model import load
     from compress.serve.app import create_app
     from compress.serve.worker import Worker
@@ -100,7 +100,7 @@ def serve(args) -> None:
         )
     runahead = None
     if args.prefill_ranks > 1:
-        from compress.decoder.runahead import RunaheadPrefill
+        from compress.serve.runahead import RunaheadPrefill
 
         runahead = RunaheadPrefill(
             model, args.run, args.prefill_ranks, args.dtype, args.qdtype, threads=args.threads or 1

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from compress.decoder.sampling import Sampling
-from compress.decoder.scheduler import Params
+from compress.serve.scheduler import Params
 from compress.errors import CompressError
 
 

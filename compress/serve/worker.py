@@ -12,8 +12,8 @@ import queue
 import threading
 import time
 
-from compress.decoder.engine import Engine
-from compress.decoder.scheduler import Params
+from compress.serve.engine import Engine
+from compress.serve.scheduler import Params
 
 log = logging.getLogger("compress.serve")
 

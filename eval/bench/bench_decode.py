@@ -12,7 +12,7 @@ Systems (``--systems`` picks some):
     ...-lean        the same, loaded ``lean``: only the int4pack form of each layer is kept
     ...-head8/4     the same, the output head group-quantized at load (``--head int8/int4``)
     ...+compile     the same system decoding with the static-shape compiled step
-                    (``compress.decoder.static``; compiled in the warm-up round)
+                    (``compress.decoder.compiled``; compiled in the warm-up round)
     ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
     ours-bf16       the same, weights and activations in bfloat16
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)

@@ -10,7 +10,7 @@
     (c) net KV bytes at those prompts: the small model's fp16 K/V + the large model's (K/V of the
         unmapped layers, V of the mapped ones), against the large model's fp16 K/V
 
-Everything runs the decoder's own forward (``compress.decoder.iam``) in float32, ``--threads``
+Everything runs the decoder's own forward (``compress.iam.decode``) in float32, ``--threads``
 torch threads (default 1). The mapping is read from ``--map`` (default: beside the large folder,
 made there on first use).
 
@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from compress.data import eval_windows, read_text, tokenize, wikitext_file
-from compress.decoder.iam import load_iam
+from compress.iam.decode import load_iam
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError

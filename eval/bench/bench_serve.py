@@ -7,7 +7,7 @@
 
 Throughput: for each folder and each batch size B, the same ``--requests`` seeded requests
 (prompts of 16-256 tokens of WikiText-2, or seeded random ids without the data; 64-128 new
-tokens, EOS ignored) all arrive at once and the engine (``compress.decoder.engine``, in this
+tokens, EOS ignored) all arrive at once and the engine (``compress.serve.engine``, in this
 process, no HTTP) runs at most B of them at a time:
 
     output tok/s = new tokens of all requests / wall time from the first arrival to the last token
@@ -17,7 +17,7 @@ B = 1 serves them one at a time, so ``speed-up`` = tok/s at B / tok/s at 1 of th
 
 TTFT (``--ttft``): a prompt of each length prefilled in one process (in forwards of ``--chunk``
 tokens, default 1024, which keeps the attention scores small; 0: one forward), and with ``--ranks``
-N > 1 by KV-Runahead (``compress.decoder.runahead``) over N processes with balanced and with even
+N > 1 by KV-Runahead (``compress.serve.runahead``) over N processes with balanced and with even
 chunks; ``--threads`` (default 1) threads in every process, so N ranks use N times the cores.
 Medians of ``--rounds`` after one warm-up. Wall-clock figures on a shared machine are noisy.
 """
@@ -79,8 +79,8 @@ def percentiles(xs: list[float]) -> dict:
 
 
 def serve_once(model, tok, reqs, batch: int, block_size: int) -> dict:
-    from compress.decoder.engine import Engine
-    from compress.decoder.scheduler import Params
+    from compress.serve.engine import Engine
+    from compress.serve.scheduler import Params
 
     need = sum(-(-(len(p) + n) // block_size) for p, n in reqs)
     engine = Engine(model, tok, num_blocks=need, block_size=block_size, max_seqs=batch)
@@ -134,7 +134,7 @@ def throughput(label, path, dtype, args) -> list[dict]:
 def ttft(label, path, dtype, args) -> list[dict]:
     from compress.decoder.kv import new_cache
     from compress.decoder.model import load
-    from compress.decoder.runahead import RunaheadPrefill
+    from compress.serve.runahead import RunaheadPrefill
 
     torch.set_num_threads(args.threads)
     model, tok = load(path, dtype=getattr(torch, dtype))

@@ -142,16 +142,16 @@ def result_row(r) -> dict:
 
 def systems(args, target, tok):
     """``{name: run(ids, new) -> row}`` in the order of the module docstring."""
-    from compress.decoder.bandit import default_skip_counts, self_bandit
-    from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
+    from compress.decoder.speculative.bandit import default_skip_counts, self_bandit
+    from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
     from compress.decoder.generate import generate
-    from compress.decoder.layer_skip import (
+    from compress.decoder.speculative.layer_skip import (
         calibration_ids,
         layer_costs,
         searched_skip,
         unified_skip,
     )
-    from compress.decoder.speculative import speculative_generate
+    from compress.decoder.speculative.generate import speculative_generate
 
     def spec(draft, gamma=args.gamma):
         return lambda ids, new: result_row(

@@ -74,16 +74,16 @@ def check_arguments(args) -> None:
 
 def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
-    from compress.decoder.bandit import self_bandit
-    from compress.decoder.drafts import LayerSkipDraft, ModelDraft, load_draft
-    from compress.decoder.layer_skip import (
+    from compress.decoder.speculative.bandit import self_bandit
+    from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
+    from compress.decoder.speculative.layer_skip import (
         calibration_ids,
         parse_layers,
         searched_skip,
         skip_file,
         unified_skip,
     )
-    from compress.decoder.schedule import schedule_for
+    from compress.decoder.speculative.gamma import schedule_for
 
     if args.draft != "self":
         draft = load_draft(args.draft, model, tokenizer, **load_kwargs)

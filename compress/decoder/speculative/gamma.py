@@ -8,7 +8,7 @@ starts each generation afresh (the adaptive ones learn per prompt):
     AutoGamma transformers' candidate-length heuristic (assisted generation's "heuristic"
               schedule): γ starts at 5, +2 after a round whose drafts were all accepted, else −1,
               never below 1
-    (``compress.decoder.bandit``: a bandit over ordered (draft, γ) arms)
+    (``compress.decoder.speculative.bandit``: a bandit over ordered (draft, γ) arms)
 """
 
 from compress.errors import CompressError

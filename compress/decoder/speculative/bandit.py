@@ -134,15 +134,15 @@ BANDITS = {"bandit": Unimodal, "ucb1": UCB1}
 
 def default_skip_counts(n_layers: int) -> list[int]:
     """Skip 10% to 50% of the middle layers (distinct counts): SmolLM2-135M's greedy agreement
-    falls to 0 beyond about a third (``python -m compress.decoder.layer_skip RUN``)."""
+    falls to 0 beyond about a third (``python -m compress.decoder.speculative.layer_skip RUN``)."""
     return sorted({max(1, round(f * (n_layers - 2))) for f in (0.1, 0.2, 0.3, 0.4, 0.5)})
 
 
 def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6), costs=None):
     """A bandit of ``kind`` (:data:`BANDITS`) over the unified skip sets of ``skip_counts`` x
     ``gammas``; ``costs``: ``layer_costs(model)`` if measured already."""
-    from compress.decoder.drafts import LayerSkipDraft
-    from compress.decoder.layer_skip import layer_costs, unified_skip
+    from compress.decoder.speculative.drafts import LayerSkipDraft
+    from compress.decoder.speculative.layer_skip import layer_costs, unified_skip
 
     if kind not in BANDITS:
         raise CompressError(f"--adapt {kind}: use one of {sorted(BANDITS)}.")

@@ -6,7 +6,7 @@
         for event in engine.step(): ...   # sequence, new token or None, text now final
 
 Each step runs the decoder's one forward over the sequences the scheduler picked
-(``compress.decoder.scheduler``), as a padded batch laid out for the paged cache
+(``compress.serve.scheduler``), as a padded batch laid out for the paged cache
 (``compress.decoder.kv.paged``); a sequence whose tokens are all in the cache after the step
 samples its next token from its last position's logits. Outputs, EOS and stop strings follow
 ``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.decoder.blocks import BlockManager
+from compress.serve.block_manager import BlockManager
 from compress.decoder.generate import Detokenizer, cache_size, eos_ids_of
 from compress.decoder.kv.paged import new_paged_cache
 from compress.decoder.sampling import sample
-from compress.decoder.scheduler import Params, Scheduler, Sequence
+from compress.serve.scheduler import Params, Scheduler, Sequence
 from compress.errors import CompressError
 
 

@@ -30,7 +30,7 @@ import torch
 from compress.decoder.generate import Detokenizer, Result, cache_size, eos_ids_of, sync
 from compress.decoder.kv import new_cache
 from compress.decoder.sampling import Sampling, logits_to_probs, sample
-from compress.decoder.schedule import schedule_for
+from compress.decoder.speculative.gamma import schedule_for
 from compress.errors import CompressError
 
 
@@ -80,8 +80,8 @@ class SpecResult(Result):
 
 def as_schedule(target, draft, gamma=5):
     """A schedule from ``draft``: a loaded model (a :class:`ModelDraft` of it, checked against the
-    target's vocabulary), a drafter (``compress.decoder.drafts``) or a schedule as it is."""
-    from compress.decoder.drafts import ModelDraft, check_draft
+    target's vocabulary), a drafter (``compress.decoder.speculative.drafts``) or a schedule as it is."""
+    from compress.decoder.speculative.drafts import ModelDraft, check_draft
     from compress.decoder.model import Transformer
 
     if hasattr(draft, "next"):
@@ -117,7 +117,7 @@ def speculative_generate(
 ) -> SpecResult:
     """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see
     :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
-    ``compress.decoder.schedule.AutoGamma``).
+    ``compress.decoder.speculative.gamma.AutoGamma``).
 
     The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1); ``compile``
     runs the draft models' decode steps compiled (``ModelDraft.compile``), the target eager.

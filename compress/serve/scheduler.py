@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compress.decoder.blocks import BlockManager
+from compress.serve.block_manager import BlockManager
 from compress.decoder.sampling import Sampling
 from compress.errors import CompressError
 
@@ -97,7 +97,7 @@ class Scheduler:
 
     def admit_whole(self, min_tokens: int) -> Sequence | None:
         """Admit the head of the queue with blocks for all its tokens, if it has ``min_tokens`` or
-        more and they fit (for a prefill run outside the step: ``compress.decoder.runahead``)."""
+        more and they fit (for a prefill run outside the step: ``compress.serve.runahead``)."""
         if not self.waiting or len(self.running) >= self.max_seqs:
             return None
         seq = self.waiting[0]

@@ -47,7 +47,7 @@ def run_drafts(forward, first: list[int], length: int, gamma: int, sampling: Sam
 
 class ModelDraft:
     """A draft model with its own KV cache (``kv``, default fp16), prefilled with the prompt;
-    ``compile``: its decode steps run ``compress.decoder.static``'s compiled step (CPU)."""
+    ``compile``: its decode steps run ``compress.decoder.compiled``'s compiled step (CPU)."""
 
     shares_cache = False
 

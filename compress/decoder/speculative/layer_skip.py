@@ -16,7 +16,7 @@ layer whose skipping most raises the modelled accepted tokens per second
 with α the greedy agreement of draft and target over the text (the draft reading the target's
 K/V, as it does when drafting) and the costs measured once per model. It is saved as JSON
 beside the run folder (``RUN.skip.json``), so the search runs once per model and γ.
-``python -m compress.decoder.layer_skip RUN`` prints α and the modelled rate per skip count.
+``python -m compress.decoder.speculative.layer_skip RUN`` prints α and the modelled rate per skip count.
 """
 
 import json
@@ -164,7 +164,7 @@ def calibration_ids(tokenizer) -> list[int]:
 
 
 def main(argv=None) -> None:
-    """``python -m compress.decoder.layer_skip RUN [--counts 2 4 6] [--gamma 4]``: per unified skip
+    """``python -m compress.decoder.speculative.layer_skip RUN [--counts 2 4 6] [--gamma 4]``: per unified skip
     count, the greedy agreement α on the calibration text and the modelled tokens per second."""
     import argparse
     import sys
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     from compress.decoder.model import load
 
     p = argparse.ArgumentParser(
-        prog="python -m compress.decoder.layer_skip", description=main.__doc__.splitlines()[0]
+        prog="python -m compress.decoder.speculative.layer_skip", description=main.__doc__.splitlines()[0]
     )
     p.add_argument("run")
     p.add_argument("--counts", type=int, nargs="*")
