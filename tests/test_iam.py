@@ -248,20 +248,31 @@ def test_map_file_of_other_models_is_refused(pair, tmp_path):
         iam_map.select(m, "x")
 
 
-def test_decoder_cli_with_iam(pair, tmp_path, capsys):
-    from compress.decoder.__main__ import main
+def test_iam_generate_cli(pair, tmp_path, capsys):
+    """``python -m compress.iam generate`` runs the decoder CLI with the pair: its text equals
+    the pair's own greedy generation; the decoder's old ``--iam`` flag names the new command."""
+    from compress.decoder.__main__ import main as decoder_main
+    from compress.decoder.generate import generate
+    from compress.iam.__main__ import main
 
     folder_big, folder_small = pair[0], pair[1]
     path = iam_map.save_map(
         iam_map.build_map(folder_big, folder_small, tokens=128, seqlen=64), tmp_path / "m.json"
     )
-    main([str(folder_big), "--prompt", "the quick brown fox", "--max-new-tokens", "4", "--json",
-          "--iam", str(folder_small), "--iam-layers", "2", "--iam-map", str(path)])  # fmt: skip
+    main(["generate", str(folder_big), "--prompt", "the quick brown fox", "--max-new-tokens", "4",
+          "--json", "--small", str(folder_small), "--iam-layers", "2", "--iam-map", str(path),
+          "--no-warmup"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["kv_bytes_per_token"] > 0
-    with pytest.raises(SystemExit):
-        main([str(folder_big), "--prompt", "x", "--iam", str(folder_small), "--compile"])
-    assert "leave out --draft and --compile" in capsys.readouterr().err
+    model, tok = load_iam(folder_big, folder_small, 2, path)
+    ref = generate(model, [tok("the quick brown fox").input_ids], 4, tok)
+    assert out["text"] == ref.texts[0]
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(folder_big), "--prompt", "x", "--iam", str(folder_small), "--compile"])
+    assert e.value.code == 2 and "leave out --draft and --compile" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        decoder_main([str(folder_big), "--prompt", "x", "--iam", str(folder_small)])
+    assert e.value.code == 2 and "python -m compress.iam generate" in capsys.readouterr().err
 
 
 def test_iam_recipe_self_mapped_equals_the_source(tiny_dir, tmp_path):

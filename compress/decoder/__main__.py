@@ -31,8 +31,13 @@ HEADS = ("none", "int8", "int4")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser(prog: str = "python -m compress.decoder", description=None, add_help=True):
+    """The decoder CLI's parser (``python -m compress.iam generate`` extends it)."""
     p = argparse.ArgumentParser(
-        prog="python -m compress.decoder", description=__doc__.splitlines()[0]
+        prog=prog, description=description or __doc__.splitlines()[0], add_help=add_help
     )
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
     p.add_argument("--prompt", required=True)
@@ -107,21 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--iam",
         metavar="SMALL",
-        help="IAM attention mapping: a smaller model of the same tokenizer runs alongside and "
-        "the mapped layers take its attention weights (compress.iam.decode)",
-    )
-    p.add_argument(
-        "--iam-layers",
-        default="auto",
-        help="large layers mapped: a count (the most similar first) or auto (default)",
-    )
-    p.add_argument(
-        "--iam-map",
-        help="mapping file (default: RUN/iam_map.json or RUN.iam.json beside the folder, made "
-        "on first use)",
+        help="moved: IAM decoding is `python -m compress.iam generate RUN --small SMALL ...` "
+        "(the decoder imports no method)",
     )
     spec_cli.add_arguments(p)
-    return p.parse_args(argv)
+    return p
 
 
 def _cuda() -> bool:
@@ -132,6 +127,19 @@ def _cuda() -> bool:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.iam is not None:
+        print(
+            f"error: IAM decoding moved to the iam package (the decoder imports no method): "
+            f"run `python -m compress.iam generate {args.run} --small {args.iam} "
+            f"[--iam-layers N|auto] [--iam-map FILE]` with the same decoder options.",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    checked_run(args)
+
+
+def checked_run(args, load_model=None) -> None:
+    """:func:`run` with the argument checks, a CompressError printed as one line (exit 2)."""
     try:
         if not Path(args.run).exists():
             raise CompressError(
@@ -139,22 +147,10 @@ def main(argv=None) -> None:
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
         spec_cli.check_arguments(args)
-        check_iam_arguments(args)
-        run(args)
+        run(args, load_model)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def check_iam_arguments(args) -> None:
-    if args.iam is None:
-        return
-    if not Path(args.iam).exists():
-        raise CompressError(f"--iam '{args.iam}' does not exist; pass the small model's folder.")
-    if args.draft is not None or args.compile:
-        raise CompressError(
-            "--iam decodes eagerly with one model pair: leave out --draft and --compile."
-        )
 
 
 def group_quantized(folder) -> bool:
@@ -183,7 +179,7 @@ def configuration(args) -> dict:
     dtype = args.dtype or ("bfloat16" if fast else "float32")
     qdtype = args.qdtype or dtype
     lean = args.lean if args.lean is not None else fast and qdtype == "bfloat16"
-    static_ok = args.kv in ("fp16", "full") and args.draft is None and args.iam is None
+    static_ok = args.kv in ("fp16", "full") and args.draft is None
     compile_ = args.compile if args.compile is not None else fast and static_ok
     head = args.head or recorded_head(args.run)
     return {
@@ -208,7 +204,9 @@ def describe(conf: dict) -> str:
     return f"[config: {', '.join(flags)} ({how})]"
 
 
-def run(args) -> None:
+def run(args, load_model=None) -> None:
+    """Load ``args.run`` (with ``load_model(folder, **load_kw) -> (model, tokenizer)``, default
+    :func:`compress.decoder.model.load`), warm up, generate and print the figures."""
     import time
 
     import torch
@@ -231,19 +229,7 @@ def run(args) -> None:
         lean=conf["lean"],
         head=conf["head"],
     )
-    if args.iam is not None:
-        from compress.iam.decode import load_iam
-
-        model, tok = load_iam(
-            args.run,
-            args.iam,
-            args.iam_layers,
-            args.iam_map,
-            log=lambda m: print(m, file=sys.stderr),
-            **load_kw,
-        )
-    else:
-        model, tok = load(args.run, **load_kw)
+    model, tok = (load_model or load)(args.run, **load_kw)
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
@@ -326,8 +312,7 @@ def run(args) -> None:
         f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
         f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "
         f"prefill {r.prefill_tok_s:.1f} tok/s  decode {r.decode_tok_s:.1f} tok/s  "
-        f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})"
-        + (f"; IAM: {len(model.mapped)} layers mapped onto {args.iam}" if args.iam else ""),
+        f"peak memory {peak / 2**20:.0f} MiB  KV {r.kv_bytes_per_token:.0f} B/token ({args.kv})",
         file=sys.stderr,
     )
     if args.draft is not None:

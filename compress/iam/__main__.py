@@ -4,6 +4,12 @@ Computes both models' attention weights on WikiText-2 validation text, their cos
 per (large layer, small layer) and head, and the mapping (``compress.iam.map``); saves it as JSON
 (default: beside the large folder, ``L.iam.json``) with a heat map of the similarity (``.png``,
 when matplotlib is installed), and prints the layers ranked for mapping.
+
+``python -m compress.iam generate LARGE --small SMALL [--iam-layers N|auto] [--iam-map FILE]
+--prompt "..."`` (with every option of ``python -m compress.decoder``): the large model decodes
+with the small one alongside (``compress.iam.decode``), the mapping made on first use. The
+decoder CLI runs it (``compress.decoder.__main__.run`` with this package's loader), so the
+dependency points one way: iam -> decoder.
 """
 
 import argparse
@@ -26,11 +32,63 @@ def parse_args(argv=None):
     m.add_argument("--skip-first", type=int, default=None, help="first layers never mapped (2)")
     m.add_argument("--min-similarity", type=float, default=None, help="'auto' threshold (0.8)")
     m.add_argument("--threads", type=int)
+    from compress.decoder.__main__ import build_parser
+
+    g = sub.add_parser(
+        "generate",
+        parents=[build_parser(add_help=False)],
+        conflict_handler="resolve",
+        help="decode with IAM: the decoder CLI's options, plus the small model and mapping",
+    )
+    g.add_argument(
+        "--small", "--iam", dest="small", metavar="SMALL", required=True,
+        help="a smaller model of the same tokenizer; the mapped layers take its attention weights",
+    )  # fmt: skip
+    g.add_argument(
+        "--iam-layers",
+        default="auto",
+        help="large layers mapped: a count (the most similar first) or auto (default)",
+    )
+    g.add_argument(
+        "--iam-map",
+        help="mapping file (default: RUN/iam_map.json or RUN.iam.json beside the folder, made "
+        "on first use)",
+    )
     return p.parse_args(argv)
+
+
+def generate(args) -> None:
+    """The decoder CLI's run with the pair loaded by :func:`compress.iam.decode.load_iam`."""
+    from compress.decoder.__main__ import checked_run
+
+    if not Path(args.small).exists():
+        print(f"error: --small '{args.small}' does not exist; pass the small model's folder.",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if args.draft is not None or args.compile:
+        print("error: IAM decodes eagerly with one model pair: leave out --draft and --compile.",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    args.compile = False
+
+    def load_pair(folder, **load_kw):
+        from compress.iam.decode import load_iam
+
+        def log(m):
+            print(m, file=sys.stderr)
+
+        model, tok = load_iam(folder, args.small, args.iam_layers, args.iam_map, log=log, **load_kw)
+        if not args.json:
+            log(f"[IAM: {len(model.mapped)} layers mapped onto {args.small}]")
+        return model, tok
+
+    checked_run(args, load_pair)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.command == "generate":
+        return generate(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         import torch
