@@ -24,6 +24,7 @@ import torch
 
 from compress.decoder.kv import new_cache, static_cache
 from compress.decoder.sampling import Sampling, sample
+from compress.decoder.stopping import Detokenizer, Stopping  # noqa: F401 (Detokenizer: re-export)
 from compress.errors import CompressError
 
 
@@ -49,37 +50,6 @@ def peak_memory() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class Detokenizer:
-    """Incremental text of one generated row; ``push(id)`` returns the text that became final.
-
-    Text that could still begin a stop string, or that ends inside a UTF-8 sequence, is held
-    back. Once a stop string appears, the text is cut before it and ``stopped`` is set.
-    """
-
-    def __init__(self, tokenizer, stop=()):
-        self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.ids, self.text, self.emitted, self.stopped = [], "", 0, False
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            text, self.stopped = text[: min(hits)], True
-        self.text = text
-        hold = 0 if self.stopped else max((len(s) - 1 for s in self.stop), default=0)
-        out = text[self.emitted : max(self.emitted, len(text) - hold)]
-        self.emitted += len(out)
-        return out
-
-    def flush(self) -> str:
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return out
 
 
 @dataclass
@@ -195,23 +165,14 @@ def generate(
     else:
         step, cache = model, new_cache(model, kv, B, max_len, **(kv_opts or {}))
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
-    detok = [Detokenizer(tokenizer, stop) if tokenizer is not None else None for _ in range(B)]
-    out, done = [[] for _ in range(B)], [False] * B
+    eos = () if ignore_eos else eos_ids_of(model, tokenizer)
+    rows = [Stopping(n_new, eos, tokenizer, stop) for _ in range(B)]
 
     def take(next_ids: torch.Tensor):
         for b, t in enumerate(next_ids.tolist()):
-            if done[b]:
-                continue
-            if t in eos:
-                done[b] = True
-                continue
-            out[b].append(t)
-            if detok[b] is not None:
-                text = detok[b].push(t)
-                done[b] = detok[b].stopped
-                if on_text and text:
-                    on_text(b, text)
+            _, text = rows[b].feed(t)
+            if on_text and text:
+                on_text(b, text)
 
     t0 = time.perf_counter()
     logits = model(ids, cache, start=start, last=True)[:, -1]
@@ -224,17 +185,14 @@ def generate(
         on_prefill()
     t2 = time.perf_counter()
     steps = 0
-    while steps < n_new - 1 and not all(done):
+    while steps < n_new - 1 and not all(r.done for r in rows):
         x = sample(step(x[:, None], cache, start=start)[:, -1], sampling, gen)
         take(x)
         steps += 1
     t3 = time.perf_counter()
-    for b, d in enumerate(detok):
-        if d is not None and on_text and (rest := d.flush()):
-            on_text(b, rest)
-    texts = [d.text if d is not None else "" for d in detok]
+    tokens, texts = [r.tokens for r in rows], [r.text for r in rows]
     return Result(
-        out, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length
+        tokens, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length
     )
 
 

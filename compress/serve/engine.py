@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from compress.serve.block_manager import BlockManager
-from compress.decoder.generate import Detokenizer, cache_size, eos_ids_of
+from compress.decoder.generate import cache_size, eos_ids_of
 from compress.decoder.kv.paged import new_paged_cache
 from compress.decoder.sampling import sample
+from compress.decoder.stopping import Stopping
 from compress.serve.scheduler import Params, Scheduler, Sequence
 from compress.errors import CompressError
 
@@ -90,8 +91,9 @@ class Engine:
     def add(self, prompt: list[int], params: Params | None = None, seq_id=None) -> Sequence:
         params = params or Params()
         self.check(prompt, params)
-        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params, detok)
+        eos = () if params.ignore_eos else self.eos
+        stopping = Stopping(params.max_tokens, eos, self.tokenizer, params.stop)
+        seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params, stopping)
         self.scheduler.add(seq)
         return seq
 
@@ -186,22 +188,15 @@ class Engine:
 
     def take(self, seq: Sequence, token: int) -> Event:
         """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or
-        max_tokens."""
+        max_tokens (``compress.decoder.stopping``)."""
         self.generated += 1
-        text = ""
-        if token in self.eos and not seq.params.ignore_eos:
-            seq.finish_reason, token = "stop", None
-        else:
+        kept, text = seq.stopping.feed(token)
+        if kept:
             seq.tokens.append(token)
-            if seq.detok is not None:
-                text = seq.detok.push(token)
-                if seq.detok.stopped:
-                    seq.finish_reason = "stop"
-            if seq.finish_reason is None and len(seq.output) >= seq.params.max_tokens:
-                seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            if seq.detok is not None:
-                text += seq.detok.flush()
+        else:
+            token = None
+        if seq.stopping.done:
+            seq.finish_reason = seq.stopping.finish_reason
             self.scheduler.retire(seq)
         return Event(seq, token, text, seq.finish_reason is not None)
 

@@ -17,6 +17,7 @@ import torch
 
 from compress.serve.block_manager import BlockManager
 from compress.decoder.sampling import Sampling
+from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 
 
@@ -31,12 +32,12 @@ class Params:
 class Sequence:
     """One request: ``tokens`` (prompt + generated), ``computed`` of them in the KV cache."""
 
-    def __init__(self, seq_id, prompt: list[int], params: Params, detok=None):
+    def __init__(self, seq_id, prompt: list[int], params: Params, stopping: Stopping | None = None):
         self.id, self.tokens, self.n_prompt, self.params = seq_id, list(prompt), len(prompt), params
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.computed = 0
-        self.detok = detok
+        self.stopping = stopping or Stopping(params.max_tokens)  # EOS, stop strings, text
         seed = params.sampling.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.finish_reason: str | None = None

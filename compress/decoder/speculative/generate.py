@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.decoder.generate import Detokenizer, Result, cache_size, eos_ids_of, sync
+from compress.decoder.generate import Result, cache_size, eos_ids_of, sync
 from compress.decoder.kv import new_cache
 from compress.decoder.sampling import Sampling, logits_to_probs, sample
+from compress.decoder.stopping import Stopping
 from compress.decoder.speculative.gamma import schedule_for
 from compress.errors import CompressError
 
@@ -156,24 +157,15 @@ def speculative_generate(
             f"more: raise --kv-opt residual or lower --gamma."
         )
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = set() if ignore_eos else eos_ids_of(model, tokenizer)
-    detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
-    out, done = [], False
+    eos = () if ignore_eos else eos_ids_of(model, tokenizer)
+    row = Stopping(n_new, eos, tokenizer, stop)
+    out = row.tokens
 
     def take(tokens: list[int]) -> None:
-        nonlocal done
         for t in tokens:
-            if done or len(out) >= n_new:
-                return
-            if t in eos:
-                done = True
-                return
-            out.append(t)
-            if detok is not None:
-                text = detok.push(t)
-                done = detok.stopped
-                if on_text and text:
-                    on_text(0, text)
+            _, text = row.feed(t)
+            if on_text and text:
+                on_text(0, text)
 
     t0 = time.perf_counter()
     logits = model(torch.tensor([seq], device=device), cache, last=True)[:, -1]
@@ -186,7 +178,7 @@ def speculative_generate(
     seq.append(first)
     t2 = time.perf_counter()
     rounds = drafted = accepted = 0
-    while len(out) < n_new and not done:
+    while not row.done:
         r0 = time.perf_counter()
         draft, gamma = schedule.next()
         gamma = min(gamma, n_new - len(out) - 1)
@@ -212,12 +204,9 @@ def speculative_generate(
         if gamma:
             schedule.update(gamma, n, time.perf_counter() - r0)
     t3 = time.perf_counter()
-    if detok is not None and on_text and (rest := detok.flush()):
-        on_text(0, rest)
-    text = detok.text if detok is not None else ""
     return SpecResult(
         [out],
-        [text],
+        [row.text],
         T0,
         t1 - t0,
         t2 - t0,

@@ -1,0 +1,105 @@
+"""One stop/EOS/detokenize path (``compress.decoder.stopping``): plain, speculative and batched
+generation stop at the same token with the same text on a stop string, an EOS id and max tokens,
+the expectation taken from the tokenizer's own decode of an unstopped greedy run."""
+
+import pytest
+
+from compress.decoder.generate import generate
+from compress.decoder.model import load
+from compress.decoder.speculative.generate import speculative_generate
+from compress.decoder.stopping import Stopping
+from compress.serve.engine import Engine
+from compress.serve.scheduler import Params
+from tests.test_decoder import save, tiny_hf, tiny_tokenizer
+from tests.test_speculative import noisy_copy
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root, tok = tmp_path_factory.mktemp("stop"), tiny_tokenizer()
+    hf = tiny_hf(num_hidden_layers=3)
+    target, tok = load(save(hf, root / "target", tok))
+    draft, _ = load(save(noisy_copy(hf, 0.005), root / "draft", tok))
+    prompt = tok("the quick brown fox").input_ids
+    ref = generate(target, [prompt], N, ignore_eos=True).tokens[0]
+    return target, draft, tok, prompt, ref
+
+
+def three_loops(target, draft, tok, prompt, max_new, stop=(), other=None):
+    """``(tokens, streamed text, final text)`` of each loop; the engine batches a second request."""
+    out = {}
+    for name, fn in (
+        ("plain", generate),
+        ("speculative", lambda *a, **k: speculative_generate(*a, **k, draft=draft, gamma=4)),
+    ):
+        pieces = []
+        r = fn(target, [prompt], max_new, tok, stop=stop, on_text=lambda _b, t: pieces.append(t))
+        out[name] = (r.tokens[0], "".join(pieces), r.texts[0])
+    engine = Engine(target, tok, num_blocks=64, block_size=4)
+    seq = engine.add(prompt, Params(max_tokens=max_new, stop=stop))
+    engine.add(other or prompt[:3], Params(max_tokens=N))
+    pieces = []
+    while engine.has_work():
+        pieces += [e.text for e in engine.step() if e.seq is seq]
+    out["engine"] = (seq.output, "".join(pieces), seq.stopping.text)
+    return out, seq.finish_reason
+
+
+def check(out, tokens, text):
+    for name, (toks, streamed, final) in out.items():
+        assert toks == tokens, name
+        assert streamed == final == text, name
+
+
+def test_max_tokens(models):
+    target, draft, tok, prompt, ref = models
+    m = next(m for m in range(5, N) if not tok.decode(ref[:m]).endswith("\ufffd"))
+    if 1 in ref[:m]:
+        pytest.skip("the random model samples <eos> early")
+    out, reason = three_loops(target, draft, tok, prompt, m)
+    check(out, ref[:m], tok.decode(ref[:m], skip_special_tokens=True))
+    assert reason == "length"
+
+
+def test_stop_string(models):
+    target, draft, tok, prompt, ref = models
+    full = tok.decode(ref, skip_special_tokens=True)
+    a = len(full) // 2
+    stop = full[a : a + 3]
+    a = full.find(stop)  # its first occurrence
+    j = next(j for j in range(1, N + 1) if stop in tok.decode(ref[:j], skip_special_tokens=True))
+    if 1 in ref[:j]:
+        pytest.skip("the random model samples <eos> early")
+    out, reason = three_loops(target, draft, tok, prompt, N, stop=(stop,))
+    check(out, ref[:j], full[:a])
+    assert reason == "stop" and j < N
+
+
+def test_eos(models):
+    target, draft, tok, prompt, ref = models
+    k = next(k for k in range(3, N) if ref[k] not in ref[:k])
+    eos = ref[k]
+    saved = target.config.eos_token_id
+    target.config.eos_token_id = eos
+    try:
+        out, reason = three_loops(target, draft, tok, prompt, N)
+    finally:
+        target.config.eos_token_id = saved
+    check(out, ref[:k], tok.decode(ref[:k], skip_special_tokens=True))
+    assert reason == "stop"
+
+
+def test_utf8_is_held_until_complete():
+    """A character split over byte tokens is emitted once its last byte arrives."""
+    tok = tiny_tokenizer()
+    ids = tok("é€", add_special_tokens=False).input_ids
+    byte_ids = [tok.convert_tokens_to_ids(c) for c in "".join(tok.convert_ids_to_tokens(ids))]
+    s = Stopping(len(byte_ids), tokenizer=tok)
+    texts = [s.feed(t)[1] for t in byte_ids]  # é: 2 bytes, €: 3 bytes
+    assert texts == ["", "é", "", "", "€"]
+    assert s.finish_reason == "length" and s.text == "é€"
+    s = Stopping(5, eos={7})
+    assert s.feed(3) == (True, "") and s.feed(7) == (False, "") and s.finish_reason == "stop"
+    assert s.feed(4) == (False, "") and s.tokens == [3]
