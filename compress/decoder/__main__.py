@@ -15,7 +15,8 @@ inductor's on-disk FX graph cache: on a busy 2-core machine the warm-up took 52.
 8.5 s warm (``python -m compress.decoder RUN --prompt hi --max-new-tokens 16 --threads 1``,
 run twice with a fresh ``TORCHINDUCTOR_CACHE_DIR``).
 ``--head int8|int4`` quantizes the output head at load (``compress.quant.head``); by default
-the folder's recorded ``quant.lm_head``.
+the folder's recorded ``quant.lm_head``. IAM decoding (a small model alongside) is
+``python -m compress.iam generate``, which runs this CLI with its own loader (:func:`run`).
 """
 
 import argparse
