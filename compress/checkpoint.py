@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from compress.adapters import get_adapter, set_module
+from compress.arch import spec_of
 from compress.errors import CompressError
 from compress.formats import quantized_layer
 
@@ -189,7 +190,8 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
 
 
 def read_config(folder: Path) -> tuple[object, dict | None]:
-    """``(HF config, quantization_config or None)`` of a run folder or HF folder of the Llama family."""
+    """``(HF config, quantization_config or None)`` of a run folder or HF folder of a supported
+    family (``compress.adapters``)."""
     from transformers import AutoConfig
 
     if not (folder / "config.json").is_file():
@@ -204,7 +206,7 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
     ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
     config = AutoConfig.for_model(**raw)
-    get_adapter(config)
+    spec_of(config)  # refuses what the decoder cannot run, before any weight is read
     return config, qcfg
 
 
