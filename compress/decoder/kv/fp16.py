@@ -72,6 +72,13 @@ class FP16Cache(Cache):
         """True if ``layer`` keeps a ring of its sliding window's slots (see the module docstring)."""
         return self.cap[layer] < self.max_len
 
+    def chunk_pending(self, layer: int) -> bool:
+        """True while ``layer``'s last append was a long chunk (eager; a compiled step, whose
+        appends do not count, never sees one)."""
+        if torch.compiler.is_compiling() or layer not in self.pending:
+            return False
+        return self.pending[layer][-1] == self.lens[layer]
+
     def ring_positions(self, layer: int, newest) -> torch.Tensor:
         """Positions ``[1, 1, cap]`` held by ``layer``'s ring slots after position ``newest`` (an int
         or a 0-d tensor) was written; slots never written get a position past every query."""
@@ -97,7 +104,7 @@ class FP16Cache(Cache):
             if T + w - 1 > cap:  # the chunk overwrites keys its first queries see: keep them aside
                 before = self.ring_positions(layer, self.lens[layer] - T - 1)
                 kept = self.k[layer].clone(), None if v is None else self.v[layer].clone()
-                self.pending[layer] = (*kept, before, k.to(self.storage), v, pos)
+                self.pending[layer] = (*kept, before, k.to(self.storage), v, pos, self.lens[layer])
         keep = slice(max(T - cap, 0), T)
         slot = torch.remainder(pos[keep], cap)
         self.k[layer][:, :, slot] = k[:, :, keep].to(self.storage)
@@ -106,7 +113,7 @@ class FP16Cache(Cache):
 
     def attend(self, layer, q, pos=None, start=None):
         tq, block = q.shape[2], self.QUERY_BLOCK
-        if layer in self.pending:
+        if self.chunk_pending(layer):
             return self.attend_chunk(layer, q, pos, start)
         if self.ring(layer):
             return self.attend_ring(layer, q, pos, start)
@@ -168,7 +175,7 @@ class FP16Cache(Cache):
     def attend_chunk(self, layer, q, pos=None, start=None):
         """A ring layer's queries of a long chunk: over the ring as it was before the chunk and
         the chunk itself, query-blocked (each block reads the chunk's keys its windows reach)."""
-        ring_k, ring_v, ring_pos, k, v, cpos = self.pending[layer]
+        ring_k, ring_v, ring_pos, k, v, cpos, _ = self.pending[layer]
         tq, w, T = q.shape[2], self.windows[layer], k.shape[2]
         pos, out = self.slots(layer, tq, pos, after=False), []
         if ring_v is None:  # latent attention: V is K's first channels
