@@ -205,7 +205,13 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
         "auto_map" in raw
     ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
-    config = AutoConfig.for_model(**raw)
+    try:
+        config = AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CompressError(
+            f"'{folder}/config.json' is not a valid config ({type(e).__name__}: {e}). Fix the "
+            f"field it names, or re-export the checkpoint."
+        ) from None
     spec_of(config)  # refuses what the decoder cannot run, before any weight is read
     return config, qcfg
 
