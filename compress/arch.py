@@ -14,7 +14,7 @@ decoder's one forward, its caches, the methods) reads the spec, never the raw co
     spec.activation              "silu", "gelu_tanh" or "gelu" of the gated MLP
     spec.embed_scale             None, or the factor the embeddings are multiplied by (Gemma:
                                  sqrt(hidden), rounded to the embedding's dtype as transformers does)
-    spec.attn_scale              the softmax scale (Gemma: query_pre_attn_scalar**-0.5, else
+    spec.attn_scale              the attention scale of q K^T (Gemma: query_pre_attn_scalar**-0.5, else
                                  head_dim**-0.5)
     spec.final_softcap           None, or c: logits = c * tanh(logits / c) (Gemma 2 style)
     spec.adapter                 the family entry: module names of the checkpoint

@@ -10,8 +10,8 @@ One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
     RMSNorm(x) = (offset + w) * x / sqrt(mean(x^2) + eps)            (fp32; offset 1: Gemma)
     rope_l(x)[p] = x * cos(p * f) + rotate_half(x) * sin(p * f),     f_i = theta_l^(-2i / head_dim)
     rotate_half([a, b]) = [-b, a]                                    (HF's half-split layout)
-    attend_l = softmax(q K^T * scale + mask_l) V,   mask_l hides the future, left padding and,
-               for a local layer of window w, keys at positions <= p - w
+    attend_l = the cache's attention (kv/base.py) under mask_l: the future, the left padding
+               and, for a local layer of window w, the keys at positions <= p - w are hidden
 
 ``qn``/``kn`` (per-head RMSNorm, Qwen3 and Gemma 3), ``o_post``/``m_post`` (Gemma 3's post-norms)
 are the identity where the spec has none; ``act`` is SiLU or GELU-tanh; the embeddings are
