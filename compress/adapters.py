@@ -1,10 +1,22 @@
-"""Architecture adapters: where each family keeps its layers, projections and norms.
+"""Architecture adapters: the registry of supported families, one :class:`Adapter` entry each.
 
-Methods never hard-code module names; they ask the adapter. One decoder layer
-of the Llama family (llama, mistral, qwen2) looks like::
+An entry names where the family keeps its layers, projections and norms, and says what of its
+computation the HF config does not (norm kind and placement, q/k norms, which config field holds
+the activation, biases, embedding and attention scales). ``compress.arch.spec_of`` reads an entry
+together with the config into the frozen :class:`compress.arch.ArchSpec` that the decoder and the
+methods read. Methods never hard-code module names; they ask the adapter. One decoder layer::
 
-    h = x + o_proj(attn(q_proj(n1(x)), k_proj(n1(x)), v_proj(n1(x))))    n1 = input_layernorm
-    y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))          n2 = post_attention_layernorm
+    h = x + o_post(o_proj(attn(q_proj(n1(x)), k_proj(n1(x)), v_proj(n1(x)))))   n1 = input_norm
+    y = h + m_post(down_proj(act(gate_proj(n2(h))) * up_proj(n2(h))))          n2 = post_norm
+
+    n(x) = (offset + w) * x / sqrt(mean(x^2) + eps)      offset 0 (Llama), 1 (Gemma: ``(1+w)``)
+
+``o_post`` / ``m_post`` are the identity in the Llama family (llama, mistral, qwen2, qwen3) and
+``attn_out_norm`` / ``mlp_out_norm`` in Gemma 3 (four norms per block; there ``post_norm`` is
+``pre_feedforward_layernorm``, the norm feeding the MLP). Qwen3 and Gemma 3 normalize each head
+of q and k (``q_norm``, ``k_norm``, width head_dim) before RoPE.
+
+A new family is an entry in :data:`ADAPTERS` plus tests (``tests/test_family_exactness.py``).
 """
 
 from dataclasses import dataclass
@@ -36,6 +48,27 @@ class Adapter:
         ("down", "mlp.down_proj"),
     )
     optional: tuple = ()  # roles some layers lack (cross-layer attention: k and v)
+    # -- the norms beyond input_norm / post_norm (None: the family has none) --
+    attn_out_norm: str | None = None  # on the attention's output, before the residual add
+    mlp_out_norm: str | None = None  # on the MLP's output, before the residual add
+    q_norm: str | None = None  # per-head RMSNorm of q before RoPE (path inside the layer)
+    k_norm: str | None = None
+    # -- what the HF config does not say --
+    norm_offset: float = 0.0  # RMSNorm weight is (norm_offset + w): 1.0 for Gemma's (1 + w)
+    act_field: str = "hidden_act"  # config field naming the MLP's activation
+    qkv_bias: bool | None = None  # q/k/v biases; None: config.attention_bias
+    o_bias: bool | None = None  # o_proj bias; None: config.attention_bias
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    attn_scalar: str | None = None  # config field s: attention scale s**-0.5 (None: head_dim)
+    attention: str = "gqa"  # "gqa", "cla" (config.cla_share), "mla" (config.kv_lora_rank)
+
+    def norms(self) -> tuple[str, ...]:
+        """Paths inside a layer of its hidden-width norms, in the order the forward runs them."""
+        return tuple(
+            n
+            for n in (self.input_norm, self.attn_out_norm, self.post_norm, self.mlp_out_norm)
+            if n is not None
+        )
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
@@ -86,11 +119,27 @@ def _has(layer: nn.Module, path: str) -> bool:
 
 
 LLAMA = Adapter(family="llama")
+MISTRAL = Adapter(family="mistral")  # the sliding window is in the config (compress.arch)
+QWEN2 = Adapter(family="qwen2", qkv_bias=True, o_bias=False)
+QWEN3 = Adapter(family="qwen3", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+GEMMA3 = Adapter(
+    family="gemma3_text",
+    post_norm="pre_feedforward_layernorm",
+    attn_out_norm="post_attention_layernorm",
+    mlp_out_norm="post_feedforward_layernorm",
+    q_norm="self_attn.q_norm",
+    k_norm="self_attn.k_norm",
+    norm_offset=1.0,
+    act_field="hidden_activation",
+    embed_scale=True,
+    attn_scalar="query_pre_attn_scalar",
+)
 # compress.attn's converted Llamas: CLA layers after a group's first lack k/v; MLA (DeepSeek-like
 # names) has a RoPE key projection, a latent down-projection and the K/V up-projections.
-CLA = Adapter(family="compress_cla", optional=("k", "v"))
+CLA = Adapter(family="compress_cla", optional=("k", "v"), attention="cla")
 MLA = Adapter(
     family="compress_mla",
+    attention="mla",
     linears=(
         ("q", "self_attn.q_proj"),
         ("k_rope", "self_attn.k_rope_proj"),
@@ -103,13 +152,7 @@ MLA = Adapter(
         ("down", "mlp.down_proj"),
     ),
 )
-ADAPTERS = {
-    "llama": LLAMA,
-    "mistral": LLAMA,
-    "qwen2": LLAMA,
-    "compress_cla": CLA,
-    "compress_mla": MLA,
-}
+ADAPTERS = {a.family: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, CLA, MLA)}
 
 
 def get_adapter(config) -> Adapter:
@@ -117,9 +160,12 @@ def get_adapter(config) -> Adapter:
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
         raise CompressError(
-            f"unsupported architecture '{model_type}'. compress supports the Llama family: "
-            f"{', '.join(sorted(ADAPTERS))}. Add an Adapter in compress/adapters.py that names "
-            f"the decoder layers, projections and norms of '{model_type}'."
+            f"unsupported architecture '{model_type}'. compress supports: "
+            f"{', '.join(sorted(ADAPTERS))}. A new family is an Adapter entry in "
+            f"compress/adapters.py (its decoder layers, projections and norms by name; norm "
+            f"kind and placement, q/k norms, activation field, biases, embedding and attention "
+            f"scales) plus a tiny-model test against transformers in "
+            f"tests/test_family_exactness.py."
         )
     return ADAPTERS[model_type]
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from compress.adapters import get_adapter, set_module
+from compress.arch import spec_of
 from compress.errors import CompressError
 from compress.formats import quantized_layer
 
@@ -189,7 +190,8 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
 
 
 def read_config(folder: Path) -> tuple[object, dict | None]:
-    """``(HF config, quantization_config or None)`` of a run folder or HF folder of the Llama family."""
+    """``(HF config, quantization_config or None)`` of a run folder or HF folder of a supported
+    family (``compress.adapters``)."""
     from transformers import AutoConfig
 
     if not (folder / "config.json").is_file():
@@ -203,8 +205,14 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
         "auto_map" in raw
     ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
-    config = AutoConfig.for_model(**raw)
-    get_adapter(config)
+    try:
+        config = AutoConfig.for_model(**raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CompressError(
+            f"'{folder}/config.json' is not a valid config ({type(e).__name__}: {e}). Fix the "
+            f"field it names, or re-export the checkpoint."
+        ) from None
+    spec_of(config)  # refuses what the decoder cannot run, before any weight is read
     return config, qcfg
 
 

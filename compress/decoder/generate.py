@@ -10,7 +10,8 @@ slot ``start[b]``, which the cache masks before and the model takes as position 
 row decodes exactly as it would alone.
 
 Cache length: ``max_len`` defaults to the longest prompt + ``max_new_tokens``, capped at the
-model's ``max_position_embeddings``. A prompt that does not fit (T0 >= max_len) raises a
+model's ``max_position_embeddings`` (sliding-window layers attend within their window at any
+length: the caches keep what the window reaches). A prompt that does not fit (T0 >= max_len) raises a
 ``CompressError``; a continuation that would overrun the cache stops at ``max_len`` with a
 warning. An empty prompt is an error.
 """
@@ -107,12 +108,6 @@ def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None)
             f"the prompt has {prompt_len} tokens, but the KV cache holds {max_len} (the model's "
             f"max_position_embeddings is {limit}). Shorten the prompt or raise --max-len."
         )
-    window = getattr(model.config, "sliding_window", None)
-    if window and getattr(model.config, "use_sliding_window", True) and max_len > window:
-        raise CompressError(
-            f"this model attends within a sliding window of {window} tokens, which the decoder "
-            f"does not implement; keep prompt + new tokens within {window} (--max-len)."
-        )
     if prompt_len + max_new_tokens > max_len:
         warnings.warn(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -204,7 +199,9 @@ def sync(device) -> None:
 STATIC_BUCKET = 256  # the compiled step's cache length is a multiple of this
 
 
-def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
+def static_step(
+    model, kv: str, kv_opts: dict | None, batch: int, max_len: int, lookahead: int = 0
+):
     """``(step, cache)`` for compiled decoding: a :class:`StaticDecoder` kept on the model per batch size."""
     from compress.decoder.compiled import StaticDecoder
 
@@ -220,4 +217,4 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int):
         steps[batch] = StaticDecoder(model, batch)
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
-    return steps[batch], static_cache(new_cache(model, kv, batch, size))
+    return steps[batch], static_cache(new_cache(model, kv, batch, size, lookahead=lookahead))

@@ -1,13 +1,22 @@
-"""Our own Llama-family transformer (llama, mistral, qwen2), in the spirit of gpt-fast's ``model.py``.
+"""Our own decoder-only transformer, in the spirit of gpt-fast's ``model.py``: one forward for every
+family of ``compress.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text and the converted
+cla / mla), reading only the architecture spec (``compress.arch.ArchSpec``, ``model.spec``).
 
-One decoder layer, with n1 = input_layernorm and n2 = post_attention_layernorm::
+One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
 
-    h = x + o_proj(attend(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
-    y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))
+    h = x + o_post(o_proj(attend_l(rope_l(qn(q_proj(n1(x)))), rope_l(kn(k_proj(n1(x)))), v_proj(n1(x)))))
+    y = h + m_post(down_proj(act(gate_proj(n2(h))) * up_proj(n2(h))))
 
-    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)                      (computed in fp32)
-    rope(x)[p] = x * cos(p * f) + rotate_half(x) * sin(p * f),       f_i = theta^(-2i / head_dim)
+    RMSNorm(x) = (offset + w) * x / sqrt(mean(x^2) + eps)            (fp32; offset 1: Gemma)
+    rope_l(x)[p] = x * cos(p * f) + rotate_half(x) * sin(p * f),     f_i = theta_l^(-2i / head_dim)
     rotate_half([a, b]) = [-b, a]                                    (HF's half-split layout)
+    attend_l = the cache's attention (kv/base.py) under mask_l: the future, the left padding
+               and, for a local layer of window w, the keys at positions <= p - w are hidden
+
+``qn``/``kn`` (per-head RMSNorm, Qwen3 and Gemma 3), ``o_post``/``m_post`` (Gemma 3's post-norms)
+are the identity where the spec has none; ``act`` is SiLU or GELU-tanh; the embeddings are
+multiplied by the spec's ``embed_scale`` (Gemma: sqrt(hidden) in the embedding's dtype) and
+``theta_l`` and its scaling are the layer's (Gemma 3: local 10k, global 1M).
 
 One forward serves every use: eager, compiled (``compress.decoder.static`` runs it with a
 static cache and compile-friendly linears), batched with left padding, teacher-forced
@@ -19,8 +28,8 @@ load by name and validation errors name the tensor as it is stored. Linears are
 ``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks for
 (``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
 After loading, q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj``
-(one matmul each: fewer calls per token). Mistral's sliding window is not
-implemented: ``generate`` refuses sequences longer than the window.
+(one matmul each: fewer calls per token). Sliding windows are the caches' (``compress.decoder.kv``
+takes each slot's window from :meth:`Transformer.kv_layout`).
 """
 
 import math
@@ -30,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.adapters import head_dim
+from compress.arch import ArchSpec, spec_of
 from compress.checkpoint import (
     load_state,
     quantized_layer,
@@ -82,13 +91,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``(offset + w) * x / sqrt(mean(x^2) + eps)``: offset 0 rounds x-hat to x's dtype, then
+    scales (Llama's order); offset 1 scales in fp32, then rounds (Gemma's ``(1 + w)``)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        xhat = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        if self.offset:
+            return (xhat * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xhat.to(x.dtype)
+
+
+def norm(spec: ArchSpec, dim: int | None = None) -> RMSNorm:
+    """The spec's RMSNorm over ``dim`` channels (default: the hidden size)."""
+    return RMSNorm(dim or spec.hidden_size, spec.norm_eps, spec.norm_offset)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 class Attention(nn.Module):
@@ -96,20 +123,20 @@ class Attention(nn.Module):
     layer i reads the K/V that layer ``i - i % s`` wrote into cache slot ``i // s`` and has no
     k/v projections of its own. Kinds differ only in :meth:`project` (and their loading)."""
 
-    def __init__(self, config, layer: int):
+    def __init__(self, spec: ArchSpec, layer: int):
         super().__init__()
-        share = getattr(config, "cla_share", None) or 1
-        self.kv_slot, self.writes_kv = layer // share, layer % share == 0
-        self.n_heads, self.head_dim = config.num_attention_heads, head_dim(config)
-        self.n_kv_heads = (
-            config.num_key_value_heads if self.writes_kv else 0
-        )  # heads this layer projects
-        dim, qkv_bias, o_bias = config.hidden_size, *attention_biases(config)
+        lay = spec.layers[layer]
+        self.kv_slot, self.writes_kv, self.window = lay.kv_slot, lay.writes_kv, lay.window
+        self.n_heads, self.head_dim = spec.n_heads, spec.head_dim
+        self.n_kv_heads = spec.n_kv_heads if self.writes_kv else 0  # heads this layer projects
+        dim, qkv_bias = spec.hidden_size, spec.qkv_bias
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
         if self.writes_kv:
             self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-            self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=o_bias)
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=spec.o_bias)
+        if spec.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+            self.q_norm, self.k_norm = norm(spec, spec.head_dim), norm(spec, spec.head_dim)
         self.qkv_proj = None  # the input projections, fused by fuse_projections()
 
     def inputs(self) -> list[str]:
@@ -125,7 +152,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
         heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
-        qk = apply_rope(heads[:, : H + Hkv], cos, sin)
+        qk = heads[:, : H + Hkv]
+        if hasattr(self, "q_norm"):
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], 1)
+        qk = apply_rope(qk, cos, sin)
         if not self.writes_kv:
             return qk, None, None
         return qk[:, :H], qk[:, H:], heads[:, H + Hkv :]
@@ -155,13 +185,13 @@ class LatentAttention(Attention):
     L channels are also the value, and query head h is ``[q_lat,h | q_r,h in group g's slot]``.
     """
 
-    def __init__(self, config, layer: int):
+    def __init__(self, spec: ArchSpec, layer: int):
         nn.Module.__init__(self)
-        self.kv_slot, self.writes_kv = layer, True
-        H, G, D = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
-        p, L = config.mla_rope_pairs, config.kv_lora_rank
+        self.kv_slot, self.writes_kv, self.window = layer, True, spec.layers[layer].window
+        H, G, D = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        p, L = spec.mla_rope_pairs, spec.kv_lora_rank
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent = H, G, D, 2 * p, L
-        dim = config.hidden_size
+        dim = spec.hidden_size
         self.q_proj = nn.Linear(dim, H * D, bias=False)
         self.k_rope_proj = nn.Linear(dim, G * 2 * p, bias=False)
         self.kv_a_proj = nn.Linear(dim, L, bias=False)
@@ -234,93 +264,103 @@ class MappedAttention(Attention):
         return None, None, v
 
 
-def attention_kind(config, layer: int) -> type:
-    """The attention class of ``layer``: latent (MLA folders), mapped (IAM: ``config.iam_mapped``
-    lists the large layers that take a small model's weights) or grouped-query."""
-    if getattr(config, "kv_lora_rank", None):
-        return LatentAttention
-    if layer in (getattr(config, "iam_mapped", None) or ()):
-        return MappedAttention
-    return Attention
+ATTENTIONS = {"gqa": Attention, "cla": Attention, "mla": LatentAttention, "mapped": MappedAttention}
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config):
+    def __init__(self, spec: ArchSpec):
         super().__init__()
-        dim, hidden, bias = (
-            config.hidden_size,
-            config.intermediate_size,
-            getattr(config, "mlp_bias", False),
-        )
+        dim, hidden, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.gate_up_proj = None  # gate_proj and up_proj fused by fuse_projections()
+        self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer: int):
+    """One decoder layer; its norms carry the checkpoint's names (the spec's adapter)."""
+
+    def __init__(self, spec: ArchSpec, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_kind(config, layer)(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        a = spec.adapter
+        self.norm_names = (a.input_norm, a.attn_out_norm, a.post_norm, a.mlp_out_norm)
+        for name in a.norms():
+            setattr(self, name, norm(spec))
+        self.self_attn = ATTENTIONS[spec.layers[layer].attention](spec, layer)
+        self.mlp = FeedForward(spec)
 
     def forward(self, x, cos, sin, cache, pos, start):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, pos, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        n_in, o_post, n_mlp, m_post = (n and getattr(self, n) for n in self.norm_names)
+        a = self.self_attn(n_in(x), cos, sin, cache, pos, start)
+        h = x + (o_post(a) if o_post else a)
+        m = self.mlp(n_mlp(h))
+        return h + (m_post(m) if m_post else m)
 
 
 class Body(nn.Module):
-    def __init__(self, config):
+    def __init__(self, spec: ArchSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
+        self.norm = norm(spec)
 
 
 class Transformer(nn.Module):
-    """``forward(idx [B, T], cache, pos [T], start [B]) -> logits [B, T, V]``."""
+    """``forward(idx [B, T], cache, pos [T], start [B]) -> logits [B, T, V]``.
+
+    ``inv_freq [R, head_dim/2]`` holds the frequencies of the spec's R distinct RoPE parameter
+    sets (``spec.rope_groups()``); layer l rotates with row ``rope_row[l]``.
+    """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.head_dim = head_dim(config)
-        self.model = Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(self.head_dim, config.rope_parameters), persistent=False
-        )
-        if config.tie_word_embeddings:
+        self.spec = spec = spec_of(config)
+        self.head_dim = spec.head_dim
+        self.model = Body(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        groups = spec.rope_groups()
+        self.rope_row = [groups.index(layer.rope) for layer in spec.layers]
+        self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+        if spec.tied:
             self.tie_weights()
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """``inv_freq`` computed from the spec (after loading on the meta device, it is copied in)."""
+        rows = [rope_inv_freq(self.head_dim, dict(r)) for r in self.spec.rope_groups()]
+        return torch.stack(rows)
 
     def tie_weights(self):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_layout(self) -> dict:
         """What a KV cache for this model holds per token: ``n_layers`` (cache slots), ``n_kv_heads``,
-        ``head_dim`` (of K), ``v_dim`` (V = K's first v_dim channels; None: V of its own) and the
-        attention ``scale``."""
-        attns = [b.self_attn for b in self.model.layers]
-        a, slots = attns[0], max(x.kv_slot for x in attns) + 1
+        ``head_dim`` (of K), ``v_dim`` (V = K's first v_dim channels; None: V of its own), the
+        attention ``scale`` (None: head_dim**-0.5) and each slot's sliding window ``windows``
+        (None: global)."""
+        spec = self.spec
+        a, windows = self.model.layers[0].self_attn, spec.slot_windows()
         if isinstance(a, LatentAttention):
             return dict(
-                n_layers=slots,
+                n_layers=spec.n_slots,
                 n_kv_heads=1,
                 head_dim=a.latent + a.n_kv_heads * a.rope,
                 v_dim=a.latent,
-                scale=a.head_dim**-0.5,
+                scale=spec.attn_scale,
+                windows=windows,
             )
         return dict(
-            n_layers=slots,
-            n_kv_heads=self.config.num_key_value_heads,
+            n_layers=spec.n_slots,
+            n_kv_heads=spec.n_kv_heads,
             head_dim=self.head_dim,
             v_dim=None,
-            scale=None,
+            scale=None if spec.attn_scale == self.head_dim**-0.5 else spec.attn_scale,
+            windows=windows,
         )
 
     @property
@@ -351,17 +391,24 @@ class Transformer(nn.Module):
         rel = (
             pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)
         )  # [B or 1, T]
-        angles = (rel[..., None].float() * self.inv_freq).repeat(1, 1, 2)[
-            :, None
-        ]  # [B or 1, 1, T, D]
+        angles = (rel[None, ..., None].float() * self.inv_freq[:, None, None]).repeat(
+            1, 1, 1, 2
+        )[:, :, None]  # [R, B or 1, 1, T, D]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = self.model.embed_tokens(idx)
+        if self.spec.embed_scale is not None:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         for i, block in enumerate(self.model.layers):
             if i not in skip:
-                x = block(x, cos, sin, cache, pos, start)
+                r = self.rope_row[i]
+                x = block(x, cos[r], sin[r], cache, pos, start)
         if last:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        if self.spec.final_softcap is not None:
+            c = self.spec.final_softcap
+            logits = c * torch.tanh(logits / c)
+        return logits
 
 
 class Parallel(nn.Module):
@@ -471,14 +518,6 @@ def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
             keep_int4pack_only(m)
 
 
-def attention_biases(config) -> tuple[bool, bool]:
-    """(q/k/v bias, o bias): Llama's ``attention_bias`` covers all four; Qwen2 biases q/k/v only."""
-    if config.model_type == "qwen2":
-        return True, False
-    bias = getattr(config, "attention_bias", False)
-    return bias, bias
-
-
 def release_freed_memory() -> None:
     """Hand the heap that loading freed back to the OS (glibc ``malloc_trim``), so RSS shows what is live."""
     import ctypes
@@ -500,7 +539,7 @@ def load(
     iam_mapped=(),
     head: str = "none",
 ) -> tuple[Transformer, object]:
-    """Load a run folder (any recipe's) or an HF Llama-family folder as ``(model, tokenizer)``.
+    """Load a run folder (any recipe's) or an HF folder of a supported family as ``(model, tokenizer)``.
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point
     parameters (embedding, norms, unquantized linears) take ``dtype``; quantized layers keep
@@ -523,7 +562,7 @@ def load(
         model = Transformer(config)
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
-    model.inv_freq.copy_(rope_inv_freq(model.head_dim, config.rope_parameters))
+    model.inv_freq.copy_(model.rope_frequencies())
     load_state(model, read_tensors(folder), str(folder))
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.arch import spec_of
 from compress.decoder.kv import new_cache
 from compress.decoder.kv.fp16 import FP16Cache, FullCache
 from compress.decoder.kv.mapped import MappedCache, RecordingCache
@@ -124,6 +125,11 @@ def check_models(large_cfg, small_cfg) -> None:
             raise CompressError(
                 f"IAM maps grouped-query attention models; the {role} model's attention is "
                 f"converted (cla or mla). Map its source model instead."
+            )
+        if spec_of(cfg).windowed:
+            raise CompressError(
+                f"IAM maps global-attention models; the {role} model has sliding-window "
+                f"layers, whose attention weights cover their window only."
             )
 
 

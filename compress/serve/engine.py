@@ -85,7 +85,7 @@ class Engine:
                 f"together they exceed the model's context of {self.max_len} tokens. "
                 f"Shorten the prompt or lower max_tokens."
             )
-        cache_size(self.model, len(prompt), params.max_tokens, None)  # sliding-window check
+        cache_size(self.model, len(prompt), params.max_tokens, None)  # the context check
         self.scheduler.fits(len(prompt), params.max_tokens)
 
     def add(self, prompt: list[int], params: Params | None = None, seq_id=None) -> Sequence:

@@ -177,6 +177,12 @@ class RunaheadPrefill:
                 "KV-Runahead hands K/V between processes over gloo, on the CPU; "
                 "load the model on the CPU (NCCL for GPUs is not implemented)."
             )
+        if any(w is not None for w in model.kv_layout().get("windows") or ()):
+            raise CompressError(
+                "KV-Runahead hands each rank the whole K/V so far; this model has sliding-"
+                "window layers, whose caches keep only their window. Prefill it without "
+                "KV-Runahead."
+            )
         if dist.is_initialized():
             raise CompressError(
                 "KV-Runahead needs this process's default process group, which is "

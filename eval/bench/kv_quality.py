@@ -141,6 +141,12 @@ class HistoryMix(Cache):
         T = len(C)
         layout = dict(layout)
         shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
+        if any(w is not None for w in layout.pop("windows", None) or ()):
+            raise CompressError(
+                "kv_quality's teacher-forced pass mixes a compressed history with a window of "
+                "recent tokens for global-attention layers; this model has sliding-window "
+                "layers, whose caches compress nothing (compress.decoder.kv.window)."
+            )
         super().__init__(
             shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout
         )

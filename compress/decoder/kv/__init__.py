@@ -60,9 +60,17 @@ def make_cache(
     max_len: int,
     dtype: torch.dtype = torch.float32,
     device="cpu",
+    windows=None,
+    lookahead: int = 0,
+    scale: float | None = None,
     **opts,
 ) -> Cache:
-    """A cache of ``kind`` (one of :data:`KV_KINDS`); ``opts`` are that kind's options."""
+    """A cache of ``kind`` (one of :data:`KV_KINDS`); ``opts`` are that kind's options.
+
+    ``windows``: each slot's sliding window (None: global); ``lookahead``: the most tokens a caller
+    appends beyond one and then rolls back (speculative decoding's gamma); ``scale``: the
+    attention's softmax scale (None: head_dim**-0.5). See ``kv/base.py``.
+    """
     if kind not in CACHES:
         raise CompressError(f"unknown KV cache kind '{kind}'. Use one of {list(KV_KINDS)}.")
     cls = CACHES[kind]
@@ -72,11 +80,24 @@ def make_cache(
             f"KV cache '{kind}' has no option(s) {sorted(unknown)}; its options are "
             f"{list(cls.OPTIONS) or 'none'}."
         )
-    return cls(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, torch.device(device), **opts)
+    return cls(
+        n_layers,
+        batch,
+        n_kv_heads,
+        head_dim,
+        max_len,
+        dtype,
+        torch.device(device),
+        scale=scale,
+        windows=windows,
+        lookahead=lookahead,
+        **opts,
+    )
 
 
-def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
-    """A preallocated cache of ``kind`` for the decoder's ``model``.
+def new_cache(model, kind: str, batch: int, max_len: int, lookahead: int = 0, **opts) -> Cache:
+    """A preallocated cache of ``kind`` for the decoder's ``model`` (its slots' sliding windows and
+    attention scale from ``model.kv_layout()``; ``lookahead`` as :func:`make_cache`'s).
 
     Attention computes in fp32 on the CPU, whose bfloat16 matmuls are slow, and in the
     model's dtype on a GPU; the ``full`` cache also stores K and V in that dtype.
@@ -87,6 +108,7 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
     shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
+    windows, scale = layout.pop("windows", None), layout.pop("scale", None)
     extra = {k: v for k, v in layout.items() if v is not None}
     if extra and kind not in ("fp16", "full"):
         raise CompressError(
@@ -103,6 +125,9 @@ def new_cache(model, kind: str, batch: int, max_len: int, **opts) -> Cache:
         max_len,
         dtype=dtype,
         device=device,
+        windows=windows,
+        lookahead=lookahead,
+        scale=scale,
         **extra,
         **opts,
     )

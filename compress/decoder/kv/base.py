@@ -11,9 +11,13 @@ the first ``v_dim`` channels of K, stored once.
     cache.length, cache.nbytes(), cache.reset(), cache.rollback(length), cache.settle()
 
 K arrives position-encoded, as the model's attention computes it. Query head ``j`` reads KV
-head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``) and, per row ``b``,
-the left padding (slots ``< start[b]``). Scores and softmax run in ``dtype`` (fp32 on the
-CPU); the output comes back in ``q``'s dtype.
+head ``j // (H / Hkv)`` (GQA). The mask hides future slots (``> pos``), per row ``b`` the left
+padding (slots ``< start[b]``) and, in a layer with a sliding window ``w`` (``windows[layer]``,
+None: global), the slots ``<= pos - w``: the query at p sees p - w < k <= p, as transformers'
+sliding window does. Such a layer keeps only what a later query can see: ``w`` tokens plus
+``lookahead`` (the most tokens a caller rolls back, minus one: speculative decoding's gamma),
+so its bytes are bounded at any length. Scores and softmax run in ``dtype`` (fp32 on the CPU);
+the output comes back in ``q``'s dtype.
 """
 
 import torch
@@ -22,10 +26,16 @@ import torch.nn.functional as F
 from compress.errors import CompressError
 
 
-def hidden(kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+def hidden(
+    kpos: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor | None, window: int | None = None
+) -> torch.Tensor:
     """Mask ``[B|1, Hkv|1, 1, Tq, Lk]``, True where key slot ``kpos [B|1, Hkv|1, Lk]`` is in query
-    slot ``qpos [Tq]``'s future or in row b's left padding (``< start[b]``)."""
-    m = kpos[:, :, None, None, :] > qpos[:, None]
+    slot ``qpos [Tq]``'s future, in row b's left padding (``< start[b]``) or, with a sliding
+    ``window`` w, at or before ``qpos - w``."""
+    k = kpos[:, :, None, None, :]
+    m = k > qpos[:, None]
+    if window is not None:
+        m = m | (k <= qpos[:, None] - window)
     if start is not None:
         m = m | (kpos < start.view(-1, 1, 1))[:, :, None, None, :]
     return m
@@ -76,8 +86,28 @@ class Cache:
     OPTIONS: tuple = ()  # keyword options of the kind, for make_cache's check
 
     def __init__(
-        self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, v_dim=None, scale=None
+        self,
+        n_layers,
+        batch,
+        n_kv_heads,
+        head_dim,
+        max_len,
+        dtype,
+        device,
+        v_dim=None,
+        scale=None,
+        windows=None,
+        lookahead=0,
     ):
+        self.windows = list(windows) if windows is not None else [None] * n_layers
+        if len(self.windows) != n_layers or any(w is not None and w < 1 for w in self.windows):
+            raise CompressError(
+                f"KV cache windows={windows}: give one sliding window (a positive number of "
+                f"tokens, or None for a global layer) per cache slot ({n_layers})."
+            )
+        if lookahead < 0:
+            raise CompressError(f"KV cache lookahead={lookahead} must be >= 0.")
+        self.lookahead = lookahead
         self.n_layers, self.batch, self.n_kv_heads, self.head_dim = (
             n_layers,
             batch,

@@ -51,6 +51,7 @@ class KIVICache(ResidualCache):
         bits=2,
         group=32,
         residual=128,
+        **kw,
     ):
         if bits not in (2, 4):
             raise CompressError(f"KIVI bits={bits} is not supported; use bits=2 or bits=4.")
@@ -60,7 +61,9 @@ class KIVICache(ResidualCache):
                 f"group ({group}); use group=32 or another divisor of head_dim."
             )
         self.bits, self.block = bits, group
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
+        super().__init__(
+            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual, **kw
+        )
 
     def reset_history(self):
         BH, cap, D, G, dev = (

@@ -70,6 +70,7 @@ class PackKVCache(ResidualCache):
         residual=128,
         order="greedy",
         keep_perm=None,
+        **kw,
     ):
         for name, rel in (("k_rel", k_rel), ("v_rel", v_rel)):
             if not packkv_ref.MIN_REL <= rel <= 1:
@@ -91,7 +92,9 @@ class PackKVCache(ResidualCache):
             torch.tensor(x, dtype=torch.float32, device=device).view(2, 1, 1)
             for x in ([k_rel, v_rel], [packkv_ref.max_code(k_rel), packkv_ref.max_code(v_rel)])
         )
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual)
+        super().__init__(
+            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual, **kw
+        )
 
     def reset_history(self):
         BH, dev, cap = (

@@ -15,7 +15,10 @@ the token's true position. :meth:`PagedCache.bind` gives the cache the step's sl
     attend:  K_b = pool[table_b]  at virtual slots start[b] + 0 .. len_b - 1
              softmax(q K_b^T * scale + mask) V_b          (``hidden``, ``fused_attention``)
 
-with slots past ``len_b`` masked as the future. Storage is fp16 (``fp16``) or the compute dtype
+with slots past ``len_b`` masked as the future, and a sliding-window layer's keys at or before
+``pos - w`` hidden (``kv/base.py``). The blocks are shared by all layers through one table per
+sequence, so a local layer's blocks are not freed when they leave its window: the paged cache's
+bytes are not bounded by the window (the contiguous caches' are). Storage is fp16 (``fp16``) or the compute dtype
 (``full``, exact), attention computes as the contiguous caches do.
 """
 
@@ -42,9 +45,19 @@ class PagedCache(Cache):
         storage: torch.dtype = torch.float16,
         v_dim=None,
         scale=None,
+        windows=None,
     ):
         super().__init__(
-            n_layers, 0, n_kv_heads, head_dim, num_blocks * block_size, dtype, device, v_dim, scale
+            n_layers,
+            0,
+            n_kv_heads,
+            head_dim,
+            num_blocks * block_size,
+            dtype,
+            device,
+            v_dim,
+            scale,
+            windows,
         )
         self.num_blocks, self.block_size, self.storage = num_blocks, block_size, storage
         slots = num_blocks * block_size
@@ -109,7 +122,7 @@ class PagedCache(Cache):
             q,
             keys.transpose(1, 2).to(self.dtype),
             values.transpose(1, 2).to(self.dtype),
-            hidden(s["kpos"], pos, s["start"]),
+            hidden(s["kpos"], pos, s["start"], self.windows[layer]),
             self.scale,
         )
 
@@ -155,4 +168,5 @@ def new_paged_cache(model, num_blocks: int, block_size: int = 16, kind: str = "f
         storage,
         layout["v_dim"],
         layout["scale"],
+        layout.get("windows"),
     )

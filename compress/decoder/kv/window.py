@@ -8,6 +8,10 @@ leaves, so its window holds exactly ``residual`` tokens. A token is never compre
 compressed history is always older than every query: the causal mask never cuts through it,
 only left padding can.
 
+A layer with a sliding window ``w`` compresses nothing: its fp16 window keeps the ``w - 1 +
+lookahead`` newest tokens between steps (plus the tokens of the running append) and drops the
+older ones, which no later query can see; its bytes are bounded at any length.
+
 ``nbytes()`` counts what is held for the tokens in the cache: codes, every scale, minimum,
 bit width, offset and permutation, and the fp16 window.
 """
@@ -30,8 +34,32 @@ class ResidualCache(Cache):
     block = 64
     granule = None  # tokens leave the window in multiples of this; None: of ``block``
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual):
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device)
+    def __init__(
+        self,
+        n_layers,
+        batch,
+        n_kv_heads,
+        head_dim,
+        max_len,
+        dtype,
+        device,
+        residual,
+        scale=None,
+        windows=None,
+        lookahead=0,
+    ):
+        super().__init__(
+            n_layers,
+            batch,
+            n_kv_heads,
+            head_dim,
+            max_len,
+            dtype,
+            device,
+            scale=scale,
+            windows=windows,
+            lookahead=lookahead,
+        )
         if residual < 0:
             raise CompressError(f"KV cache residual={residual} must be >= 0 (tokens kept in fp16).")
         self.residual = residual
@@ -41,6 +69,7 @@ class ResidualCache(Cache):
     def reset(self):
         self.lens = [0] * self.n_layers
         self.ncomp = [0] * self.n_layers
+        self.dropped = [0] * self.n_layers  # sliding-window layers: tokens left behind the window
         self.start = None  # rows' left padding, as last given to attend
         empty = torch.zeros(
             self.batch, self.n_kv_heads, 0, self.head_dim, dtype=torch.float16, device=self.device
@@ -53,9 +82,18 @@ class ResidualCache(Cache):
         self.win_k[layer] = torch.cat([self.win_k[layer], k.half()], 2)
         self.win_v[layer] = torch.cat([self.win_v[layer], v.half()], 2)
         self.lens[layer] += T
-        self.evict(
-            layer, max(T, self.residual)
-        )  # older than this chunk, outside the newest `residual`
+        if self.windows[layer] is not None:  # what this chunk's first query can still see
+            self.drop(layer, T + self.windows[layer] - 1 + self.lookahead)
+        else:  # older than this chunk, outside the newest `residual`
+            self.evict(layer, max(T, self.residual))
+
+    def drop(self, layer: int, keep: int) -> None:
+        """A sliding-window layer: forget the window's oldest tokens, all but the newest ``keep``."""
+        n = self.win_k[layer].shape[2] - keep
+        if n > 0:
+            self.win_k[layer] = self.win_k[layer][:, :, n:].clone()
+            self.win_v[layer] = self.win_v[layer][:, :, n:].clone()
+            self.dropped[layer] += n
 
     def settle(self):
         """Compress now, in every layer, what the next append will compress whatever it brings.
@@ -64,8 +102,11 @@ class ResidualCache(Cache):
         not in the first decode step, and the cache ends up exactly as that step would leave it
         (the next append's ``n`` tokens are these, then its own share: both whole granules).
         """
-        for layer in range(self.n_layers):
-            self.evict(layer, max(self.residual - 1, 0))
+        for layer, w in enumerate(self.windows):
+            if w is None:
+                self.evict(layer, max(self.residual - 1, 0))
+            else:
+                self.drop(layer, w - 1 + self.lookahead)
 
     def evict(self, layer: int, keep: int) -> None:
         """Compress the window's oldest tokens, in whole granules, all but the newest ``keep``."""
@@ -90,9 +131,17 @@ class ResidualCache(Cache):
                 f"already compressed, and compressed tokens cannot be dropped. Keep"
                 f" more tokens in fp16 (--kv-opt residual=N with N > gamma)."
             )
+        for layer, w in enumerate(self.windows):
+            if w is not None and length - w + 1 < self.dropped[layer]:
+                raise CompressError(
+                    f"KV cache rollback to {length} tokens: sliding-window layer {layer} has "
+                    f"already dropped the tokens before {self.dropped[layer]}, which the next "
+                    f"query would see. Build the cache with lookahead >= the speculative gamma."
+                )
         for layer, C in enumerate(self.ncomp):
-            self.win_k[layer] = self.win_k[layer][:, :, : length - C]
-            self.win_v[layer] = self.win_v[layer][:, :, : length - C]
+            first = C + self.dropped[layer]
+            self.win_k[layer] = self.win_k[layer][:, :, : length - first]
+            self.win_v[layer] = self.win_v[layer][:, :, : length - first]
         self.lens = [length] * self.n_layers
 
     def attend(self, layer, q, pos=None, start=None):
@@ -107,14 +156,17 @@ class ResidualCache(Cache):
         scores = q4 @ wk.transpose(-1, -2)
         if H:
             scores = torch.cat([self.history_scores(layer, q4).to(self.dtype), scores], -1)
-        if sees_everything(qpos, start, self.lens[layer]):
+        w, first = self.windows[layer], C + self.dropped[layer]
+        if sees_everything(qpos, start, self.lens[layer]) and (
+            w is None or self.lens[layer] - first <= w
+        ):
             p = scores.softmax(-1)
         else:
-            kpos = torch.arange(C, self.lens[layer], device=self.device)[None, None]
+            kpos = torch.arange(first, self.lens[layer], device=self.device)[None, None]
             if C:
                 hpos = self.history_positions(layer, qpos, start)
                 kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
-            p = masked_softmax(scores, hidden(kpos, qpos, start), tq)
+            p = masked_softmax(scores, hidden(kpos, qpos, start, w), tq)
         out = p[..., H:] @ wv
         if H:
             out = out + self.history_mix(layer, p[..., :H].contiguous()).to(self.dtype)

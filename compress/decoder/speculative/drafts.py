@@ -50,6 +50,7 @@ class ModelDraft:
     ``compile``: its decode steps run ``compress.decoder.compiled``'s compiled step (CPU)."""
 
     shares_cache = False
+    lookahead = 0  # tokens its cache must be able to roll back beyond one (the largest gamma)
 
     def __init__(self, model, kv: str = "fp16", kv_opts: dict | None = None, compile: bool = False):
         self.model, self.kv, self.kv_opts, self.cache = model, kv, kv_opts or {}, None
@@ -60,9 +61,13 @@ class ModelDraft:
         from compress.decoder.kv import new_cache
 
         if self.compile:
-            self.step, self.cache = static_step(self.model, self.kv, self.kv_opts, 1, max_len)
+            self.step, self.cache = static_step(
+                self.model, self.kv, self.kv_opts, 1, max_len, self.lookahead
+            )
         else:
-            self.cache = new_cache(self.model, self.kv, 1, max_len, **self.kv_opts)
+            self.cache = new_cache(
+                self.model, self.kv, 1, max_len, lookahead=self.lookahead, **self.kv_opts
+            )
         if len(ids) > 1:  # the last prompt token is fed with the first draft
             device = self.model.device
             self.model(torch.tensor([ids[:-1]], device=device), self.cache, last=True)

@@ -148,7 +148,8 @@ def speculative_generate(
     T0, device = len(seq), model.device
     max_len = cache_size(model, T0, max_new_tokens, max_len)
     n_new = min(max_new_tokens, max_len - T0)
-    cache = new_cache(model, kv, 1, max_len, **(kv_opts or {}))
+    lookahead = schedule.largest_gamma()  # sliding-window layers keep what a rollback restores
+    cache = new_cache(model, kv, 1, max_len, lookahead=lookahead, **(kv_opts or {}))
     residual = getattr(cache, "residual", None)
     if residual is not None and residual <= schedule.largest_gamma():
         raise CompressError(
@@ -170,6 +171,7 @@ def speculative_generate(
     t0 = time.perf_counter()
     logits = model(torch.tensor([seq], device=device), cache, last=True)[:, -1]
     for draft in schedule.drafts():
+        draft.lookahead = lookahead
         draft.prefill(seq, max_len)
     sync(device)
     t1 = time.perf_counter()
