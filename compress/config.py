@@ -269,7 +269,9 @@ def validate(cfg: DictConfig) -> None:
     if config is not None:
         from transformers import AutoConfig
 
-        in_features = layer_in_features(AutoConfig.for_model(**config))
+        hf_config = AutoConfig.for_model(**config)
+        in_features = layer_in_features(hf_config)
+        check_family(cfg, hf_config)
     check_stage_settings(cfg, in_features)
 
     if "iam" in cfg.stages:
@@ -298,6 +300,32 @@ def validate(cfg: DictConfig) -> None:
     from compress.hub import check_config
 
     check_config(cfg.get("hub"))
+
+
+def check_family(cfg, hf_config) -> None:
+    """Refuse, from config.json alone, a family, window or head layout the recipe's methods
+    cannot handle: the decoder's own checks (``compress.arch.spec_of``), CLA/MLA on a family the
+    converted Llama cannot compute (``compress.attn.checks``), K/V head counts mean-pooling or
+    a CLA share cannot meet."""
+    from compress.arch import spec_of
+
+    spec_of(hf_config)
+    stages = set(cfg.stages)
+    attn = cfg.get("attn") or {}
+    if "gqa" in stages and attn.get("kv_heads") is not None:
+        from compress.attn.gqa import check_kv_heads
+
+        check_kv_heads(hf_config, int(attn.kv_heads))
+    for method in ("cla", "mla"):
+        if method in stages:
+            from compress.attn.checks import check_llama_layers, check_source
+
+            check_source(hf_config, method)
+            check_llama_layers(hf_config, method)
+    if "cla" in stages:
+        from compress.attn.cla import check_share
+
+        check_share(hf_config, int(attn.get("share") or 1), str(attn.get("cla_init") or "lstsq"))
 
 
 def layer_in_features(hf_config) -> dict[str, int]:

@@ -16,7 +16,7 @@ the run folder carries. report.json gets ``attn`` (what was converted, with whic
 
 import logging
 
-from compress.attn.checks import check_rope, check_source
+from compress.attn.checks import check_llama_layers, check_rope, check_source
 from compress.formats.attention import folder_files
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def cla(model, ctx):
     a = ctx.cfg.attn
     share, init = int(a.get("share") or 1), str(a.get("cla_init") or "lstsq")
     check_source(model.config, "cla")
+    check_llama_layers(model.config, "cla")
     check_share(model.config, share, init)
     tokens = ctx.calibration() if init == "lstsq" and share > 1 else None
     log.info("cla: K/V shared by groups of %d layers (%s)", share, init)
@@ -66,6 +67,7 @@ def mla(model, ctx):
     d_kv, pairs, select = int(m.d_kv), int(m.rope_pairs), str(m.rope_select)
     svd = str(m.get("svd") or "weights")
     check_source(model.config, "mla")
+    check_llama_layers(model.config, "mla")
     check_rope(model.config, "mla")
     check_mla(model.config, d_kv, pairs, select, svd)
     tokens = ctx.calibration() if select == "2norm" or svd == "activations" else None

@@ -9,6 +9,13 @@ Recipe keys (``recipes/iam.yaml``)::
     iam.skip_first:      first layers never mapped
     iam.min_similarity:  the ``auto`` threshold
 
+Families: IAM maps global-attention layers onto global-attention layers; a large or small model
+with sliding-window layers (mistral's window, qwen2's windowed layers, Gemma 3's local layers)
+is refused from its config.json before any weight loads (``check_windows``): the attention
+maps are recorded over every key, which a windowed layer does not attend. Every other family
+(llama, qwen2 without windows, qwen3 with its q/k norms) is mapped as it is: the similarity
+compares attention weights, whatever computed them.
+
 The model itself is unchanged; the run folder gets ``iam_map.json`` (and its heat map
 ``iam_map.png``), and the report's ppl, KL, decode/prefill tok/s and KV bytes are those of the
 large model decoding with the small one alongside (``compress.iam.decode``; the KV bytes count
@@ -34,6 +41,27 @@ def check_small(small) -> Path:
     return Path(str(small))
 
 
+def check_windows(folder, role: str) -> None:
+    """Refuse a model with sliding-window layers (see the module docstring)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from compress.arch import spec_of
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    spec = spec_of(AutoConfig.for_model(**raw))
+    windowed = [layer.index for layer in spec.layers if layer.window is not None]
+    if windowed:
+        raise CompressError(
+            f"iam: the {role} model ('{spec.family}', {folder}) has sliding-window attention on "
+            f"layers {windowed}; IAM records and maps attention over every key, so it maps "
+            f"global-attention models only. Use a model without sliding windows (for mistral or "
+            f"qwen2, one whose config turns them off)."
+        )
+
+
 def check_settings(c, model_path=None) -> None:
     """``iam.*`` before the model loads (``compress.config.validate``), the small model's
     tokenizer against ``model_path``'s when that is a local folder."""
@@ -46,6 +74,9 @@ def check_settings(c, model_path=None) -> None:
             raise CompressError(f"iam.{key}={c.get(key)!r}: use a whole number >= 1.")
     if c.tokens < c.seqlen:
         raise CompressError(f"iam.tokens={c.tokens} is less than one sample of iam.seqlen tokens.")
+    check_windows(small, "small")
+    if model_path is not None and (Path(model_path) / "config.json").is_file():
+        check_windows(model_path, "large")
     if model_path is not None and (Path(model_path) / "tokenizer_config.json").is_file():
         from compress.iam.map import check_pair, vocab_sha
 

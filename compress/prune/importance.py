@@ -18,8 +18,10 @@ activations of one layer, whatever the number of samples (the batches stream).
 
       F_neuron(i) = agg( |act_i| )                       (|.| as NVIDIA ModelOpt's mcore_minitron)
 
-- hidden (embedding) channels j, over the outputs of every input_layernorm and
-  post_attention_layernorm n::
+- hidden (embedding) channels j, over the outputs of every hidden-width norm n of every
+  layer (``adapter.norms()``: input_layernorm and post_attention_layernorm in the Llama
+  family; Gemma 3's four, input / post-attention / pre-feedforward / post-feedforward, whose
+  outputs on the attention and MLP sides are what each residual update adds)::
 
       F_emb(j)    = sum_n agg( |n(X)_j| )
 
@@ -70,17 +72,18 @@ def activation_importance(
     """Width and block scores of ``model`` on ``tokens [n, seqlen]``, streamed in batches.
 
     Returns float32 tensors: ``heads [L, H]``, ``groups [L, KV]``, ``neurons [L, I]``,
-    ``norm_channels [L, 2, D]`` (per norm), ``channels [D]`` (their sum), ``block [L]``.
+    ``norm_channels [L, N, D]`` (per norm, N = len(adapter.norms())), ``channels [D]`` (their sum), ``block [L]``.
     """
     cfg, adapter = model.config, get_adapter(model.config)
     layers = adapter.decoder_layers(model)
     L, H, KV, hd = len(layers), cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     D, Inter = cfg.hidden_size, cfg.intermediate_size
     f64 = dict(dtype=torch.float64)
+    norms = adapter.norms()
     sq = {
         "heads": torch.zeros(L, H, **f64),
         "neurons": torch.zeros(L, Inter, **f64),
-        "norms": torch.zeros(L, 2, D, **f64),
+        "norms": torch.zeros(L, len(norms), D, **f64),
         "bi": torch.zeros(L, **f64),
     }
     n_tokens = [0]
@@ -125,8 +128,10 @@ def activation_importance(
         handles += [
             adapter.linear(layer, "o").register_forward_pre_hook(heads_hook(l)),
             adapter.linear(layer, "down").register_forward_pre_hook(neurons_hook(l)),
-            layer.get_submodule(adapter.input_norm).register_forward_hook(norm_hook(l, 0)),
-            layer.get_submodule(adapter.post_norm).register_forward_hook(norm_hook(l, 1)),
+            *(
+                layer.get_submodule(n).register_forward_hook(norm_hook(l, k))
+                for k, n in enumerate(norms)
+            ),
             layer.register_forward_hook(block_hook(l), with_kwargs=True),
         ]
     try:

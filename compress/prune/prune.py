@@ -11,7 +11,16 @@ names in brackets)::
 
 Kept units stay in their original order. Weights are sliced, never re-initialised;
 ``head_dim`` is kept (written into config.json), RMSNorm weights are sliced with the
-hidden channels, tied embeddings stay tied. The result is a homogeneous HF model of
+hidden channels, tied embeddings stay tied. Per family, from the architecture spec:
+
+- every hidden-width norm of a layer is sliced (``adapter.norms()``: Gemma 3's four);
+  per-head q/k norms (Qwen3, Gemma 3) are head_dim wide and shared by the heads, so pruning
+  heads or hidden channels leaves them whole;
+- Gemma's embedding scale sqrt(hidden_size) is recomputed by transformers from the pruned
+  config, so the kept embedding rows are multiplied by sqrt(D0 / D1) (the residual stream
+  keeps its scale) and, the head being tied, the final norm's (1 + w) divided by it;
+- depth pruning keeps the kept layers' ``layer_types`` (Gemma 3's local/global pattern,
+  Qwen2's windowed layers), so each kept layer keeps its window and RoPE theta. The result is a homogeneous HF model of
 the same class, so ``AutoModelForCausalLM.from_pretrained`` loads the saved folder.
 transformers' ``LlamaConfig`` (5.x) refuses a hidden_size that is not a multiple of
 num_attention_heads, even with an explicit head_dim, so for llama that is a rule here
@@ -19,7 +28,9 @@ too (``Layout.hidden_per_head``); mistral and qwen2 do not have it.
 
 Parameter count (no biases; biases add their output sizes), with hd = head_dim::
 
-    P = L * (2*D*H*hd + 2*D*KV*hd + 3*D*I + 2*D) + V*D*(1 if tied else 2) + D
+    P = L * (2*D*H*hd + 2*D*KV*hd + 3*D*I + N*D + 2*hd*qk) + V*D*(1 if tied else 2) + D
+
+with N the hidden-width norms per layer (2; Gemma 3: 4) and qk 1 where q/k are normalized.
 
 **Budget solver** (``solve_budget``), over the free width axes (default hidden_size and
 intermediate_size; the head axes if listed):
@@ -41,6 +52,7 @@ import torch
 from torch import nn
 
 from compress.adapters import get_adapter, head_dim
+from compress.arch import model_spec
 from compress.errors import CompressError
 
 AXES = (
@@ -66,6 +78,8 @@ class Layout:
     tied: bool
     bias: tuple = ()  # roles with a bias, e.g. ("q", "k", "v") for qwen2
     hidden_per_head: bool = True  # the config demands hidden_size % num_attention_heads == 0
+    norms: int = 2  # hidden-width norms per layer (adapter.norms(): 4 for Gemma 3)
+    qk_norm: bool = False  # per-head q/k norms of width head_dim (Qwen3, Gemma 3)
 
 
 def hidden_must_divide(config) -> bool:
@@ -83,6 +97,7 @@ def hidden_must_divide(config) -> bool:
 def layout_of(model: nn.Module) -> Layout:
     """The model's layout; refuses layers whose parameters the formula does not cover."""
     cfg, adapter = model.config, get_adapter(model.config)
+    spec = model_spec(model)
     layer = adapter.decoder_layers(model)[0]
     bias = tuple(r for r, _ in adapter.linears if adapter.linear(layer, r).bias is not None)
     lay = Layout(
@@ -91,6 +106,8 @@ def layout_of(model: nn.Module) -> Layout:
         bool(getattr(cfg, "tie_word_embeddings", False)),
         bias,
         hidden_must_divide(cfg),
+        len(adapter.norms()),
+        spec.qk_norm,
     )
     actual = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
     if param_count(lay, sizes_of(cfg)) != actual:
@@ -106,7 +123,8 @@ def param_count(lay: Layout, s: dict) -> int:
     D, Inter, H, KV, L = (s[a] for a in AXES)
     hd = lay.head_dim
     out = {"q": H * hd, "k": KV * hd, "v": KV * hd, "o": D, "gate": Inter, "up": Inter, "down": D}
-    layer = 2 * D * H * hd + 2 * D * KV * hd + 3 * D * Inter + 2 * D + sum(out[r] for r in lay.bias)
+    layer = 2 * D * H * hd + 2 * D * KV * hd + 3 * D * Inter + lay.norms * D
+    layer += sum(out[r] for r in lay.bias) + (2 * hd if lay.qk_norm else 0)
     return L * layer + lay.vocab * D * (1 if lay.tied else 2) + D
 
 
@@ -357,7 +375,7 @@ def prune_model(
             if mod_path in roles:
                 idx = out_in[roles[mod_path]]
                 return src, idx if kind == "weight" else idx[:1]
-            if mod_path in (adapter.input_norm, adapter.post_norm):
+            if mod_path in adapter.norms():
                 return src, (hk,)
             return src, None
         if module in (adapter.embed, adapter.lm_head):
@@ -380,11 +398,29 @@ def prune_model(
                 f"compress/prune does not know this tensor's role."
             )
         sd[name] = t.contiguous()
+    _keep_embed_scale(sd, model_spec(model), int(s["hidden_size"]), adapter)
     new.load_state_dict(sd, strict=True)
     if new_cfg.tie_word_embeddings:
         new.tie_weights()
         assert new.get_output_embeddings().weight is new.get_input_embeddings().weight
     return new.eval()
+
+
+def _keep_embed_scale(sd: dict, spec, hidden: int, adapter) -> None:
+    """Gemma multiplies the embeddings by sqrt(hidden_size), which transformers recomputes from
+    the pruned config: scale the kept embedding rows by c = sqrt(D0 / D1) so the residual stream
+    keeps its source scale, and, the head being tied, fold 1/c into the final norm's
+    (offset + w) so the logits keep theirs."""
+    if spec.embed_scale is None or hidden == spec.hidden_size:
+        return
+    c = math.sqrt(spec.hidden_size / hidden)
+    key = f"{adapter.embed}.weight"
+    sd[key] = (sd[key].double() * c).to(sd[key].dtype)
+    if spec.tied:
+        if f"{adapter.lm_head}.weight" in sd:  # the same tensor: loaded after the embedding
+            sd[f"{adapter.lm_head}.weight"] = sd[key]
+        key, o = f"{adapter.final_norm}.weight", spec.norm_offset
+        sd[key] = ((o + sd[key].double()) / c - o).to(sd[key].dtype)
 
 
 def param_total(model: nn.Module) -> int:

@@ -17,6 +17,26 @@ layer's calibration inputs in memory:
    keep the best s; fold 1/s into the previous op (norm weight, or the previous
    linear's output rows) and s into the linears' input columns.
 
+   The groups come from the architecture spec (``compress.arch``), one rule for every family:
+   norm1 is ``adapter.input_norm`` and norm2 ``adapter.post_norm`` (Gemma 3:
+   ``pre_feedforward_layernorm``, the norm that feeds the MLP). Why each fold is exact:
+
+   - norm -> linears: a norm computes ``(o + w) * x_hat`` (o = ``spec.norm_offset``: 0, or 1 for
+     Gemma's ``(1 + w)``), so ``W diag(s) ((o + w') * x_hat)`` with ``w' = (o + w)/s - o`` equals
+     ``W ((o + w) * x_hat)``. Per-head q/k norms (Qwen3, Gemma 3) come *after* q_proj/k_proj,
+     so scaling the projections' input columns leaves their outputs, hence the norms, unchanged.
+   - v -> o and up -> down scale the previous linear's output rows by 1/s and the next one's
+     input columns by s: attention is linear in v (``P v``, heads kept apart), the gated MLP is
+     linear in up (``act(gate) * up``), so o's and down's outputs are unchanged; Gemma 3's norms
+     on those outputs (``attn_out_norm``, ``mlp_out_norm``) therefore see the same input. No
+     group scales k_proj's (or q_proj's) output rows: a per-head k-norm is not invariant to a
+     per-channel scale of its input, and RoPE mixes channel pairs.
+   - The scale search runs each layer with its own mask and RoPE table (``layer_kwargs``):
+     sliding-window layers (Mistral, Qwen2's upper layers, Gemma 3's local layers) see their
+     banded mask and Gemma 3's local and global layers their own theta.
+   - The head stays unquantized (``quant.lm_head``); Gemma 3's tied 262k-row head is the
+     embedding, which no group touches.
+
 2. **Clip search** (not for q and k), per output channel and group, over
    max|w| * (1 - i/20), i = 0..9, minimising the error of the group's partial
    dot products ``x_g . w_g`` on 512 sampled tokens; then clamp W.
@@ -33,6 +53,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compress.adapters import Adapter, get_adapter, set_module
+from compress.arch import model_spec
 from compress.errors import CompressError
 from compress.formats import QuantLinear
 from compress.quant.quantizer import fake_quantize, quantize
@@ -70,8 +91,37 @@ def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, bat
     return torch.cat(seen["x"]), kwargs
 
 
+@torch.no_grad()
+def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor) -> list[dict]:
+    """The keyword arguments each decoder layer receives (its attention mask and RoPE table),
+    from one forward of the first calibration sample.
+
+    Layers differ where the spec's layers do: a sliding-window layer gets a banded mask, and
+    Gemma 3's local and global layers get different RoPE tables; a single-sample mask and table
+    broadcast over any batch of samples."""
+    layers = adapter.decoder_layers(model)
+    seen = [None] * len(layers)
+
+    def hook(i):
+        def record(_module, args, kwargs):
+            if seen[i] is None:
+                seen[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                seen[i]["use_cache"] = False
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        model(tokens[:1], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
 def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
-    """The four AWQ groups: previous op, the linears it feeds, their input role, the block to inspect."""
+    """The four AWQ groups: previous op, the linears it feeds, their input role, the block to
+    inspect (see the module docstring for why each fold is exact in every family)."""
     lin = lambda role: adapter.linear(layer, role)  # noqa: E731
     groups = [
         dict(
@@ -159,14 +209,20 @@ def search_scale(layer, adapter, group, x, x_search, kwargs, bits, group_size, d
 
 
 @torch.no_grad()
-def apply_scale(prev: nn.Module, linears: list[nn.Module], s: torch.Tensor) -> None:
-    """Fold ``1/s`` into the previous op's output and ``s`` into the linears' input columns."""
+def apply_scale(
+    prev: nn.Module, linears: list[nn.Module], s: torch.Tensor, norm_offset: float = 0.0
+) -> None:
+    """Fold ``1/s`` into the previous op's output and ``s`` into the linears' input columns.
+
+    A norm computes ``(offset + w) * x_hat``; its new weight is ``w' = (offset + w) / s - offset``
+    (offset 1 for Gemma's ``(1 + w)``, ``spec.norm_offset``)."""
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s.view(-1, 1))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s)
-    else:  # RMSNorm-like: y = w * norm(x)
-        prev.weight.div_(s)
+    else:  # RMSNorm-like: y = (offset + w) * norm(x)
+        w = prev.weight
+        w.copy_(((norm_offset + w.double()) / s.double() - norm_offset).to(w.dtype))
     for m in linears:
         m.weight.mul_(s.view(1, -1))
 
@@ -220,11 +276,14 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     g = resolve_group_size(model, cfg.group_size)
     bits, batch = int(cfg.bits), int(cfg.batch)
     tokens = ctx.calibration()
-    x, kwargs = capture_inputs(model, adapter, tokens, batch)
+    x, _ = capture_inputs(model, adapter, tokens, batch)
+    per_layer = layer_kwargs(model, adapter, tokens)
+    norm_offset = model_spec(model).norm_offset
     n_search = min(int(cfg.search_samples or len(x)), len(x))
     alphas, skip_clip = {}, {"q", "k"}
     layers = adapter.decoder_layers(model)
     for i, layer in enumerate(tqdm(layers, desc=f"awq int{bits} g{g}", unit="layer")):
+        kwargs = per_layer[i]
         feats, _ = layer_inputs(layer, adapter, x, kwargs, batch)
         alphas[i] = {}
         for group in scale_groups(layer, adapter):
@@ -242,7 +301,7 @@ def awq(model: nn.Module, ctx) -> nn.Module:
                 cfg.n_grid,
                 batch,
             )
-            apply_scale(group["prev"], group["linears"], s)
+            apply_scale(group["prev"], group["linears"], s, norm_offset)
             inp.div_(s)  # the linears now see x / s
             alphas[i][group["name"]] = alpha
         packed = {}
