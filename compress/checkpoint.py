@@ -190,20 +190,20 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
 
 def read_config(folder: Path) -> tuple[object, dict | None]:
     """``(HF config, quantization_config or None)`` of a run folder or HF folder of the Llama family."""
-    from transformers import AutoConfig
-
     if not (folder / "config.json").is_file():
         raise CompressError(
             f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
             f"Pass the folder a recipe wrote (outputs/...)."
         )
-    raw = json.loads((folder / "config.json").read_text())
+    from compress.hf_config import config_from_dict, read_config_json
+
+    raw = read_config_json(folder)
     qcfg = raw.pop("quantization_config", None)
     if (
         "auto_map" in raw
     ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
-    config = AutoConfig.for_model(**raw)
+    config = config_from_dict(raw, folder)
     get_adapter(config)
     return config, qcfg
 

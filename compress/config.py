@@ -267,9 +267,9 @@ def validate(cfg: DictConfig) -> None:
     config = check_path(str(cfg.model.path))
     in_features = {}
     if config is not None:
-        from transformers import AutoConfig
+        from compress.hf_config import config_from_dict
 
-        in_features = layer_in_features(AutoConfig.for_model(**config))
+        in_features = layer_in_features(config_from_dict(config, str(cfg.model.path)))
     check_stage_settings(cfg, in_features)
 
     if "iam" in cfg.stages:

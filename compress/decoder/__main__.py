@@ -105,6 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the folder's files against the sha256 its manifest.json records "
+        "(for a folder edited on purpose)",
+    )
+    p.add_argument(
         "--iam",
         metavar="SMALL",
         help="IAM attention mapping: a smaller model of the same tokenizer runs alongside and "
@@ -138,12 +144,61 @@ def main(argv=None) -> None:
                 f"run folder '{args.run}' does not exist. Pass a folder a recipe "
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
+        check_arguments(args)
         spec_cli.check_arguments(args)
         check_iam_arguments(args)
+        verify_folders(args)
         run(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "max_new_tokens": "--max-new-tokens",
+    "threads": "--threads",
+}
+
+
+def check_arguments(args) -> None:
+    """The sampling settings (``sampling.check_sampling``, shared with the server and the API),
+    the device, the cache length and the KV options, before anything loads."""
+    from compress.decoder.kv import parse_options
+    from compress.decoder.sampling import check_sampling
+    from compress.devices import check_device
+
+    check_sampling(
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        args.max_new_tokens,
+        args.threads,
+        names=FLAGS,
+    )
+    if args.max_len is not None and args.max_len < 1:
+        raise CompressError(
+            f"--max-len {args.max_len}: the KV cache length is a number of tokens >= 1 (leave it "
+            f"out for the prompt's length plus --max-new-tokens)."
+        )
+    args.device = check_device(args.device)
+    parse_options(args.kv_opt)
+
+
+def verify_folders(args) -> None:
+    """Check the run folder (and a --draft or --iam folder) against its manifest's hashes."""
+    from compress.manifest import verify_folder
+
+    if args.no_verify:
+        return
+    verify_folder(args.run)
+    for extra in (args.draft, args.iam):
+        if extra not in (None, "self") and Path(extra).is_dir():
+            verify_folder(extra)
 
 
 def check_iam_arguments(args) -> None:
