@@ -24,16 +24,14 @@ import sys
 from pathlib import Path
 
 from compress.decoder import spec_cli
-from compress.errors import CompressError
+from compress.errors import ArgumentParser, CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m compress.decoder", description=__doc__.splitlines()[0]
-    )
+    p = ArgumentParser(prog="python -m compress.decoder", description=__doc__.splitlines()[0])
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
     p.add_argument("--prompt", required=True)
     p.add_argument(
@@ -161,6 +159,7 @@ FLAGS = {
     "seed": "--seed",
     "max_new_tokens": "--max-new-tokens",
     "threads": "--threads",
+    "stop": "--stop",
 }
 
 
@@ -178,6 +177,7 @@ def check_arguments(args) -> None:
         args.seed,
         args.max_new_tokens,
         args.threads,
+        args.stop,
         names=FLAGS,
     )
     if args.max_len is not None and args.max_len < 1:

@@ -20,6 +20,7 @@ from compress.errors import CompressError
 TEMPERATURE_MAX = 2.0  # OpenAI's bound; above it the distribution is almost flat
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 THREADS_MAX = 1024
+STOPS_MAX = 4  # OpenAI's bound
 
 
 class SamplingError(CompressError):
@@ -45,6 +46,7 @@ def check_sampling(
     seed=None,
     max_new_tokens=None,
     threads=None,
+    stop=None,
     names: dict | None = None,
 ) -> None:
     """Raise ``SamplingError`` for a setting out of range. ``names`` maps a field name to what
@@ -79,6 +81,10 @@ def check_sampling(
             max_new_tokens,
             "the number of tokens to generate is an integer >= 1.",
         )
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if len(stops) > STOPS_MAX or any(not isinstance(x, str) or not x for x in stops):
+            refuse("stop", stop, f"give at most {STOPS_MAX} stop strings, none of them empty.")
     if threads is not None and (not _is_int(threads) or not 1 <= threads <= THREADS_MAX):
         refuse(
             "threads",

@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.errors import CompressError
+from compress.errors import ArgumentParser, CompressError
 from compress.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -20,9 +20,7 @@ KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m compress.serve", description=__doc__.splitlines()[0]
-    )
+    p = ArgumentParser(prog="python -m compress.serve", description=__doc__.splitlines()[0])
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

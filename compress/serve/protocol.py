@@ -41,11 +41,8 @@ class Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def few_stops(cls, v):
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("give at most 4 non-empty stop strings")
-        return stops
+    def as_list(cls, v):
+        return [v] if isinstance(v, str) else v or []
 
     def params(self, default_max: int) -> Params:
         check_sampling(
@@ -54,6 +51,7 @@ class Common(BaseModel):
             self.top_p,
             self.seed,
             self.max_tokens,
+            stop=self.stop,
             names={"max_new_tokens": "max_tokens"},
         )
         s = Sampling(
