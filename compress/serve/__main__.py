@@ -226,6 +226,7 @@ def serve(args) -> None:
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
+            http="h11",  # httptools would ignore the header bound
             h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
             timeout_keep_alive=KEEP_ALIVE_S,
         )
