@@ -173,7 +173,7 @@ def _compare_tensors(folder: Path, name: str, entry: dict, view, skip: str) -> N
         header = pool.submit(_sha, view[:start])
         digests = dict(zip(names, pool.map(digest, names)))
         header = header.result()
-    bad = [k for k in names if digests[k] != recorded[k]]
+    bad = sorted((k for k in names if digests[k] != recorded[k]), key=lambda k: spans[k])
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise _refuse(

@@ -214,7 +214,7 @@ def test_sampling_settings_are_refused_alike_by_cli_api_and_server(run, capsys, 
         body = CompletionRequest(model="m", prompt="hi", **{key: value})
         with pytest.raises(CompressError) as srv:
             body.params(16)
-        assert srv.value.param == field and rule in str(srv.value)
+        assert srv.value.param == key and rule in str(srv.value)
 
 
 def test_good_sampling_settings_pass():

@@ -24,7 +24,8 @@ STOPS_MAX = 4  # OpenAI's bound
 
 
 class SamplingError(CompressError):
-    """A sampling setting out of range; ``param`` is the setting's field name."""
+    """A sampling setting out of range; ``param`` is the field as the caller names it (the
+    server's ``max_tokens``), or the setting's own name when the caller names a flag."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
@@ -55,8 +56,8 @@ def check_sampling(
 
     def refuse(field, value, rule):
         shown = names.get(field, field)
-        sep = " " if shown.startswith("-") else "="
-        raise SamplingError(f"{shown}{sep}{value!r}: {rule}", field)
+        flag = shown.startswith("-")
+        raise SamplingError(f"{shown}{' ' if flag else '='}{value!r}: {rule}", field if flag else shown)
 
     if not _is_number(temperature) or not 0 <= temperature <= TEMPERATURE_MAX:
         refuse(

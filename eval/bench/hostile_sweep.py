@@ -99,6 +99,10 @@ class Fixtures:
 
         self.root = root
         tok = tiny_tokenizer()
+        tok.chat_template = (  # so the chat cases reach what they test
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
         self.tok = tok
         self.hf = root / "hf"  # a plain HF folder (a pipeline source)
         random_model(tiny_config()).save_pretrained(self.hf)
@@ -510,7 +514,7 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
         case("messages empty", "/v1/chat/completions", dict(chat, messages=[])),
         case("message role wizard", "/v1/chat/completions", dict(chat, messages=[{"role": "wizard", "content": "hi"}])),
         case("image content part", "/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
-        case("no chat template", "/v1/chat/completions", chat),
+        case("max_tokens -1 (chat)", "/v1/chat/completions", dict(chat, max_tokens=-1)),
         case("five stop strings", "/v1/completions", dict(c, stop=list("abcde"))),
         case("empty stop string", "/v1/completions", dict(c, stop=[""])),
         case("n 2", "/v1/completions", dict(c, n=2)),
