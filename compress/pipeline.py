@@ -100,7 +100,7 @@ def check_run(cfg: DictConfig, run_dir: Path) -> None:
     folder, every text it reads (``inputs.check_inputs``), and a source run folder against its
     manifest (``manifest.verify_folder``; ``model.verify=false`` skips that)."""
     validate(cfg)
-    check_writable(run_dir, "hydra.run.dir")
+    check_writable(run_dir, "run folder (hydra.run.dir)")
     _check_run_dir(run_dir)
     if cfg.model.get("verify", True):
         from compress.source import resolve_path

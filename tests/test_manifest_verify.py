@@ -194,3 +194,14 @@ def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
         run(compose("fp", over), out)
     assert not out.exists()
     check_run(compose("fp", over + ["model.verify=false"]), out)  # passes every check
+
+
+def test_bench_verify_runs_at_a_tiny_size(tmp_path):
+    """``eval/bench/bench_verify.py`` on a tiny model (the real figures: see the README)."""
+    from compress.eval.bench.bench_verify import main
+
+    out = tmp_path / "verify.json"
+    main(["--models", "tiny", "--rounds", "1", "--rtn", "--keep", str(tmp_path / "f"), "--json", str(out)])
+    r = json.loads(out.read_text())["tiny"]
+    assert r["folder_bytes"] == sum(p.stat().st_size for p in (tmp_path / "f" / "tiny").iterdir())
+    assert 0 < r["verify_s"] < r["verify_and_load_s"] and r["load_s"] > 0
