@@ -21,8 +21,11 @@ def check_device(name: str, flag: str = "--device") -> str:
         have.append("mps")
     ok = device is not None and (
         device.type == "cpu"
-        or (device.type == "cuda" and torch.cuda.is_available()
-            and (device.index is None or device.index < torch.cuda.device_count()))
+        or (
+            device.type == "cuda"
+            and torch.cuda.is_available()
+            and (device.index is None or device.index < torch.cuda.device_count())
+        )
         or (device.type == "mps" and "mps" in have)
     )
     if not ok:

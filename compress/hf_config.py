@@ -20,7 +20,9 @@ def read_config_json(folder) -> dict:
             f"Restore the file the run or save_pretrained wrote, or fix its syntax."
         ) from None
     except OSError as e:
-        raise CompressError(f"cannot read '{path}' ({e.strerror}); check its permissions.") from None
+        raise CompressError(
+            f"cannot read '{path}' ({e.strerror}); check its permissions."
+        ) from None
     if not isinstance(raw, dict):
         raise CompressError(
             f"'{path}' holds a JSON {type(raw).__name__}, not an object of config fields; "
@@ -39,7 +41,7 @@ def config_from_dict(raw: dict, where) -> object:
     if not isinstance(kind, str) or not kind:
         raise CompressError(
             f"'{path}' has no model_type, so transformers cannot tell the architecture; add "
-            f"\"model_type\" (e.g. \"llama\", \"qwen2\") or restore the file the run wrote."
+            f'"model_type" (e.g. "llama", "qwen2") or restore the file the run wrote.'
         )
     if kind not in CONFIG_MAPPING and "auto_map" in raw:  # a converted attention (cla, mla)
         import compress.formats.attention  # noqa: F401  (registers its model types)

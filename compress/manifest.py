@@ -141,7 +141,9 @@ def _check_safetensors(folder: Path, name: str, entry: dict, skip: str) -> None:
     path = folder / name
     with open(path, "rb") as f:
         if path.stat().st_size == 0:
-            raise _refuse(folder, f"'{name}' is empty (the manifest records {entry['bytes']:,} bytes)", skip)
+            raise _refuse(
+                folder, f"'{name}' is empty (the manifest records {entry['bytes']:,} bytes)", skip
+            )
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             view = memoryview(mm)
             try:
@@ -161,7 +163,9 @@ def _compare_tensors(folder: Path, name: str, entry: dict, view, skip: str) -> N
         raise _refuse(folder, f"tensor '{missing[0]}' is missing from '{name}'", skip)
     extra = sorted(set(spans) - set(recorded))
     if extra:
-        raise _refuse(folder, f"'{name}' holds tensor '{extra[0]}', which the manifest does not list", skip)
+        raise _refuse(
+            folder, f"'{name}' holds tensor '{extra[0]}', which the manifest does not list", skip
+        )
     names = sorted(spans)
     size = len(view)
 
@@ -184,11 +188,15 @@ def _compare_tensors(folder: Path, name: str, entry: dict, view, skip: str) -> N
         )
     if header != entry.get("header_sha256"):
         raise _refuse(
-            folder, f"the header of '{name}' (tensor names, dtypes, shapes) differs from the one recorded", skip
+            folder,
+            f"the header of '{name}' (tensor names, dtypes, shapes) differs from the one recorded",
+            skip,
         )
     if size != entry["bytes"]:
         raise _refuse(
-            folder, f"'{name}' has {size:,} bytes where the manifest records {entry['bytes']:,}", skip
+            folder,
+            f"'{name}' has {size:,} bytes where the manifest records {entry['bytes']:,}",
+            skip,
         )
 
 
@@ -210,7 +218,9 @@ def verify_folder(folder, skip: str = "--no-verify") -> bool:
         if not isinstance(files, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise _refuse(folder, f"{MANIFEST} cannot be read (it has no 'files' table)", skip) from None
+        raise _refuse(
+            folder, f"{MANIFEST} cannot be read (it has no 'files' table)", skip
+        ) from None
     for name in sorted(p.name for p in folder.glob("*.safetensors")):
         if name not in files:
             raise _refuse(folder, f"'{name}' is not listed in {MANIFEST}", skip)
@@ -227,7 +237,9 @@ def verify_folder(folder, skip: str = "--no-verify") -> bool:
             raise _refuse(
                 folder,
                 f"'{name}' has {p.stat().st_size:,} bytes where the manifest records "
-                f"{entry.get('bytes'):,}" if isinstance(entry.get("bytes"), int) else f"'{name}' has no recorded size",
+                f"{entry.get('bytes'):,}"
+                if isinstance(entry.get("bytes"), int)
+                else f"'{name}' has no recorded size",
                 skip,
             )
         if sha256_file(p) != entry.get("sha256"):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.eval.bench.tiny_folders import random_model, run_folder, tiny_config, tiny_tokenizer
 
 import compress
 from compress.decoder.sampling import Sampling, check_sampling
 from compress.errors import CompressError
-from compress.eval.bench.tiny_folders import random_model, run_folder, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,12 @@ def one_paragraph(text: str) -> bool:
 
 def cli(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -80,14 +85,16 @@ def hf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    return run_folder(root / "run", random_model(tiny_config()), tiny_tokenizer(), rtn={"group_size": 16})
+    return run_folder(
+        root / "run", random_model(tiny_config()), tiny_tokenizer(), rtn={"group_size": 16}
+    )
 
 
 # class 2: inputs checked before the model loads
 
 
 def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypatch):
-    import compress.pipeline as pipeline
+    from compress import pipeline
 
     def no_load(*a, **k):
         raise AssertionError("the model loaded before the eval text was checked")
@@ -95,8 +102,13 @@ def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypat
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = tmp_path / "out"
-    r = cli("compress", "recipe=rtn_int4", f"model.path={hf}", f"data.eval.source={empty}",
-            f"hydra.run.dir={out}")
+    r = cli(
+        "compress",
+        "recipe=rtn_int4",
+        f"model.path={hf}",
+        f"data.eval.source={empty}",
+        f"hydra.run.dir={out}",
+    )
     assert_clear(r, "empty", "data.eval.source")
     assert not out.exists()
     monkeypatch.setattr(pipeline, "load_model", no_load)
@@ -114,7 +126,9 @@ def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypat
 def test_count_tokens_in_chunks_matches_the_whole_text(tokenizer):
     from compress.inputs import count_tokens
 
-    text = (ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens").read_text()[:600_000]
+    text = (ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens").read_text()[
+        :600_000
+    ]
     whole = len(tokenizer(text, add_special_tokens=True).input_ids)
     assert abs(count_tokens(tokenizer, text, 10**9) - whole) <= 8  # chunks cut at line ends
     assert count_tokens(tokenizer, text, 1000) < whole  # stops once enough are counted
@@ -167,8 +181,11 @@ def test_api_refuses_what_is_not_a_model_and_paths_it_cannot_write(tmp_path):
     afile = tmp_path / "f"
     afile.write_text("x")
     model = random_model(tiny_config())
-    for folder, needle in ((afile, "is a file"), (afile / "sub", "which is a file"),
-                           ("/proc/x", "cannot be written")):
+    for folder, needle in (
+        (afile, "is a file"),
+        (afile / "sub", "which is a file"),
+        ("/proc/x", "cannot be written"),
+    ):
         with pytest.raises(CompressError, match=needle):
             compress.save(model, folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no temporary folder left
@@ -229,7 +246,9 @@ def test_good_sampling_settings_pass():
 def test_config_errors_leave_no_run_folder(hf, tmp_path):
     out = tmp_path / "out"
     for over in ("rtn.bits=9", "eval.device=tpu", f"data.eval.source={tmp_path}/none.txt"):
-        r = in_process("compress", "recipe=rtn_int4", f"model.path={hf}", over, f"hydra.run.dir={out}")
+        r = in_process(
+            "compress", "recipe=rtn_int4", f"model.path={hf}", over, f"hydra.run.dir={out}"
+        )
         assert_clear(r)
         assert not out.exists(), over
 

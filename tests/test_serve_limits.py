@@ -117,9 +117,7 @@ def test_a_content_length_longer_than_the_body_times_out(server):
 def test_an_oversized_header_is_refused_by_h11(server):
     """h11 bounds what it buffers of an incomplete request head; uvicorn reads 64 KiB at a time,
     so a head of several reads is refused."""
-    head = (
-        "GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + "a" * (256 << 10) + "\r\n\r\n"
-    ).encode()
+    head = ("GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + "a" * (256 << 10) + "\r\n\r\n").encode()
     reply, _ = raw(server.port, head)
     assert reply == b"" or reply.split(b" ", 2)[1] in (b"400", b"431"), reply[:200]
     healthy(server)

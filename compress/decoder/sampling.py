@@ -57,7 +57,9 @@ def check_sampling(
     def refuse(field, value, rule):
         shown = names.get(field, field)
         flag = shown.startswith("-")
-        raise SamplingError(f"{shown}{' ' if flag else '='}{value!r}: {rule}", field if flag else shown)
+        raise SamplingError(
+            f"{shown}{' ' if flag else '='}{value!r}: {rule}", field if flag else shown
+        )
 
     if not _is_number(temperature) or not 0 <= temperature <= TEMPERATURE_MAX:
         refuse(

@@ -104,9 +104,7 @@ def check_arguments(args) -> None:
         raise CompressError(f"--body-timeout {args.body_timeout}: give a number of seconds > 0.")
     check_sampling(threads=args.threads, names={"threads": "--threads"})
     if args.log_level.lower() not in LOG_LEVELS:
-        raise CompressError(
-            f"--log-level {args.log_level}: use one of {', '.join(LOG_LEVELS)}."
-        )
+        raise CompressError(f"--log-level {args.log_level}: use one of {', '.join(LOG_LEVELS)}.")
     if args.device is not None:
         args.device = check_device(args.device)
     check_listen(args.host, args.port)
@@ -117,7 +115,9 @@ def check_listen(host: str, port: int) -> None:
     import socket
 
     if not 0 <= port <= 65535:
-        raise CompressError(f"--port {port}: a TCP port is a number from 1 to 65535 (0: any free port).")
+        raise CompressError(
+            f"--port {port}: a TCP port is a number from 1 to 65535 (0: any free port)."
+        )
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:

@@ -53,9 +53,7 @@ def create_app(
         worker.stop()
 
     app = FastAPI(title="compress", lifespan=lifespan)
-    app.add_middleware(
-        RequestLimits, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
-    )
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     created = int(time.time())
     max_len = worker.engine.max_len
 

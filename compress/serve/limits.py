@@ -61,7 +61,9 @@ class RequestLimits:
                 return
             body += msg.get("body", b"")
             if len(body) > self.max_bytes:
-                return await _reply(send, 413, self._too_large(len(body), at_least=True), close=True)
+                return await _reply(
+                    send, 413, self._too_large(len(body), at_least=True), close=True
+                )
             if not msg.get("more_body", False):
                 break
         sent = False

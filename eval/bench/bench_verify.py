@@ -43,7 +43,12 @@ QWEN05B = dict(
 
 
 def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool) -> Path:
-    from compress.eval.bench.tiny_folders import random_model, run_folder, tiny_config, tiny_tokenizer
+    from compress.eval.bench.tiny_folders import (
+        random_model,
+        run_folder,
+        tiny_config,
+        tiny_tokenizer,
+    )
 
     folder = root / kind
     if folder.exists():

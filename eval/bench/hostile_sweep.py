@@ -107,7 +107,9 @@ class Fixtures:
         self.hf = root / "hf"  # a plain HF folder (a pipeline source)
         random_model(tiny_config()).save_pretrained(self.hf)
         tok.save_pretrained(self.hf)
-        self.run = run_folder(root / "run", random_model(tiny_config()), tok, rtn={"group_size": 16})
+        self.run = run_folder(
+            root / "run", random_model(tiny_config()), tok, rtn={"group_size": 16}
+        )
         self.fp_run = run_folder(root / "fp_run", random_model(tiny_config()), tok)  # a source
         w = "model.safetensors"
 
@@ -146,9 +148,7 @@ class Fixtures:
         self.bad_manifest = variant(
             "bad_manifest", edit=lambda d: (d / "manifest.json").write_text("{not json")
         )
-        self.missing_file = variant(
-            "missing_file", edit=lambda d: (d / "tokenizer.json").unlink()
-        )
+        self.missing_file = variant("missing_file", edit=lambda d: (d / "tokenizer.json").unlink())
         self.extra_st = variant(
             "extra_st", edit=lambda d: shutil.copyfile(d / w, d / "model-extra.safetensors")
         )
@@ -166,7 +166,7 @@ class Fixtures:
             return variant(name, self.hf, lambda d: (d / "config.json").write_text(text))
 
         cfg = json.loads((self.hf / "config.json").read_text())
-        self.cfg_invalid = config_variant("cfg_invalid", "{\"model_type\": \"llama\",")
+        self.cfg_invalid = config_variant("cfg_invalid", '{"model_type": "llama",')
         self.cfg_list = config_variant("cfg_list", "[1, 2]")
         self.cfg_unknown = config_variant("cfg_unknown", json.dumps(dict(cfg, model_type="lama")))
         self.cfg_notype = config_variant(
@@ -247,7 +247,13 @@ def decoder_cases(fx: Fixtures) -> list[Case]:
     ]
     quick_names = {"damaged qweight (manifest)", "config.json unknown model_type"}
     out = [case(n, [f] + p + short, quick=n in quick_names) for n, f in folder_cases]
-    out.append(case("damaged folder with --no-verify runs", [str(fx.damaged)] + p + short + ["--no-verify"], "ok"))
+    out.append(
+        case(
+            "damaged folder with --no-verify runs",
+            [str(fx.damaged)] + p + short + ["--no-verify"],
+            "ok",
+        )
+    )
     flag_cases = [
         ("--temperature -1", ["--temperature", "-1"]),
         ("--temperature nan", ["--temperature", "nan"]),
@@ -263,13 +269,19 @@ def decoder_cases(fx: Fixtures) -> list[Case]:
         ("--seed -1", ["--seed", "-1"]),
         ("--max-new-tokens 0", ["--max-new-tokens", "0"]),
         ("--max-new-tokens -1", ["--max-new-tokens", "-1"]),
-        ("--stop given five times", ["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"]),
+        (
+            "--stop given five times",
+            ["--stop", "a", "--stop", "b", "--stop", "c", "--stop", "d", "--stop", "e"],
+        ),
         ("--threads 0", ["--threads", "0"]),
         ("--threads -2", ["--threads", "-2"]),
         ("--threads 100000", ["--threads", "100000"]),
         ("--max-len 0", ["--max-len", "0"]),
         ("--max-len shorter than the prompt", ["--max-len", "1"]),
-        ("--device cuda (no GPU)" if not torch.cuda.is_available() else "--device cuda:99", ["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"]),
+        (
+            "--device cuda (no GPU)" if not torch.cuda.is_available() else "--device cuda:99",
+            ["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"],
+        ),
         ("--device tpu9", ["--device", "tpu9"]),
         ("--device cuda:7", ["--device", "cuda:7"]),
         ("--device ''", ["--device", ""]),
@@ -289,7 +301,17 @@ def decoder_cases(fx: Fixtures) -> list[Case]:
     out.append(
         case(
             "--max-new-tokens beyond the context warns and stops there",
-            [run] + p + ["--no-warmup", "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "100000"],
+            [run]
+            + p
+            + [
+                "--no-warmup",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--max-new-tokens",
+                "100000",
+            ],
             "ok",
         )
     )
@@ -412,9 +434,22 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
             good_body = False
         healthy = httpx.get(url + "/health", timeout=10).status_code == 200
         ok = r_status == status and good_body and healthy and "Traceback" not in text
-        return ok, f"HTTP {r_status} (want {status}){'' if healthy else ', server down'}: {text[:200]}"
+        return (
+            ok,
+            f"HTTP {r_status} (want {status}){'' if healthy else ', server down'}: {text[:200]}",
+        )
 
-    def case(name, path, body=None, status=400, headers=None, raw=None, quick=False, method="post", stream=False):
+    def case(
+        name,
+        path,
+        body=None,
+        status=400,
+        headers=None,
+        raw=None,
+        quick=False,
+        method="post",
+        stream=False,
+    ):
         def go():
             s = server()
             if stream:
@@ -477,13 +512,29 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
     big = json.dumps(dict(c, prompt="fox " * (40 << 10))).encode()
     return [
         case("seed 2**64", "/v1/completions", dict(c, seed=2**64), quick=True),
-        case("seed 2**64, stream", "/v1/completions", dict(c, seed=2**64, stream=True), stream=True, quick=True),
+        case(
+            "seed 2**64, stream",
+            "/v1/completions",
+            dict(c, seed=2**64, stream=True),
+            stream=True,
+            quick=True,
+        ),
         case("seed 2**70 (chat)", "/v1/chat/completions", dict(chat, seed=2**70)),
         case("seed -1", "/v1/completions", dict(c, seed=-1)),
         case("temperature -1", "/v1/completions", dict(c, temperature=-1)),
         case("temperature 3", "/v1/completions", dict(c, temperature=3)),
-        case("temperature NaN (raw JSON)", "/v1/completions", raw=b'{"model":"tiny","prompt":"hi","temperature":NaN}', headers={"content-type": "application/json"}),
-        case("temperature Infinity (raw JSON)", "/v1/completions", raw=b'{"model":"tiny","prompt":"hi","temperature":Infinity}', headers={"content-type": "application/json"}),
+        case(
+            "temperature NaN (raw JSON)",
+            "/v1/completions",
+            raw=b'{"model":"tiny","prompt":"hi","temperature":NaN}',
+            headers={"content-type": "application/json"},
+        ),
+        case(
+            "temperature Infinity (raw JSON)",
+            "/v1/completions",
+            raw=b'{"model":"tiny","prompt":"hi","temperature":Infinity}',
+            headers={"content-type": "application/json"},
+        ),
         case("temperature 'hot'", "/v1/completions", dict(c, temperature="hot")),
         case("top_p 0", "/v1/completions", dict(c, top_p=0)),
         case("top_p 1.5", "/v1/completions", dict(c, top_p=1.5)),
@@ -492,16 +543,50 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
         case("max_tokens 0", "/v1/completions", dict(c, max_tokens=0)),
         case("max_tokens -5", "/v1/completions", dict(c, max_tokens=-5)),
         case("max_tokens 2**70", "/v1/completions", dict(c, max_tokens=2**70)),
-        case("max_completion_tokens 0", "/v1/chat/completions", dict(chat, max_completion_tokens=0)),
-        case("body over the limit (Content-Length)", "/v1/completions", raw=big, headers={"content-type": "application/json"}, status=413, quick=True),
-        case("Content-Length longer than the body", None) if False else Case("http", "Content-Length longer than the body", lie_case, True),
+        case(
+            "max_completion_tokens 0", "/v1/chat/completions", dict(chat, max_completion_tokens=0)
+        ),
+        case(
+            "body over the limit (Content-Length)",
+            "/v1/completions",
+            raw=big,
+            headers={"content-type": "application/json"},
+            status=413,
+            quick=True,
+        ),
+        case("Content-Length longer than the body", None)
+        if False
+        else Case("http", "Content-Length longer than the body", lie_case, True),
         Case("http", "chunked body over the limit", chunked_case),
         Case("http", "256 KiB header", huge_header_case),
-        case("content-type text/plain", "/v1/completions", raw=json.dumps(c).encode(), headers={"content-type": "text/plain"}, quick=True),
-        case("content-type form-urlencoded", "/v1/completions", raw=json.dumps(c).encode(), headers={"content-type": "application/x-www-form-urlencoded"}),
-        case("invalid JSON", "/v1/completions", raw=b'{"model": ', headers={"content-type": "application/json"}),
-        case("JSON array body", "/v1/completions", raw=b"[1, 2]", headers={"content-type": "application/json"}),
-        case("empty body", "/v1/completions", raw=b"", headers={"content-type": "application/json"}),
+        case(
+            "content-type text/plain",
+            "/v1/completions",
+            raw=json.dumps(c).encode(),
+            headers={"content-type": "text/plain"},
+            quick=True,
+        ),
+        case(
+            "content-type form-urlencoded",
+            "/v1/completions",
+            raw=json.dumps(c).encode(),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        ),
+        case(
+            "invalid JSON",
+            "/v1/completions",
+            raw=b'{"model": ',
+            headers={"content-type": "application/json"},
+        ),
+        case(
+            "JSON array body",
+            "/v1/completions",
+            raw=b"[1, 2]",
+            headers={"content-type": "application/json"},
+        ),
+        case(
+            "empty body", "/v1/completions", raw=b"", headers={"content-type": "application/json"}
+        ),
         case("prompt a number", "/v1/completions", dict(c, prompt=5)),
         case("prompt a list of lists", "/v1/completions", dict(c, prompt=[[1, 2]])),
         case("prompt token outside the vocabulary", "/v1/completions", dict(c, prompt=[5, 10**6])),
@@ -512,8 +597,21 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
         case("model missing", "/v1/completions", {"prompt": "hi"}),
         case("unknown model", "/v1/completions", dict(c, model="gpt-9"), status=404),
         case("messages empty", "/v1/chat/completions", dict(chat, messages=[])),
-        case("message role wizard", "/v1/chat/completions", dict(chat, messages=[{"role": "wizard", "content": "hi"}])),
-        case("image content part", "/v1/chat/completions", dict(chat, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
+        case(
+            "message role wizard",
+            "/v1/chat/completions",
+            dict(chat, messages=[{"role": "wizard", "content": "hi"}]),
+        ),
+        case(
+            "image content part",
+            "/v1/chat/completions",
+            dict(
+                chat,
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ],
+            ),
+        ),
         case("max_tokens -1 (chat)", "/v1/chat/completions", dict(chat, max_tokens=-1)),
         case("five stop strings", "/v1/completions", dict(c, stop=list("abcde"))),
         case("empty stop string", "/v1/completions", dict(c, stop=[""])),
@@ -522,7 +620,12 @@ def http_cases(fx: Fixtures, srv_holder: dict) -> list[Case]:
         case("logprobs 5", "/v1/completions", dict(c, logprobs=5)),
         case("presence_penalty 1", "/v1/completions", dict(c, presence_penalty=1)),
         case("prompt + max_tokens over the context", "/v1/completions", dict(c, max_tokens=500)),
-        case("over-long prompt, stream", "/v1/completions", dict(c, prompt="fox " * 300, stream=True), stream=True),
+        case(
+            "over-long prompt, stream",
+            "/v1/completions",
+            dict(c, prompt="fox " * 300, stream=True),
+            stream=True,
+        ),
         case("GET /v1/completions", "/v1/completions", method="get", status=405),
         case("unknown route", "/v1/nothing", method="get", status=404),
         case("stream_options not an object", "/v1/completions", dict(c, stream_options=5)),
@@ -566,17 +669,34 @@ def pipeline_cases(fx: Fixtures) -> list[Case]:
         case("model.path does not exist", [f"model.path={fx.root / 'nope'}"]),
         case("model.path a file", [f"model.path={fx.afile}"]),
         case("model.path quantized run folder", [f"model.path={fx.run}"]),
-        case("model.path damaged run folder (manifest)", [f"model.path={fx.fp_damaged}"], quick=True),
+        case(
+            "model.path damaged run folder (manifest)", [f"model.path={fx.fp_damaged}"], quick=True
+        ),
         case("model.path no tokenizer", [f"model.path={fx.no_tokenizer}"]),
         case("data.eval.source empty file", [hf, f"data.eval.source={fx.empty_txt}"], quick=True),
         case("data.eval.source whitespace only", [hf, f"data.eval.source={fx.blank_txt}"]),
         case("data.eval.source not UTF-8", [hf, f"data.eval.source={fx.binary_txt}"]),
         case("data.eval.source a folder", [hf, f"data.eval.source={fx.root}"]),
         case("data.eval.source missing", [hf, f"data.eval.source={fx.root / 'none.txt'}"]),
-        case("eval.windows more than the text holds", [hf, f"data.eval.source={fx.short_txt}", "eval.seqlen=16", "eval.windows=50"]),
-        case("eval.seqlen longer than the text", [hf, f"data.eval.source={fx.short_txt}", "eval.seqlen=4096"]),
-        case("awq: data.calib.source empty", [hf, f"data.calib.source={fx.empty_txt}"], recipe="awq_int4"),
-        case("awq: calibration too short", [hf, f"data.calib.source={fx.short_txt}", "calib.samples=64", "calib.seqlen=64"], recipe="awq_int4", quick=True),
+        case(
+            "eval.windows more than the text holds",
+            [hf, f"data.eval.source={fx.short_txt}", "eval.seqlen=16", "eval.windows=50"],
+        ),
+        case(
+            "eval.seqlen longer than the text",
+            [hf, f"data.eval.source={fx.short_txt}", "eval.seqlen=4096"],
+        ),
+        case(
+            "awq: data.calib.source empty",
+            [hf, f"data.calib.source={fx.empty_txt}"],
+            recipe="awq_int4",
+        ),
+        case(
+            "awq: calibration too short",
+            [hf, f"data.calib.source={fx.short_txt}", "calib.samples=64", "calib.seqlen=64"],
+            recipe="awq_int4",
+            quick=True,
+        ),
         case("rtn.bits=9", [hf, "rtn.bits=9"]),
         case("rtn.group_size=48", [hf, "rtn.group_size=48"]),
         case("eval.windows=0", [hf, "eval.windows=0"]),
@@ -592,14 +712,18 @@ def pipeline_cases(fx: Fixtures) -> list[Case]:
 
 
 def api_cases(fx: Fixtures) -> list[Case]:
+    from compress.eval.bench.tiny_folders import random_model, tiny_config
+
     import compress
     from compress.decoder.sampling import Sampling
     from compress.errors import CompressError
-    from compress.eval.bench.tiny_folders import random_model, tiny_config
 
     def judge(fn):
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
                 fn()
         except CompressError as e:
             return one_paragraph(str(e)), str(e)[:160]
@@ -616,7 +740,7 @@ def api_cases(fx: Fixtures) -> list[Case]:
 
         return Case("api", name, go, quick)
 
-    model = lambda: random_model(tiny_config())  # noqa: E731
+    model = lambda: random_model(tiny_config())
     out = fx.root / "api"
     out.mkdir(exist_ok=True)
     full = out / "full"
@@ -624,29 +748,89 @@ def api_cases(fx: Fixtures) -> list[Case]:
     (full / "x").write_text("x")
     rtn = compress.RTNConfig(bits=4, group_size=64)
     return [
-        case("quantize(nn.Linear(64, 64), RTNConfig)", lambda: compress.quantize(torch.nn.Linear(64, 64), rtn), quick=True),
+        case(
+            "quantize(nn.Linear(64, 64), RTNConfig)",
+            lambda: compress.quantize(torch.nn.Linear(64, 64), rtn),
+            quick=True,
+        ),
         case("quantize(None, RTNConfig)", lambda: compress.quantize(None, rtn)),
         case("quantize(model, 'rtn')", lambda: compress.quantize(model(), "rtn")),
-        case("quantize(model, RTNConfig(bits=9))", lambda: compress.quantize(model(), compress.RTNConfig(bits=9))),
-        case("quantize(model, RTNConfig(group_size=48))", lambda: compress.quantize(model(), compress.RTNConfig(group_size=48))),
-        case("quantize(model, AWQConfig()) without tokenizer", lambda: compress.quantize(model(), compress.AWQConfig())),
-        case("quantize an already quantized model", lambda: compress.quantize(compress.quantize(model(), compress.RTNConfig(group_size=16)), rtn)),
-        case("save(nn.Linear, folder)", lambda: compress.save(torch.nn.Linear(64, 64), out / "lin"), quick=True, leftover=out / "lin"),
+        case(
+            "quantize(model, RTNConfig(bits=9))",
+            lambda: compress.quantize(model(), compress.RTNConfig(bits=9)),
+        ),
+        case(
+            "quantize(model, RTNConfig(group_size=48))",
+            lambda: compress.quantize(model(), compress.RTNConfig(group_size=48)),
+        ),
+        case(
+            "quantize(model, AWQConfig()) without tokenizer",
+            lambda: compress.quantize(model(), compress.AWQConfig()),
+        ),
+        case(
+            "quantize an already quantized model",
+            lambda: compress.quantize(
+                compress.quantize(model(), compress.RTNConfig(group_size=16)), rtn
+            ),
+        ),
+        case(
+            "save(nn.Linear, folder)",
+            lambda: compress.save(torch.nn.Linear(64, 64), out / "lin"),
+            quick=True,
+            leftover=out / "lin",
+        ),
         case("save(model, a file)", lambda: compress.save(model(), fx.afile), quick=True),
-        case("save(model, under a file)", lambda: compress.save(model(), fx.afile / "sub"), leftover=None),
+        case(
+            "save(model, under a file)",
+            lambda: compress.save(model(), fx.afile / "sub"),
+            leftover=None,
+        ),
         case("save(model, /proc/x)", lambda: compress.save(model(), "/proc/x")),
         case("save(model, a folder with files)", lambda: compress.save(model(), full)),
-        case("save(model, folder, tokenizer='tok')", lambda: compress.save(model(), out / "tokstr", tokenizer="tok"), leftover=out / "tokstr"),
+        case(
+            "save(model, folder, tokenizer='tok')",
+            lambda: compress.save(model(), out / "tokstr", tokenizer="tok"),
+            leftover=out / "tokstr",
+        ),
         case("save(model, None)", lambda: compress.save(model(), None)),
         case("run('nope')", lambda: compress.run("nope")),
         case("run(123)", lambda: compress.run(123)),
         case("run(recipe, 5)", lambda: compress.run("rtn_int4", 5)),
-        case("run with unknown model_type", lambda: compress.run("rtn_int4", model=fx.cfg_unknown, out=out / "r1"), leftover=out / "r1"),
+        case(
+            "run with unknown model_type",
+            lambda: compress.run("rtn_int4", model=fx.cfg_unknown, out=out / "r1"),
+            leftover=out / "r1",
+        ),
         case("run into /proc/x", lambda: compress.run("rtn_int4", model=fx.hf, out="/proc/x")),
-        case("run with an empty eval text", lambda: compress.run("rtn_int4", model=fx.hf, out=out / "r2", data={"eval": {"source": str(fx.empty_txt)}}), quick=True, leftover=out / "r2"),
-        case("run on a damaged run folder", lambda: compress.run("fp", model=fx.fp_damaged, out=out / "r3"), quick=True, leftover=out / "r3"),
-        case("run with eval={'windows': -1}", lambda: compress.run("rtn_int4", model=fx.hf, out=out / "r4", eval={"windows": -1}), leftover=out / "r4"),
-        case("run with an unknown setting", lambda: compress.run("rtn_int4", model=fx.hf, out=out / "r5", evaluation={"windows": 1}), leftover=out / "r5"),
+        case(
+            "run with an empty eval text",
+            lambda: compress.run(
+                "rtn_int4",
+                model=fx.hf,
+                out=out / "r2",
+                data={"eval": {"source": str(fx.empty_txt)}},
+            ),
+            quick=True,
+            leftover=out / "r2",
+        ),
+        case(
+            "run on a damaged run folder",
+            lambda: compress.run("fp", model=fx.fp_damaged, out=out / "r3"),
+            quick=True,
+            leftover=out / "r3",
+        ),
+        case(
+            "run with eval={'windows': -1}",
+            lambda: compress.run("rtn_int4", model=fx.hf, out=out / "r4", eval={"windows": -1}),
+            leftover=out / "r4",
+        ),
+        case(
+            "run with an unknown setting",
+            lambda: compress.run(
+                "rtn_int4", model=fx.hf, out=out / "r5", evaluation={"windows": 1}
+            ),
+            leftover=out / "r5",
+        ),
         case("Sampling(temperature=-1)", lambda: Sampling(temperature=-1)),
         case("Sampling(temperature=0.7, top_p=0)", lambda: Sampling(0.7, top_p=0)),
         case("Sampling(seed=2**70)", lambda: Sampling(seed=2**70), quick=True),
