@@ -304,6 +304,11 @@ def run(args) -> None:
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
     text = args.prompt
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise CompressError(
+            f"--chat: the tokenizer of '{args.run}' has no chat template; leave out --chat to "
+            f"continue the prompt as plain text."
+        )
     if args.chat:
         text = tok.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

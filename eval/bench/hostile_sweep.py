@@ -162,6 +162,14 @@ class Fixtures:
             lambda d: [p.unlink() for p in d.glob("tokenizer*")],
         )
 
+        def drop_template(d):
+            (d / "chat_template.jinja").unlink(missing_ok=True)
+            c = json.loads((d / "tokenizer_config.json").read_text())
+            c.pop("chat_template", None)
+            (d / "tokenizer_config.json").write_text(json.dumps(c))
+
+        self.no_template = variant("no_template", self.hf, drop_template)
+
         def config_variant(name, text):
             return variant(name, self.hf, lambda d: (d / "config.json").write_text(text))
 
@@ -247,6 +255,7 @@ def decoder_cases(fx: Fixtures) -> list[Case]:
     ]
     quick_names = {"damaged qweight (manifest)", "config.json unknown model_type"}
     out = [case(n, [f] + p + short, quick=n in quick_names) for n, f in folder_cases]
+    out.append(case("--chat without a chat template", [str(fx.no_template), "--chat"] + p + short))
     out.append(
         case(
             "damaged folder with --no-verify runs",
@@ -287,6 +296,9 @@ def decoder_cases(fx: Fixtures) -> list[Case]:
         ("--device ''", ["--device", ""]),
         ("--kv-opt without =", ["--kv-opt", "bits"]),
         ("--kv bogus", ["--kv", "bogus"]),
+        ("--kv kivi --kv-opt bits=abc", ["--kv", "kivi", "--kv-opt", "bits=abc"]),
+        ("--kv kivi --kv-opt unknown option", ["--kv", "kivi", "--kv-opt", "nosuch=1"]),
+        ("prompt longer than the context", ["--prompt", "fox " * 300]),
         ("--dtype int3", ["--dtype", "int3"]),
         ("--head int2", ["--head", "int2"]),
         ("--draft missing folder", ["--draft", str(fx.root / "nope")]),
