@@ -168,6 +168,7 @@ def quantize(model, config, tokenizer=None, calibration=None):
 
     from compress.config import check_stage_settings, compose, layer_in_features, needs_calibration
     from compress.data import check_source
+    from compress.inputs import check_inputs, check_token_ids
     from compress.pipeline import Context
     from compress.stages import get_stage
 
@@ -195,6 +196,9 @@ def quantize(model, config, tokenizer=None, calibration=None):
                 f"calibration=token ids [samples, seqlen]."
             )
         check_source(cfg.data.calib.source, role="calib")
+        check_inputs(cfg, tokenizer, roles=("calib",))
+    if tokens is not None:
+        check_token_ids(tokens, model.config.vocab_size)
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)
     model = get_stage(config.stage)(model, ctx)

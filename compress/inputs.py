@@ -109,14 +109,16 @@ def needs(cfg) -> list[tuple[str, str, int, str]]:
     return out
 
 
-def check_inputs(cfg) -> None:
-    """Refuse a text the run would fail on later (after the stages, for the eval text)."""
-    todo = needs(cfg)
+def check_inputs(cfg, tokenizer=None, roles=None) -> None:
+    """Refuse a text the run would fail on later (after the stages, for the eval text).
+    ``tokenizer`` counts the tokens (default: the source model's); ``roles`` limits the check
+    to those texts (``("calib",)`` for ``compress.quantize``)."""
+    todo = [t for t in needs(cfg) if roles is None or t[0] in roles]
     texts = {}
     for role, source, _, _ in todo:
         if (role, source) not in texts:
             texts[(role, source)] = _read(source, role)
-    tok = _tokenizer(cfg)
+    tok = tokenizer if tokenizer is not None else _tokenizer(cfg) if todo else None
     if tok is None:
         return
     for role, source, need, what in todo:
@@ -133,3 +135,28 @@ def check_inputs(cfg) -> None:
                 f"{role} text '{source}' has {have:,} tokens, fewer than the {need:,} the run "
                 f"reads ({what}); {fix}, or set {KEYS[role]} to a longer text."
             )
+
+
+def check_token_ids(tokens, vocab_size: int, what: str = "calibration") -> None:
+    """Given calibration token ids: an integer tensor ``[samples, seqlen]`` of ids in the
+    vocabulary."""
+    import torch
+
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise CompressError(
+            f"{what} token ids must be an integer tensor [samples, seqlen], got "
+            f"{getattr(tokens, 'dtype', '')} {shape}; e.g. tokenizer(texts, "
+            f"return_tensors='pt').input_ids, or pass a text file instead."
+        )
+    if tokens.shape[0] < 1 or tokens.shape[1] < 2:
+        raise CompressError(
+            f"{what} token ids have shape {tuple(tokens.shape)}: give at least one sample of "
+            f"two or more tokens."
+        )
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise CompressError(
+            f"{what} token ids run from {low} to {high}, outside the model's vocabulary "
+            f"[0, {vocab_size}); tokenize with the model's own tokenizer."
+        )

@@ -843,6 +843,51 @@ def api_cases(fx: Fixtures) -> list[Case]:
             ),
             leftover=out / "r5",
         ),
+        case(
+            "quantize(AWQ) with 1-D calibration ids",
+            lambda: compress.quantize(
+                model(),
+                compress.AWQConfig(group_size=16),
+                tokenizer=fx.tok,
+                calibration=torch.zeros(8, dtype=torch.long),
+            ),
+        ),
+        case(
+            "quantize(AWQ) with float calibration",
+            lambda: compress.quantize(
+                model(),
+                compress.AWQConfig(group_size=16),
+                tokenizer=fx.tok,
+                calibration=torch.rand(2, 16),
+            ),
+        ),
+        case(
+            "quantize(AWQ) with ids outside the vocabulary",
+            lambda: compress.quantize(
+                model(),
+                compress.AWQConfig(group_size=16),
+                tokenizer=fx.tok,
+                calibration=torch.full((2, 16), 10**6),
+            ),
+        ),
+        case(
+            "quantize(AWQ) with an empty calibration file",
+            lambda: compress.quantize(
+                model(),
+                compress.AWQConfig(group_size=16),
+                tokenizer=fx.tok,
+                calibration=str(fx.empty_txt),
+            ),
+        ),
+        case(
+            "quantize(AWQ) with a calibration file too short",
+            lambda: compress.quantize(
+                model(),
+                compress.AWQConfig(group_size=16),
+                tokenizer=fx.tok,
+                calibration=str(fx.short_txt),
+            ),
+        ),
         case("Sampling(temperature=-1)", lambda: Sampling(temperature=-1)),
         case("Sampling(temperature=0.7, top_p=0)", lambda: Sampling(0.7, top_p=0)),
         case("Sampling(seed=2**70)", lambda: Sampling(seed=2**70), quick=True),
