@@ -227,6 +227,8 @@ def verify_folder(folder, skip: str = "--no-verify") -> bool:
     for name, entry in sorted(files.items()):
         if Path(name).name in UNCHECKED:
             continue
+        if not isinstance(entry, dict):
+            raise _refuse(folder, f"{MANIFEST}'s entry for '{name}' cannot be read", skip)
         p = folder / name
         if not p.is_file():
             raise _refuse(folder, f"'{name}', listed in {MANIFEST}, is missing", skip)

@@ -42,7 +42,7 @@ QWEN05B = dict(
 )
 
 
-def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool) -> Path:
+def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool, layers=None) -> Path:
     from compress.eval.bench.tiny_folders import (
         random_model,
         run_folder,
@@ -64,7 +64,7 @@ def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool) -> Path:
     if kind == "qwen0.5b":
         from transformers import Qwen2Config
 
-        config = Qwen2Config(**QWEN05B)
+        config = Qwen2Config(**dict(QWEN05B, num_hidden_layers=layers or 24))
     elif kind == "tiny":
         config = tiny_config(hidden_size=128, intermediate_size=256, head_dim=32)
     else:
@@ -112,6 +112,9 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--rtn", action="store_true", help="RTN INT4 g64 run folders")
     p.add_argument("--threads", type=int, help="torch threads (hashing uses its own threads)")
+    p.add_argument(
+        "--qwen-layers", type=int, help="layers of the 0.5B shape (default 24; fewer: a smoke test)"
+    )
     p.add_argument("--keep", help="make (or reuse) the run folders here instead of a temp dir")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -122,7 +125,7 @@ def main(argv=None) -> None:
     out = {}
     try:
         for kind in args.models:
-            folder = make_folder(kind, root, getattr(torch, args.dtype), args.rtn)
+            folder = make_folder(kind, root, getattr(torch, args.dtype), args.rtn, args.qwen_layers)
             r = measure(folder, args.rounds)
             out[kind] = r
             print(
