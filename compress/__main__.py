@@ -63,9 +63,22 @@ def rewrite_argv(argv: list[str]) -> list[str]:
             "no recipe given: add recipe=NAME (`python -m compress --help` lists them)."
         )
     check_overrides(recipe, overrides)
+    check_run_dir_override(overrides)
     if any(a.startswith("--cfg") or a == "-c" for a in out) and "--resolve" not in out:
         out.append("--resolve")  # print the resolved recipe
     return ["--config-name", recipe] + out
+
+
+def check_run_dir_override(overrides: list[str]) -> None:
+    """Hydra makes ``hydra.run.dir`` before the run starts (a traceback when it cannot): check
+    that it can be made, or that ``outputs/`` can for the default."""
+    from compress.run_folder import check_writable
+
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    path = given[-1].strip("'\"") if given else "outputs/RUN"
+    if "${" in path:  # an interpolation (${now:...}): check the part before it
+        path = path.split("${", 1)[0] + "RUN"
+    check_writable(Path(path), "hydra.run.dir")
 
 
 def _exit_interrupted(e: KeyboardInterrupt) -> None:

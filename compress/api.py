@@ -60,19 +60,35 @@ def overrides_of(settings: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def run(recipe: str, *overrides: str, model=None, out=None, **settings) -> RunResult:
+def run(
+    recipe: str, *overrides: str, model=None, out=None, verify: bool = True, **settings
+) -> RunResult:
     """Run ``recipes/RECIPE.yaml`` on ``model`` (a folder or hub id; default: the recipe's) into
     ``out`` (default ``outputs/DATE_TIME_RECIPE``).
 
     ``overrides`` are CLI-style ``"KEY=VALUE"`` strings; ``settings`` are config keys or groups
     (``eval={"windows": 4}``, ``seed=1``). Both are checked before the model loads.
+    ``verify=False`` (``model.verify=false``) skips checking a run folder given as ``model``
+    against its manifest's hashes, for a folder edited on purpose.
     """
     from compress.config import compose
     from compress.pipeline import run as run_pipeline
 
+    if not isinstance(recipe, str):
+        raise CompressError(
+            f"run takes a recipe name such as 'awq_int4', not {type(recipe).__name__}."
+        )
+    bad = [o for o in overrides if not isinstance(o, str)]
+    if bad:
+        raise CompressError(
+            f"run's positional overrides are 'KEY=VALUE' strings, not {type(bad[0]).__name__} "
+            f"{bad[0]!r}; pass settings as keywords (eval={{'windows': 4}})."
+        )
     extra = [*overrides, *overrides_of(settings)]
     if model is not None:
         extra.append(f"model.path={override_value(str(model))}")
+    if not verify:
+        extra.append("model.verify=false")
     cfg = compose(recipe, extra)
     out = (
         Path(out)
@@ -152,6 +168,7 @@ def quantize(model, config, tokenizer=None, calibration=None):
 
     from compress.config import check_stage_settings, compose, layer_in_features, needs_calibration
     from compress.data import check_source
+    from compress.inputs import check_inputs, check_token_ids
     from compress.pipeline import Context
     from compress.stages import get_stage
 
@@ -159,6 +176,7 @@ def quantize(model, config, tokenizer=None, calibration=None):
         raise CompressError(
             f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
         )
+    check_model(model, "quantize")
     if getattr(model.config, "quantization_config", None):
         raise CompressError(
             "this model is already quantized (model.config.quantization_config is set); "
@@ -178,11 +196,28 @@ def quantize(model, config, tokenizer=None, calibration=None):
                 f"calibration=token ids [samples, seqlen]."
             )
         check_source(cfg.data.calib.source, role="calib")
+        check_inputs(cfg, tokenizer, roles=("calib",))
+    if tokens is not None:
+        check_token_ids(tokens, model.config.vocab_size)
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)
     model = get_stage(config.stage)(model, ctx)
     model.config.quantization_config = ctx.quantization_config
     return model.eval()
+
+
+def check_model(model, what: str) -> None:
+    """Refuse what is not a Hugging Face causal LM of a supported family (``adapters``)."""
+    from compress.adapters import get_adapter
+
+    config = getattr(model, "config", None)
+    if not hasattr(model, "state_dict") or not hasattr(config, "to_diff_dict"):
+        raise CompressError(
+            f"{what} takes a Hugging Face causal LM (AutoModelForCausalLM.from_pretrained(...), "
+            f"which has a .config), not {type(model).__name__}. Wrap a bare layer in a model, "
+            f"or quantize a whole model."
+        )
+    get_adapter(config)  # an unsupported architecture gets the families compress knows
 
 
 def save(model, folder, tokenizer=None) -> Path:
@@ -192,7 +227,18 @@ def save(model, folder, tokenizer=None) -> Path:
     from compress.checkpoint import save_checkpoint, unquantized_dtype
     from compress.run_folder import atomic_dir, commit_dir
 
+    from compress.run_folder import check_writable
+
+    check_model(model, "save")
+    if not isinstance(folder, (str, Path)) or not str(folder):
+        raise CompressError(f"save takes a folder path, not {folder!r}.")
     folder = Path(folder)
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise CompressError(
+            f"save's tokenizer is a transformers tokenizer (AutoTokenizer.from_pretrained(...)), "
+            f"not {type(tokenizer).__name__}; or leave it out."
+        )
+    check_writable(folder, "the folder")
     if folder.exists() and any(folder.iterdir()):
         raise CompressError(f"'{folder}' already exists and is not empty; pick another folder.")
     qcfg = getattr(model.config, "quantization_config", None)

@@ -192,26 +192,20 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
 def read_config(folder: Path) -> tuple[object, dict | None]:
     """``(HF config, quantization_config or None)`` of a run folder or HF folder of a supported
     family (``compress.adapters``)."""
-    from transformers import AutoConfig
-
     if not (folder / "config.json").is_file():
         raise CompressError(
             f"'{folder}' has no config.json: it is not a run folder or HF checkpoint. "
             f"Pass the folder a recipe wrote (outputs/...)."
         )
-    raw = json.loads((folder / "config.json").read_text())
+    from compress.hf_config import config_from_dict, read_config_json
+
+    raw = read_config_json(folder)
     qcfg = raw.pop("quantization_config", None)
     if (
         "auto_map" in raw
     ):  # a converted attention (cla, mla): compress's own classes, no remote code
         import compress.formats.attention  # noqa: F401  (registers the model types with transformers)
-    try:
-        config = AutoConfig.for_model(**raw)
-    except (ValueError, TypeError, KeyError) as e:
-        raise CompressError(
-            f"'{folder}/config.json' is not a valid config ({type(e).__name__}: {e}). Fix the "
-            f"field it names, or re-export the checkpoint."
-        ) from None
+    config = config_from_dict(raw, folder)
     spec_of(config)  # refuses what the decoder cannot run, before any weight is read
     return config, qcfg
 

@@ -267,9 +267,9 @@ def validate(cfg: DictConfig) -> None:
     config = check_path(str(cfg.model.path))
     in_features = {}
     if config is not None:
-        from transformers import AutoConfig
+        from compress.hf_config import config_from_dict
 
-        hf_config = AutoConfig.for_model(**config)
+        hf_config = config_from_dict(config, str(cfg.model.path))
         in_features = layer_in_features(hf_config)
         check_family(cfg, hf_config)
     check_stage_settings(cfg, in_features)

@@ -25,6 +25,11 @@ def _looks_like_path(source: str) -> bool:
 
 def check_source(source: str, role: str = "data") -> None:
     """Refuse a source that names a local file which is not there (datasets ids pass)."""
+    if Path(str(source)).expanduser().is_dir():
+        raise CompressError(
+            f"{role} source '{source}' is a folder, not a text file; set data.{role}.source to a "
+            f"text file or a datasets id such as 'Salesforce/wikitext:wikitext-2-raw-v1:test'."
+        )
     if _looks_like_path(str(source)) and not Path(str(source)).expanduser().is_file():
         unset = "COMPRESS_DATA_DIR-unset" in str(source)  # the data config without the variable
         why = " (COMPRESS_DATA_DIR is not set)" if unset else ""

@@ -24,10 +24,11 @@ from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
 from compress.hub import push_after_run
-from compress.manifest import write_manifest
+from compress.inputs import check_inputs
+from compress.manifest import verify_folder, write_manifest
 from compress.model_card import write_model_card
 from compress.quant.head import quantize_head
-from compress.run_folder import atomic_dir, commit_dir
+from compress.run_folder import atomic_dir, check_writable, commit_dir
 from compress.source import cache_dir, load_model
 from compress.stages import get_stage
 
@@ -94,15 +95,30 @@ def _check_run_dir(run_dir: Path) -> None:
         )
 
 
+def check_run(cfg: DictConfig, run_dir: Path) -> None:
+    """What a run checks before the model loads: the config (``config.validate``), the run
+    folder, every text it reads (``inputs.check_inputs``), and a source run folder against its
+    manifest (``manifest.verify_folder``; ``model.verify=false`` skips that)."""
+    validate(cfg)
+    check_writable(run_dir, "run folder (hydra.run.dir)")
+    _check_run_dir(run_dir)
+    if cfg.model.get("verify", True):
+        from compress.source import resolve_path
+
+        where, _ = resolve_path(str(cfg.model.path))
+        if isinstance(where, Path):
+            verify_folder(where, skip="model.verify=false")
+    check_inputs(cfg)
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Run a recipe into ``run_dir``; returns the report.
 
     Ctrl-C raises ``Interrupted`` (a KeyboardInterrupt) naming the temporary folder it removed.
     """
     run_dir = Path(run_dir)
-    validate(cfg)
-    _check_run_dir(run_dir)
     try:
+        check_run(cfg, run_dir)
         return _run(cfg, run_dir)
     except BaseException as e:
         if run_dir.is_dir() and not any(run_dir.iterdir()):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from compress.errors import CompressError
+
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -44,19 +46,60 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def check_writable(final, what: str) -> None:
+    """Refuse a folder that cannot be made where ``final`` names it: a path through a file, an
+    existing file, or a place this process cannot write (``/proc``, a read-only mount, another
+    user's folder). Probes the nearest existing ancestor by making a temporary folder there."""
+    final = Path(final)
+    if final.exists() and not final.is_dir():
+        raise CompressError(
+            f"{what} '{final}' is a file, not a folder; pick a folder path that does not exist."
+        )
+    up = final
+    while not up.exists():
+        if up.parent == up:
+            break
+        up = up.parent
+    if not up.is_dir():
+        raise CompressError(
+            f"{what} '{final}' lies under '{up}', which is a file, so no folder can be made "
+            f"there; pick another path."
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".compress-probe-", dir=up))
+    except OSError as e:
+        raise CompressError(
+            f"{what} '{final}' cannot be written: making a folder in '{up}' fails "
+            f"({e.strerror}). Pick a path in a folder you can write, e.g. outputs/NAME."
+        ) from None
+
+
 def atomic_dir(final: Path):
     """A temporary sibling of ``final``; call ``commit(tmp, final)`` when it is complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def commit_dir(tmp: Path, final: Path) -> None:
-    """fsync every file in ``tmp``, then rename it to ``final`` (which must not hold files)."""
+    """fsync every file in ``tmp``, then rename it to ``final`` (which must not hold files).
+
+    Every file gets the mode a plain write gives (0644 under umask 022): safetensors writes its
+    file through a private temporary (0600), mkdtemp makes the folder private."""
+    mask = _umask()
     for p in tmp.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-    tmp.chmod(0o755)  # mkdtemp makes it private
+            p.chmod(0o666 & ~mask)
+        elif p.is_dir():
+            p.chmod(0o777 & ~mask)
+    tmp.chmod(0o777 & ~mask)
     if final.exists():
         final.rmdir()  # only an empty placeholder may stand in the way
     os.replace(tmp, final)

@@ -120,7 +120,9 @@ def check_path(path: str) -> dict | None:
             f"model folder '{path}' has no config.json, so it is not a Hugging Face checkpoint. "
             f"Point model.path at a folder written by save_pretrained, or at a hub id."
         )
-    config = json.loads((p / "config.json").read_text())
+    from compress.hf_config import read_config_json
+
+    config = read_config_json(p)
     qcfg = config.get("quantization_config")
     if qcfg:
         made_from = ""

@@ -15,11 +15,11 @@ held to ``FP16_TOL`` against transformers instead.
 import pytest
 import torch
 
-from compress.decoder.engine import Engine
+from compress.serve.engine import Engine
 from compress.decoder.generate import left_pad, static_step
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
-from compress.decoder.scheduler import Params
+from compress.serve.scheduler import Params
 
 TOL, FP16_TOL = 1e-4, 3e-3
 STEPS, WINDOW = 64, 16
@@ -168,7 +168,7 @@ def test_eager_fp16_cache_matches_transformers(family, batch):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 def test_compiled_step_matches_transformers(family, batch):
-    """The compiled static decode step (``compress.decoder.static``) over the full cache."""
+    """The compiled static decode step (``compress.decoder.compiled``) over the full cache."""
     name, ours, ref = family
     tokens, logits, start = ours_greedy(ours, prompts(batch), compiled=True)
     check_rows(ref, tokens, logits, start, TOL)

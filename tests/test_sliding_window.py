@@ -8,7 +8,7 @@ import torch
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache, new_cache, static_cache
 from compress.decoder.kv.fp16 import FP16Cache
-from compress.decoder.speculative import speculative_generate
+from compress.decoder.speculative.generate import speculative_generate
 from compress.errors import CompressError
 
 B, HKV, H, D = 2, 2, 4, 32
@@ -190,7 +190,7 @@ def test_generate_past_the_window(mistral):
 def test_speculative_rollback_across_the_window(mistral):
     """Self-speculative drafts (rollbacks of the shared cache) and a draft model with its own
     cache, gamma 4 over a 16-token window: greedy output equals plain greedy decoding."""
-    from compress.decoder.drafts import LayerSkipDraft
+    from compress.decoder.speculative.drafts import LayerSkipDraft
 
     ours, _ = mistral
     prompt = torch.randint(1, 300, (30,), generator=torch.Generator().manual_seed(4)).tolist()

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from compress.decoder.speculative import cli as spec_cli
-from compress.errors import CompressError
+from compress.errors import ArgumentParser, CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_parser(prog: str = "python -m compress.decoder", description=None, add_help=True):
     """The decoder CLI's parser (``python -m compress.iam generate`` extends it)."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog, description=description or __doc__.splitlines()[0], add_help=add_help
     )
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
@@ -111,6 +111,12 @@ def build_parser(prog: str = "python -m compress.decoder", description=None, add
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the folder's files against the sha256 its manifest.json records "
+        "(for a folder edited on purpose)",
+    )
+    p.add_argument(
         "--iam",
         metavar="SMALL",
         help="moved: IAM decoding is `python -m compress.iam generate RUN --small SMALL ...` "
@@ -147,11 +153,62 @@ def checked_run(args, load_model=None) -> None:
                 f"run folder '{args.run}' does not exist. Pass a folder a recipe "
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
+        check_arguments(args)
         spec_cli.check_arguments(args)
+        verify_folders(args)
         run(args, load_model)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "max_new_tokens": "--max-new-tokens",
+    "threads": "--threads",
+    "stop": "--stop",
+}
+
+
+def check_arguments(args) -> None:
+    """The sampling settings (``sampling.check_sampling``, shared with the server and the API),
+    the device, the cache length and the KV options, before anything loads."""
+    from compress.decoder.kv import parse_options
+    from compress.decoder.sampling import check_sampling
+    from compress.devices import check_device
+
+    check_sampling(
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        args.max_new_tokens,
+        args.threads,
+        args.stop,
+        names=FLAGS,
+    )
+    if args.max_len is not None and args.max_len < 1:
+        raise CompressError(
+            f"--max-len {args.max_len}: the KV cache length is a number of tokens >= 1 (leave it "
+            f"out for the prompt's length plus --max-new-tokens)."
+        )
+    args.device = check_device(args.device)
+    parse_options(args.kv_opt)
+
+
+def verify_folders(args) -> None:
+    """Check the run folder (and a --draft folder, or IAM's small one) against its manifest's hashes."""
+    from compress.manifest import verify_folder
+
+    if args.no_verify:
+        return
+    verify_folder(args.run)
+    for extra in (args.draft, getattr(args, "small", None)):
+        if extra not in (None, "self") and Path(extra).is_dir():
+            verify_folder(extra)
 
 
 def group_quantized(folder) -> bool:
@@ -236,6 +293,11 @@ def run(args, load_model=None) -> None:
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
     text = args.prompt
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise CompressError(
+            f"--chat: the tokenizer of '{args.run}' has no chat template; leave out --chat to "
+            f"continue the prompt as plain text."
+        )
     if args.chat:
         text = tok.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

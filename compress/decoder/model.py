@@ -18,7 +18,7 @@ are the identity where the spec has none; ``act`` is SiLU or GELU-tanh; the embe
 multiplied by the spec's ``embed_scale`` (Gemma: sqrt(hidden) in the embedding's dtype) and
 ``theta_l`` and its scaling are the layer's (Gemma 3: local 10k, global 1M).
 
-One forward serves every use: eager, compiled (``compress.decoder.static`` runs it with a
+One forward serves every use: eager, compiled (``compress.decoder.compiled`` runs it with a
 static cache and compile-friendly linears), batched with left padding, teacher-forced
 (``eval/bench/kv_quality``). It takes the cache slots of its tokens as a tensor ``pos``, so
 nothing in it depends on a Python-side position. Attention is the cache's
@@ -248,7 +248,7 @@ class LatentAttention(Attention):
 
 
 class MappedAttention(Attention):
-    """A large-model layer under IAM attention mapping (``compress.decoder.iam``): it projects V
+    """A large-model layer under IAM attention mapping (``compress.iam.decode``): it projects V
     only; its cache (``kv.mapped.MappedCache``) mixes V with a small model's attention weights,
     ``y_h = P_small[m(l)][head(h)] V``, so q_proj and k_proj are loaded and then freed."""
 
@@ -548,7 +548,7 @@ def load(
     that rounds their inputs, so the logits are no longer those of the pipeline's loader.
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
-    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.decoder.iam`` loads them).
+    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.iam.decode`` loads them).
     ``head`` (none, int8, int4) group-quantizes the output head at load
     (``compress.quant.head``: the embedding stays exact); it then computes like the other
     quantized layers (``qdtype``, ``lean``).

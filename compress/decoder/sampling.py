@@ -3,11 +3,98 @@
 p = softmax(l / temperature), restricted to the ``top_k`` largest entries, then to the smallest
 set of largest entries whose mass reaches ``top_p``, renormalised, and drawn with a seeded
 generator.
+
+``check_sampling`` is the one validation of these settings (and of the token count and thread
+count that go with them): the decoder CLI calls it with its flag names before loading,
+``Sampling`` calls it when built (the Python API), and the server calls it with the request's
+field names (``SamplingError.param`` names the field in the error body).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from compress.errors import CompressError
+
+TEMPERATURE_MAX = 2.0  # OpenAI's bound; above it the distribution is almost flat
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+THREADS_MAX = 1024
+STOPS_MAX = 4  # OpenAI's bound
+
+
+class SamplingError(CompressError):
+    """A sampling setting out of range; ``param`` is the field as the caller names it (the
+    server's ``max_tokens``), or the setting's own name when the caller names a flag."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def check_sampling(
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    max_new_tokens=None,
+    threads=None,
+    stop=None,
+    names: dict | None = None,
+) -> None:
+    """Raise ``SamplingError`` for a setting out of range. ``names`` maps a field name to what
+    the user wrote (``{"top_p": "--top-p"}``); the message shows ``NAME VALUE``."""
+    names = names or {}
+
+    def refuse(field, value, rule):
+        shown = names.get(field, field)
+        flag = shown.startswith("-")
+        raise SamplingError(
+            f"{shown}{' ' if flag else '='}{value!r}: {rule}", field if flag else shown
+        )
+
+    if not _is_number(temperature) or not 0 <= temperature <= TEMPERATURE_MAX:
+        refuse(
+            "temperature",
+            temperature,
+            f"the temperature is a number from 0 (greedy) to {TEMPERATURE_MAX:g}.",
+        )
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        refuse(
+            "top_p",
+            top_p,
+            "top-p is the probability mass kept, a number above 0 and at most 1 (1 keeps "
+            "every token).",
+        )
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        refuse("top_k", top_k, "top-k is the number of likeliest tokens kept, an integer >= 1.")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
+        refuse("seed", seed, "the seed is an integer from 0 to 2**64-1 (18446744073709551615).")
+    if max_new_tokens is not None and (not _is_int(max_new_tokens) or max_new_tokens < 1):
+        refuse(
+            "max_new_tokens",
+            max_new_tokens,
+            "the number of tokens to generate is an integer >= 1.",
+        )
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if len(stops) > STOPS_MAX or any(not isinstance(x, str) or not x for x in stops):
+            refuse("stop", stop, f"give at most {STOPS_MAX} stop strings, none of them empty.")
+    if threads is not None and (not _is_int(threads) or not 1 <= threads <= THREADS_MAX):
+        refuse(
+            "threads",
+            threads,
+            f"the CPU thread count is an integer from 1 to {THREADS_MAX} (1 is often fastest "
+            f"for batch-1 decoding on a busy machine); leave it out for torch's default.",
+        )
 
 
 @dataclass
@@ -16,6 +103,9 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

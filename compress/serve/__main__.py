@@ -11,15 +11,16 @@ import logging
 import sys
 from pathlib import Path
 
-from compress.errors import CompressError
+from compress.errors import ArgumentParser, CompressError
+from compress.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 DTYPES = ("float32", "bfloat16", "float16")
+H11_MAX_HEADER_BYTES = 16 << 10  # request line and headers: larger ones get 400 (h11)
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m compress.serve", description=__doc__.splitlines()[0]
-    )
+    p = ArgumentParser(prog="python -m compress.serve", description=__doc__.splitlines()[0])
     p.add_argument("run", help="run folder (any recipe's) or HF Llama-family folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -56,7 +57,88 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="prompts this long or longer go to the prefill ranks",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {MAX_BODY_BYTES >> 20} MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help=f"seconds a request body may take to arrive whole, else 408 (default {BODY_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip checking the folder's files against the sha256 its manifest.json records "
+        "(for a folder edited on purpose)",
+    )
     return p.parse_args(argv)
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def check_arguments(args) -> None:
+    """Everything the server can check before the model loads: the numbers, the device, and
+    that the address can be listened on (a port in use or out of range would fail only after
+    the load, with an asyncio traceback)."""
+    from compress.decoder.sampling import check_sampling
+    from compress.devices import check_device
+
+    for flag in (
+        "num_blocks",
+        "block_size",
+        "max_seqs",
+        "max_step_tokens",
+        "prefill_ranks",
+        "runahead_min_tokens",
+        "max_body_bytes",
+    ):
+        value = getattr(args, flag)
+        if value < 1:
+            raise CompressError(f"--{flag.replace('_', '-')} {value}: give an integer >= 1.")
+    if not args.body_timeout > 0 or args.body_timeout == float("inf"):
+        raise CompressError(f"--body-timeout {args.body_timeout}: give a number of seconds > 0.")
+    check_sampling(threads=args.threads, names={"threads": "--threads"})
+    if args.log_level.lower() not in LOG_LEVELS:
+        raise CompressError(f"--log-level {args.log_level}: use one of {', '.join(LOG_LEVELS)}.")
+    if args.device is not None:
+        args.device = check_device(args.device)
+    check_listen(args.host, args.port)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, as uvicorn will bind it."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise CompressError(
+            f"--port {port}: a TCP port is a number from 1 to 65535 (0: any free port)."
+        )
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise CompressError(
+            f"--host {host}: this machine cannot resolve that address ({e}); use 127.0.0.1 "
+            f"(this machine only) or 0.0.0.0 (every interface)."
+        ) from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise CompressError(
+                f"cannot listen on {host}:{port} ({e.strerror}): "
+                + (
+                    "another process is using that port; stop it or pick another --port."
+                    if e.errno == 98
+                    else "pick another --port or --host (ports below 1024 need root)."
+                )
+            ) from None
 
 
 def main(argv=None) -> None:
@@ -67,6 +149,11 @@ def main(argv=None) -> None:
                 f"run folder '{args.run}' does not exist. Pass a folder a recipe "
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
+        check_arguments(args)
+        if not args.no_verify:
+            from compress.manifest import verify_folder
+
+            verify_folder(args.run)
         serve(args)
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -119,7 +206,13 @@ def serve(args) -> None:
             runahead_min_tokens=args.runahead_min_tokens,
         )
         name = args.served_model_name or Path(args.run).resolve().name
-        app = create_app(Worker(engine), tok, name)
+        app = create_app(
+            Worker(engine),
+            tok,
+            name,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
+        )
         logging.getLogger("compress.serve").info(
             "serving '%s' on http://%s:%d (%d KV blocks of %d tokens)",
             name,
@@ -128,7 +221,15 @@ def serve(args) -> None:
             args.num_blocks,
             args.block_size,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            http="h11",  # httptools would ignore the header bound
+            h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     finally:
         if runahead is not None:
             runahead.close()

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from compress.errors import CompressError
+from compress.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RequestLimits
 from compress.serve.protocol import ChatRequest, CompletionRequest, error_body
 from compress.serve.worker import Worker
 
@@ -33,9 +34,16 @@ CHAT_MAX_TOKENS = 256  # chat's max_tokens when not given (within the context)
 DISCONNECT_POLL_S = 0.5
 
 
-def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
+def create_app(
+    worker: Worker,
+    tokenizer,
+    model_name: str,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     """The app serving ``worker``'s engine as ``model_name``; the worker starts and stops
-    with it."""
+    with it. Bodies over ``max_body_bytes`` get 413, bodies not whole within ``body_timeout_s``
+    408 (``compress.serve.limits``)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -45,6 +53,7 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
         worker.stop()
 
     app = FastAPI(title="compress", lifespan=lifespan)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     created = int(time.time())
     max_len = worker.engine.max_len
 
@@ -67,7 +76,7 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
         code = (
             "context_length_exceeded" if "context" in str(exc) or "KV blocks" in str(exc) else None
         )
-        return JSONResponse(error_body(str(exc), code=code), 400)
+        return JSONResponse(error_body(str(exc), param=getattr(exc, "param", None), code=code), 400)
 
     @app.exception_handler(Exception)
     async def crashed(request, exc: Exception):
@@ -156,6 +165,7 @@ def create_app(worker: Worker, tokenizer, model_name: str) -> FastAPI:
                     done = True
                     msg = str(ev) if isinstance(ev, CompressError) else "internal error"
                     yield reply.sse(error_body(msg, "server_error"))
+                    yield "data: [DONE]\n\n"
                     return
                 done = ev.finished
                 if ev.text or done:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from compress.decoder.sampling import Sampling
+from compress.decoder.sampling import Sampling, check_sampling
 from compress.serve.scheduler import Params
 from compress.errors import CompressError
 
@@ -24,10 +24,12 @@ class Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
+    # ranges of the sampling fields and max_tokens: ``sampling.check_sampling`` (in ``params``),
+    # the one validation the decoder CLI and the API share
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -39,13 +41,19 @@ class Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def few_stops(cls, v):
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("give at most 4 non-empty stop strings")
-        return stops
+    def as_list(cls, v):
+        return [v] if isinstance(v, str) else v or []
 
     def params(self, default_max: int) -> Params:
+        check_sampling(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.max_tokens,
+            stop=self.stop,
+            names={"max_new_tokens": "max_tokens"},
+        )
         s = Sampling(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -66,7 +74,7 @@ class Common(BaseModel):
 
 class CompletionRequest(Common):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions
     echo: Literal[False] = False
     logprobs: None = None
     suffix: None = None
@@ -106,7 +114,7 @@ class Message(BaseModel):
 
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: Literal[False] | None = None
 
     def prompt_ids(self, tokenizer) -> list[int]:
@@ -121,5 +129,9 @@ class ChatRequest(Common):
 
     def params(self, default_max: int) -> Params:
         if self.max_completion_tokens is not None:
+            check_sampling(
+                max_new_tokens=self.max_completion_tokens,
+                names={"max_new_tokens": "max_completion_tokens"},
+            )
             self.max_tokens = self.max_completion_tokens
         return super().params(default_max)

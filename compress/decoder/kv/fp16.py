@@ -4,7 +4,7 @@ Per layer, one preallocated ``[B, Hkv, max_len, D]`` tensor each for K and V (se
 per layer: inductor writes a slot of one in place, where for a slice of one big tensor it
 copied the whole). A ``static`` cache attends over every slot with the mask hiding the unwritten
 ones, so every decode step has the same shapes and one compiled graph serves them all
-(``compress.decoder.static``); otherwise it attends over the slots written so far.
+(``compress.decoder.compiled``); otherwise it attends over the slots written so far.
 
 A layer with a sliding window ``w`` keeps a ring of ``cap = w + lookahead`` slots when that is
 less than ``max_len``: position p lives in slot ``p % cap``, and after the newest position n the

@@ -4,7 +4,7 @@ sequences, each sequence's tokens found through its block table.
 Layout, per layer: K and V pools ``[num_blocks * block_size, Hkv, D]``; token position ``p`` of
 a sequence with block table ``t`` lives in slot ``t[p // bs] * bs + p % bs`` (``bs`` = block_size).
 
-A step of the engine (``compress.decoder.engine``) runs the ONE model forward on a padded batch
+A step of the engine (``compress.serve.engine``) runs the ONE model forward on a padded batch
 ``idx [B, T]``, each row's new tokens right-aligned. Rows sit on a shared virtual timeline, as
 left padding does in ``generate``: column ``j`` is virtual slot ``pos[j] = V + j`` and row b's
 position 0 is virtual slot ``start[b]``, so the model's position ``pos[j] - start[b]`` is
