@@ -227,8 +227,15 @@ def test_llm_int8_folder_loads_through_bitsandbytes(family, family_dirs, tmp_pat
     hf = AutoModelForCausalLM.from_pretrained(out, device_map="cpu").eval()
     assert any(type(m).__name__ == "Linear8bitLt" for m in hf.modules())
     ours, _ = load_run(out)
+    spec = spec_of(hf.config)
+    theirs = spec.adapter.all_linears(hf)
+    for name, lin in spec.adapter.all_linears(ours).items():  # the same int8 codes, every family
+        assert torch.equal(theirs[name].weight.data, lin.weight)
     ids = tokens(64)
-    assert rel_err(hf_logits(hf, ids), hf_logits(ours, ids)) < 3e-2  # int8 activations, fp16
+    # bitsandbytes' CPU int8 path (fp16 activations) and ours round activations differently: the
+    # two differ by about the int8 error itself (each ~4% from the float source on Gemma's 6
+    # random layers, 3% from each other; fp16 alone costs 0.2%)
+    assert rel_err(hf_logits(hf, ids), hf_logits(ours, ids)) < 5e-2
 
 
 @pytest.mark.parametrize("family,recipe", matrix(("minitron_width", "minitron_depth", "gqa")))
