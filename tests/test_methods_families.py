@@ -156,6 +156,31 @@ def test_awq_layer_kwargs_run_each_layer_as_the_model_does(family):
             assert rel_err(model.get_submodule(spec.adapter.final_norm)(y), hidden[-1]) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "family", [f if f == "gemma3_text" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
+def test_awq_stage_keeps_the_function_like_rtn(family):
+    """The awq stage at 8 bits (folds + search, no clip) is within 1.5x of RTN's error against the
+    float model; a fold that ignored Gemma's (1 + w) (offset 0) is 4x off."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from compress.quant.awq import awq
+    from compress.quant.rtn import pack_model
+
+    cfg = OmegaConf.create({"awq": dict(bits=8, group_size="auto", duo_scaling=False, n_grid=4,
+                                        clip=False, search_samples=2, batch=4)})  # fmt: skip
+    calib = torch.cat([tokens(48, i) for i in range(4)])
+    ids = tokens(64, 9)
+    reference = hf_logits(family_model(family), ids)
+    ctx = SimpleNamespace(cfg=cfg, calibration=lambda: calib, record={})
+    model = awq(family_model(family), ctx)
+    g = ctx.record["group_size"]
+    rtn_err = rel_err(hf_logits(pack_model(family_model(family), 8, g), ids), reference)
+    assert rel_err(hf_logits(model, ids), reference) < 1.5 * rtn_err
+
+
 def test_gemma3_270m_shapes():
     """Gemma 3 270M's shapes (640 hidden, 2048 MLP, 4 heads of 256, 1 KV head, 262k tied head):
     group size auto is 128 (it divides 640, 1024 and 2048); v -> o is not a group (v is 256 x 640,
