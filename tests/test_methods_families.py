@@ -61,7 +61,8 @@ def family_dirs(tmp_path_factory, tokenizer):
 
 
 def run_on(recipe, folder, out, *extra):
-    return run(compose(recipe, [f"model.path={folder}", *SMALL, *EXTRA.get(recipe, []), *extra]), out)
+    overrides = [f"model.path={folder}", *SMALL, *EXTRA.get(recipe, []), *extra]
+    return run(compose(recipe, overrides), out)
 
 
 def tokens(n=128, seed=0):
@@ -157,7 +158,8 @@ def test_awq_layer_kwargs_run_each_layer_as_the_model_does(family):
 
 
 @pytest.mark.parametrize(
-    "family", [f if f == "gemma3_text" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+    "family",
+    [f if f == "gemma3_text" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
 )
 def test_awq_stage_keeps_the_function_like_rtn(family):
     """The awq stage at 8 bits (folds + search, no clip) is within 1.5x of RTN's error against the
@@ -295,7 +297,8 @@ def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_p
     norms, q/k/v-only biases or sliding windows is refused by validation from config.json."""
     cfg = compose(recipe, [f"model.path={family_dirs[family]}", *SMALL, *EXTRA[recipe]])
     spec = spec_of(family_config(family))
-    llama_like = not (spec.qk_norm or spec.sandwich or spec.windowed or spec.qkv_bias != spec.o_bias)
+    biases = spec.qkv_bias != spec.o_bias
+    llama_like = not (spec.qk_norm or spec.sandwich or spec.windowed or biases)
     if not llama_like:
         import compress.pipeline as pipeline
 
@@ -339,7 +342,7 @@ def test_minitron_gemma_norms_and_embedding_scale():
     channels, and the tied head with the final norm computes, in float64, what the source's
     weights restricted to those channels compute."""
     from compress.prune.importance import activation_importance
-    from compress.prune.prune import layout_of, param_count, prune_model, sizes_of
+    from compress.prune.prune import _top, layout_of, param_count, prune_model, sizes_of
 
     model = family_model("gemma3_text").double()
     spec = spec_of(model.config)
@@ -350,8 +353,8 @@ def test_minitron_gemma_norms_and_embedding_scale():
     model = model.double()
     assert scores["norm_channels"].shape == (6, 4, 64)
     pruned = prune_model(model, scores, {"hidden_size": 48, "num_hidden_layers": 4}).double()
-    keep = torch.sort(torch.sort(scores["channels"].double(), descending=True, stable=True).indices[:48]).values
-    kept = torch.sort(torch.sort(scores["block"].double(), descending=True, stable=True).indices[:4]).values
+    keep = _top(scores["channels"], 48)
+    kept = _top(scores["block"], 4)
     assert pruned.config.layer_types == [model.config.layer_types[i] for i in kept.tolist()]
     for j, i in enumerate(kept.tolist()):
         for n in spec.adapter.norms():
@@ -359,7 +362,8 @@ def test_minitron_gemma_norms_and_embedding_scale():
             assert torch.equal(w, model.model.layers[i].get_submodule(n).weight[keep])
     ids = tokens(8)
     with torch.no_grad():
-        assert rel_err(pruned.model.embed_tokens(ids), model.model.embed_tokens(ids)[..., keep]) < 1e-6
+        embedded = model.model.embed_tokens(ids)[..., keep]
+        assert rel_err(pruned.model.embed_tokens(ids), embedded) < 1e-6
         h = torch.randn(1, 8, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
         w = model.model.norm.weight[keep]
         x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
