@@ -54,7 +54,8 @@ def family_config(family: str, **overrides):
         )
         cls = Qwen2Config
     elif family == "qwen3":
-        kw, cls = dict(COMMON, num_hidden_layers=2, head_dim=16, tie_word_embeddings=True), Qwen3Config
+        kw = dict(COMMON, num_hidden_layers=2, head_dim=16, tie_word_embeddings=True)
+        cls = Qwen3Config
     elif family == "gemma3_text":
         kw = dict(
             COMMON,

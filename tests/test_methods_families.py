@@ -41,7 +41,7 @@ EXTRA = {  # tiny-model settings of each recipe (no distillation: the stage is n
                        "prune.export.num_hidden_layers=1"],  # fmt: skip
 }
 QUANT = ("rtn_int4", "rtn_int3", "rtn_int8", "awq_int4", "awq_int3")
-FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "rtn_int3"), ("qwen3", "awq_int4")}
+FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width")}  # the rest: slow
 
 
 def rel_err(a, b) -> float:
@@ -61,7 +61,8 @@ def family_dirs(tmp_path_factory, tokenizer):
 
 
 def run_on(recipe, folder, out, *extra):
-    return run(compose(recipe, [f"model.path={folder}", *SMALL, *EXTRA.get(recipe, []), *extra]), out)
+    overrides = [f"model.path={folder}", *SMALL, *EXTRA.get(recipe, []), *extra]
+    return run(compose(recipe, overrides), out)
 
 
 def tokens(n=128, seed=0):
@@ -156,6 +157,32 @@ def test_awq_layer_kwargs_run_each_layer_as_the_model_does(family):
             assert rel_err(model.get_submodule(spec.adapter.final_norm)(y), hidden[-1]) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "family",
+    [f if f == "gemma3_text" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+)
+def test_awq_stage_keeps_the_function_like_rtn(family):
+    """The awq stage at 8 bits (folds + search, no clip) is within 1.5x of RTN's error against the
+    float model; a fold that ignored Gemma's (1 + w) (offset 0) is 4x off."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from compress.quant.awq import awq
+    from compress.quant.rtn import pack_model
+
+    cfg = OmegaConf.create({"awq": dict(bits=8, group_size="auto", duo_scaling=False, n_grid=4,
+                                        clip=False, search_samples=2, batch=4)})  # fmt: skip
+    calib = torch.cat([tokens(48, i) for i in range(4)])
+    ids = tokens(64, 9)
+    reference = hf_logits(family_model(family), ids)
+    ctx = SimpleNamespace(cfg=cfg, calibration=lambda: calib, record={})
+    model = awq(family_model(family), ctx)
+    g = ctx.record["group_size"]
+    rtn_err = rel_err(hf_logits(pack_model(family_model(family), 8, g), ids), reference)
+    assert rel_err(hf_logits(model, ids), reference) < 1.5 * rtn_err
+
+
 def test_gemma3_270m_shapes():
     """Gemma 3 270M's shapes (640 hidden, 2048 MLP, 4 heads of 256, 1 KV head, 262k tied head):
     group size auto is 128 (it divides 640, 1024 and 2048); v -> o is not a group (v is 256 x 640,
@@ -203,7 +230,7 @@ def test_quantized_folder_agrees_with_transformers(family, recipe, family_dirs, 
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=() if f == "gemma3_text" else pytest.mark.slow) for f in FAMILIES]
+    "family", [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 )
 def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -227,8 +254,15 @@ def test_llm_int8_folder_loads_through_bitsandbytes(family, family_dirs, tmp_pat
     hf = AutoModelForCausalLM.from_pretrained(out, device_map="cpu").eval()
     assert any(type(m).__name__ == "Linear8bitLt" for m in hf.modules())
     ours, _ = load_run(out)
+    spec = spec_of(hf.config)
+    theirs = spec.adapter.all_linears(hf)
+    for name, lin in spec.adapter.all_linears(ours).items():  # the same int8 codes, every family
+        assert torch.equal(theirs[name].weight.data, lin.weight)
     ids = tokens(64)
-    assert rel_err(hf_logits(hf, ids), hf_logits(ours, ids)) < 3e-2  # int8 activations, fp16
+    # bitsandbytes' CPU int8 path (fp16 activations) and ours round activations differently: the
+    # two differ by about the int8 error itself (each ~4% from the float source on Gemma's 6
+    # random layers, 3% from each other; fp16 alone costs 0.2%)
+    assert rel_err(hf_logits(hf, ids), hf_logits(ours, ids)) < 5e-2
 
 
 @pytest.mark.parametrize("family,recipe", matrix(("minitron_width", "minitron_depth", "gqa")))
@@ -255,13 +289,16 @@ def test_structural_recipes_run(family, recipe, family_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["cla", "mla"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "llama" else f for f in FAMILIES]
+)
 def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_path, monkeypatch):
     """CLA/MLA convert into Llama layers: llama converts; every family with q/k norms, (1+w)
     norms, q/k/v-only biases or sliding windows is refused by validation from config.json."""
     cfg = compose(recipe, [f"model.path={family_dirs[family]}", *SMALL, *EXTRA[recipe]])
     spec = spec_of(family_config(family))
-    llama_like = not (spec.qk_norm or spec.sandwich or spec.windowed or spec.qkv_bias != spec.o_bias)
+    biases = spec.qkv_bias != spec.o_bias
+    llama_like = not (spec.qk_norm or spec.sandwich or spec.windowed or biases)
     if not llama_like:
         import compress.pipeline as pipeline
 
@@ -269,8 +306,6 @@ def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_p
         with pytest.raises(CompressError, match=f"'{family}' model has") as e:
             run(cfg, tmp_path / "run")
         assert "\n" not in str(e.value) and "gqa recipe" in str(e.value)
-        return
-    if recipe == "cla" and family != "llama":  # pragma: no cover - llama only today
         return
     out = tmp_path / "run"
     run(cfg, out)
@@ -307,7 +342,7 @@ def test_minitron_gemma_norms_and_embedding_scale():
     channels, and the tied head with the final norm computes, in float64, what the source's
     weights restricted to those channels compute."""
     from compress.prune.importance import activation_importance
-    from compress.prune.prune import layout_of, param_count, prune_model, sizes_of
+    from compress.prune.prune import _top, layout_of, param_count, prune_model, sizes_of
 
     model = family_model("gemma3_text").double()
     spec = spec_of(model.config)
@@ -318,8 +353,8 @@ def test_minitron_gemma_norms_and_embedding_scale():
     model = model.double()
     assert scores["norm_channels"].shape == (6, 4, 64)
     pruned = prune_model(model, scores, {"hidden_size": 48, "num_hidden_layers": 4}).double()
-    keep = torch.sort(torch.sort(scores["channels"].double(), descending=True, stable=True).indices[:48]).values
-    kept = torch.sort(torch.sort(scores["block"].double(), descending=True, stable=True).indices[:4]).values
+    keep = _top(scores["channels"], 48)
+    kept = _top(scores["block"], 4)
     assert pruned.config.layer_types == [model.config.layer_types[i] for i in kept.tolist()]
     for j, i in enumerate(kept.tolist()):
         for n in spec.adapter.norms():
@@ -327,9 +362,27 @@ def test_minitron_gemma_norms_and_embedding_scale():
             assert torch.equal(w, model.model.layers[i].get_submodule(n).weight[keep])
     ids = tokens(8)
     with torch.no_grad():
-        assert rel_err(pruned.model.embed_tokens(ids), model.model.embed_tokens(ids)[..., keep]) < 1e-6
+        embedded = model.model.embed_tokens(ids)[..., keep]
+        assert rel_err(pruned.model.embed_tokens(ids), embedded) < 1e-6
         h = torch.randn(1, 8, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
         w = model.model.norm.weight[keep]
         x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
         reference = ((1 + w) * x) @ model.model.embed_tokens.weight[:, keep].T
         assert rel_err(pruned.lm_head(pruned.model.norm(h)), reference) < 1e-6  # float32 norm
+
+
+# ---- speculative drafts across families ---------------------------------------------------------
+
+
+def test_draft_of_another_family(family_dirs, tokenizer, tmp_path):
+    """A draft of another family with the target's tokenizer loads (each runs its own spec); one
+    with another vocabulary is refused from its config.json, before any weight is read."""
+    from compress.decoder.drafts import load_draft
+    from compress.decoder.model import load
+
+    target, _ = load(family_dirs["llama"])
+    draft = load_draft(family_dirs["gemma3_text"], target, tokenizer)
+    assert draft.spec.family == "gemma3_text" and draft.spec.vocab_size == VOCAB
+    family_config("gemma3_text", vocab_size=1024).save_pretrained(tmp_path)  # no weights at all
+    with pytest.raises(CompressError, match="1024 tokens and the target's 49152"):
+        load_draft(tmp_path, target, tokenizer)

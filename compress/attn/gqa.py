@@ -7,7 +7,11 @@ which used KV head h // (H / G), then uses group h // (H / K) -- the same heads)
     W'_k[j] = (1 / r) sum_{i < r} W_k[j r + i]        W_k[g]: the D rows of KV head g
     W'_v[j] = (1 / r) sum_{i < r} W_v[j r + i]        (biases alike)
 
-The result is a plain Llama-family model with ``num_key_value_heads = K``.
+The result is a model of the source's own family with ``num_key_value_heads = K``. Per-head
+k-norms (Qwen3, Gemma 3; head_dim wide, shared by the heads) are kept: the pooled key is
+``k_norm(W'_k x)``, the re-normalized mean of the group's pre-norm keys (see
+``compress.attn.checks`` for why that is as meaningful an initialisation as plain pooling).
+Each layer keeps its window and RoPE (Gemma's local/global pattern).
 """
 
 import torch

@@ -72,7 +72,8 @@ def activation_importance(
     """Width and block scores of ``model`` on ``tokens [n, seqlen]``, streamed in batches.
 
     Returns float32 tensors: ``heads [L, H]``, ``groups [L, KV]``, ``neurons [L, I]``,
-    ``norm_channels [L, N, D]`` (per norm, N = len(adapter.norms())), ``channels [D]`` (their sum), ``block [L]``.
+    ``norm_channels [L, N, D]`` (per norm, N = len(adapter.norms())), ``channels [D]`` (their
+    sum), ``block [L]``.
     """
     cfg, adapter = model.config, get_adapter(model.config)
     layers = adapter.decoder_layers(model)

@@ -20,8 +20,9 @@ hidden channels, tied embeddings stay tied. Per family, from the architecture sp
   config, so the kept embedding rows are multiplied by sqrt(D0 / D1) (the residual stream
   keeps its scale) and, the head being tied, the final norm's (1 + w) divided by it;
 - depth pruning keeps the kept layers' ``layer_types`` (Gemma 3's local/global pattern,
-  Qwen2's windowed layers), so each kept layer keeps its window and RoPE theta. The result is a homogeneous HF model of
-the same class, so ``AutoModelForCausalLM.from_pretrained`` loads the saved folder.
+  Qwen2's windowed layers), so each kept layer keeps its window and RoPE theta.
+
+The result is a homogeneous HF model of the same class, so ``AutoModelForCausalLM.from_pretrained`` loads the saved folder.
 transformers' ``LlamaConfig`` (5.x) refuses a hidden_size that is not a multiple of
 num_attention_heads, even with an explicit head_dim, so for llama that is a rule here
 too (``Layout.hidden_per_head``); mistral and qwen2 do not have it.

@@ -91,31 +91,41 @@ def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, bat
     return torch.cat(seen["x"]), kwargs
 
 
+class _Recorder(nn.Module):
+    """Stands in for decoder layer ``i``: records the keyword arguments the model passes it and
+    hands its input on (the last one stops the forward before the head)."""
+
+    def __init__(self, seen: list, i: int, last: bool):
+        super().__init__()
+        self.seen, self.i, self.last = seen, i, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.seen[self.i] = {**kwargs, "use_cache": False}
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
 @torch.no_grad()
 def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor) -> list[dict]:
     """The keyword arguments each decoder layer receives (its attention mask and RoPE table),
-    from one forward of the first calibration sample.
+    from one forward of the first calibration sample with every layer replaced by a recorder
+    (no layer's weights are read).
 
     Layers differ where the spec's layers do: a sliding-window layer gets a banded mask, and
     Gemma 3's local and global layers get different RoPE tables; a single-sample mask and table
     broadcast over any batch of samples."""
     layers = adapter.decoder_layers(model)
-    seen = [None] * len(layers)
-
-    def hook(i):
-        def record(_module, args, kwargs):
-            if seen[i] is None:
-                seen[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                seen[i]["use_cache"] = False
-
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    originals, seen = list(layers), [None] * len(layers)
+    for i in range(len(layers)):
+        layers[i] = _Recorder(seen, i, last=i == len(layers) - 1)
     try:
         model(tokens[:1], use_cache=False)
+    except _Stop:
+        pass
     finally:
-        for h in handles:
-            h.remove()
+        for i, layer in enumerate(originals):
+            layers[i] = layer
     return seen
 
 

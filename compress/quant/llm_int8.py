@@ -14,6 +14,11 @@ threshold: the fewest dims in the fp path at the quality asked for::
     a* = max { a in candidates : ppl(a) <= (1 + tolerance) * ppl(source) }
 
 When none is, the candidate with the lowest perplexity is kept, and the report says so.
+
+Families: the decoder linears of every family (``adapter.linears``) become ``Int8Linear``; norms
+(Gemma's four (1 + w) norms, the per-head q/k norms of Qwen3 and Gemma 3), biases (Qwen2's q/k/v),
+the embedding and the tied head stay in float, as bitsandbytes' ``load_in_8bit`` leaves them, so
+transformers with bitsandbytes loads the folder of any family.
 """
 
 import copy

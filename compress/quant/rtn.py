@@ -1,4 +1,10 @@
-"""Round-to-nearest (RTN): quantize every decoder linear group-wise, no calibration."""
+"""Round-to-nearest (RTN): quantize every decoder linear group-wise, no calibration.
+
+Every family alike (``adapter.linears``: q/k/v/o and gate/up/down of each layer): norms, per-head
+q/k norms (Qwen3, Gemma 3), biases, the embedding and the head keep their float weights, so
+Gemma's (1 + w) norms, embedding scale and tied 262k-row head are untouched (``quant.lm_head``
+quantizes the head at load instead). Group size ``auto`` is the largest of 128, 64, 32 dividing
+every in_features (Gemma 3 270M: 640, 1024 and 2048 take 128)."""
 
 from torch import nn
 

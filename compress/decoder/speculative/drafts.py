@@ -10,6 +10,11 @@ not yet in the target's cache) and returns them with their probabilities p (None
                     layers write their K/V into the target's cache at the drafted slots, the
                     skipped layers write nothing, and the target's verification pass rewrites
                     all of them, so the draft reads the target's exact K/V for every accepted token.
+
+Families: a draft may be of another family than the target (each runs its own architecture
+spec); only the token ids must mean the same, so a draft whose vocabulary size or tokenizer is
+not the target's is refused (``load_draft``) from its config.json and tokenizer, before its
+weights load, naming both sizes.
 """
 
 from pathlib import Path
