@@ -35,39 +35,12 @@ from tqdm import tqdm
 from compress.adapters import Adapter, get_adapter, set_module
 from compress.errors import CompressError
 from compress.formats import QuantLinear
+from compress.offload import calibration_bytes, capture_inputs, check_fits, layer_on
 from compress.quant.quantizer import fake_quantize, quantize
 from compress.quant.rtn import quantization_config, resolve_group_size
 
 log = logging.getLogger(__name__)
-
-
-class _Stop(Exception):
-    pass
-
-
-@torch.no_grad()
-def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, batch: int):
-    """Hidden states entering decoder layer 0 for every sample, plus that layer's kwargs."""
-    first = adapter.decoder_layers(model)[0]
-    seen = {"x": [], "kwargs": None}
-
-    def hook(_module, args, kwargs):
-        seen["x"].append(args[0] if args else kwargs.pop("hidden_states"))
-        seen["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for chunk in tokens.split(batch):
-            try:
-                model(chunk, use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    kwargs = seen["kwargs"]
-    kwargs["use_cache"] = False
-    return torch.cat(seen["x"]), kwargs
+__all__ = ["awq", "capture_inputs", "search_scale", "search_clip", "apply_scale", "scale_groups"]
 
 
 def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
@@ -219,48 +192,16 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     check_grouped(cfg.group_size)
     g = resolve_group_size(model, cfg.group_size)
     bits, batch = int(cfg.bits), int(cfg.batch)
+    device = getattr(ctx, "device", None)  # one decoder layer at a time there (offload.layer_on)
     tokens = ctx.calibration()
-    x, kwargs = capture_inputs(model, adapter, tokens, batch)
+    check_fits(model, device or "cpu", calibration_bytes(model.config, tokens.numel()), "awq")
+    x, kwargs = capture_inputs(model, adapter, tokens, batch, device)
     n_search = min(int(cfg.search_samples or len(x)), len(x))
-    alphas, skip_clip = {}, {"q", "k"}
-    layers = adapter.decoder_layers(model)
-    for i, layer in enumerate(tqdm(layers, desc=f"awq int{bits} g{g}", unit="layer")):
-        feats, _ = layer_inputs(layer, adapter, x, kwargs, batch)
-        alphas[i] = {}
-        for group in scale_groups(layer, adapter):
-            inp = feats[group["inp"]]
-            s, alpha, _ = search_scale(
-                layer,
-                adapter,
-                group,
-                inp,
-                inp[:n_search],
-                kwargs,
-                bits,
-                g,
-                cfg.duo_scaling,
-                cfg.n_grid,
-                batch,
-            )
-            apply_scale(group["prev"], group["linears"], s)
-            inp.div_(s)  # the linears now see x / s
-            alphas[i][group["name"]] = alpha
-        packed = {}
-        for role, path in adapter.linears:
-            lin = layer.get_submodule(path)
-            clip = None
-            if cfg.clip and role not in skip_clip:
-                clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
-            qw = quantize(lin.weight.data, bits, g, clip_max=clip)
-            packed[path] = QuantLinear.from_quantized(qw, lin.bias)
-            lin.weight.data = qw.dequantize().to(
-                lin.weight.dtype
-            )  # W_hat, for the next layer's inputs
-        del feats
-        with torch.no_grad():  # the quantized layer's output feeds the next layer
-            x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
-        for path, module in packed.items():
-            set_module(layer, path, module)
+    alphas = {}
+    n_layers = len(adapter.decoder_layers(model))
+    for i in tqdm(range(n_layers), desc=f"awq int{bits} g{g}", unit="layer"):
+        with layer_on(model, i, device, write=True) as layer:
+            x = _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas, i)
     ctx.quantization_config = quantization_config(bits, g)
     ctx.record.update(
         bits=bits,
@@ -270,6 +211,50 @@ def awq(model: nn.Module, ctx) -> nn.Module:
         calib_seqlen=int(tokens.shape[1]),
     )
     return model
+
+
+@torch.no_grad()
+def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas, i):
+    """Scale search, clip search and packing of one decoder layer (on x's device); returns the
+    quantized layer's output, the next layer's input."""
+    skip_clip = {"q", "k"}
+    feats, _ = layer_inputs(layer, adapter, x, kwargs, batch)
+    alphas[i] = {}
+    for group in scale_groups(layer, adapter):
+        inp = feats[group["inp"]]
+        s, alpha, _ = search_scale(
+            layer,
+            adapter,
+            group,
+            inp,
+            inp[:n_search],
+            kwargs,
+            bits,
+            g,
+            cfg.duo_scaling,
+            cfg.n_grid,
+            batch,
+        )
+        apply_scale(group["prev"], group["linears"], s)
+        inp.div_(s)  # the linears now see x / s
+        alphas[i][group["name"]] = alpha
+    packed = {}
+    for role, path in adapter.linears:
+        lin = layer.get_submodule(path)
+        clip = None
+        if cfg.clip and role not in skip_clip:
+            clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
+        qw = quantize(lin.weight.data, bits, g, clip_max=clip)
+        packed[path] = QuantLinear.from_quantized(qw, lin.bias)
+        lin.weight.data = qw.dequantize().to(
+            lin.weight.dtype
+        )  # W_hat, for the next layer's inputs
+    del feats
+    with torch.no_grad():  # the quantized layer's output feeds the next layer
+        x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
+    for path, module in packed.items():
+        set_module(layer, path, module)
+    return x
 
 
 def _input_role(role: str) -> str:
