@@ -66,7 +66,7 @@ def _windows_at_once(seqlen: int, hidden: int, budget: int = 2**28) -> int:
     return max(1, budget // (seqlen * hidden * 4))
 
 
-def _chunk_tokens(vocab: int, budget: int = 2**26) -> int:
+def _chunk_tokens(vocab: int, budget: int = 2**25) -> int:
     """Tokens of ``[tokens, vocab]`` float32 log-probs within ``budget`` bytes."""
     return max(16, budget // (vocab * 4))
 
