@@ -304,10 +304,14 @@ def check_fits(model: nn.Module, device, activation_bytes: int, what: str) -> No
     need = layer_bytes(model) + activation_bytes
     free, _total = torch.cuda.mem_get_info(device)
     if need > free:
-        gib = 2**30
         raise CompressError(
-            f"{what} on {device}: one decoder layer needs {layer_bytes(model) / gib:.2f} GiB in "
-            f"float32 plus about {activation_bytes / gib:.2f} GiB of calibration activations, "
-            f"but the device has {free / gib:.2f} GiB free. Lower calib.samples (or "
-            f"calib.seqlen), free the GPU, or set device=cpu."
+            f"{what} on {device}: one decoder layer needs {size(layer_bytes(model))} in float32 "
+            f"plus about {size(activation_bytes)} of calibration activations, but the device "
+            f"has {size(free)} free. Lower calib.samples (or calib.seqlen), free the GPU, or "
+            f"set device=cpu."
         )
+
+
+def size(n: int) -> str:
+    """Bytes for a person: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
