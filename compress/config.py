@@ -266,6 +266,30 @@ def run_eval_device(cfg) -> "torch.device":
     return eval_device(name, "eval.device") if name not in (None, "") else recipe_device(cfg)
 
 
+DISTRIBUTED_STAGES = ("distill",)  # split across the processes of `accelerate launch`
+REPEATED_STAGES = ("prune", "gqa", "cla", "mla")  # deterministic: every process computes the same
+
+
+def check_distributed(cfg) -> int:
+    """The number of processes (``WORLD_SIZE``, set by ``accelerate launch``/torchrun); refuse,
+    before any work, a recipe with a stage that runs in one process only."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return world
+    alone = [s for s in cfg.stages if s not in DISTRIBUTED_STAGES + REPEATED_STAGES]
+    if alone or "distill" not in cfg.stages:
+        what = f"its stage(s) {alone} run" if alone else "it has no distill stage, so it runs"
+        raise CompressError(
+            f"`accelerate launch` started {world} processes, but recipe {cfg.name}: {what} in "
+            f"one process (only distill splits across processes; {', '.join(REPEATED_STAGES)} "
+            f"are repeated by each). Run it with `python -m compress recipe={cfg.name} ...` "
+            f"(one process; device=cuda puts calibration on the GPU)."
+        )
+    return world
+
+
 LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder layer at a time
 
 
@@ -303,6 +327,7 @@ def validate(cfg: DictConfig) -> None:
 
     for name in cfg.stages:
         get_stage(name)
+    check_distributed(cfg)
     for key in ("eval.seqlen", "calib.samples", "calib.seqlen"):
         _positive_int(cfg, key)
     _positive_int(cfg, "eval.windows", null_ok=True)

@@ -191,6 +191,9 @@ def layer_on(model: nn.Module, i: int, device, write: bool = False):
             del state
     finally:
         layer.to("meta")
+        for m in layer.modules():  # forms the kernels derived from the tensors (QuantLinear.cache)
+            if isinstance(getattr(m, "cache", None), dict):
+                m.cache.clear()
 
 
 def _to(obj, device):

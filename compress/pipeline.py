@@ -8,6 +8,7 @@ place. An interrupted run leaves no run folder that looks complete.
 """
 
 import logging
+import os
 import resource
 import shutil
 import tempfile
@@ -19,7 +20,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from compress.checkpoint import load_run, open_lazy, save_checkpoint
-from compress.config import check_offload, layerwise, recipe_device, run_eval_device, validate
+from compress.config import (
+    check_distributed,
+    check_offload,
+    layerwise,
+    recipe_device,
+    run_eval_device,
+    validate,
+)
 from compress.data import calib_samples, eval_windows, read_text
 from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
@@ -163,15 +171,18 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
     model, tok, source, spill = load_source(cfg, run_dir)
+    held = {"model": model}  # the stages' model is dropped once saved (before the evaluation)
+    del model
     try:
-        return _stages_and_export(cfg, run_dir, stage_fns, model, tok, source, spill, start)
+        return _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
     finally:
         if spill is not None:
             shutil.rmtree(spill, ignore_errors=True)
 
 
-def _stages_and_export(cfg, run_dir, stage_fns, model, tok, source, spill, start) -> dict:
+def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start) -> dict:
     m = cfg.model
+    model = held.pop("model")
     lazy = is_lazy(model)
     ctx = Context(cfg=cfg, tokenizer=tok, run_dir=run_dir, device=recipe_device(cfg))
     if ctx.device.type == "cuda":
@@ -182,6 +193,10 @@ def _stages_and_export(cfg, run_dir, stage_fns, model, tok, source, spill, start
         log.info("stage %s", name)
         model = fn(model, ctx)
         timings[name] = round(time.time() - t, 2)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if check_distributed(cfg) > 1 and rank != 0:  # process 0 exports and evaluates
+        log.info("process %d: stages done; process 0 writes the run folder", rank)
+        return {"recipe": cfg.name, "rank": rank, "stages": timings}
 
     tmp = atomic_dir(run_dir)
     head = (cfg.get("quant") or {}).get("lm_head", "none")

@@ -173,3 +173,14 @@ def test_device_errors(tiny_dir, monkeypatch):
     expected = rf"one decoder layer needs {size / 2**20:.1f} MiB in float32.*device=cpu"
     with pytest.raises(CompressError, match=expected):
         offload.check_fits(model, "cuda", 0, "awq")
+
+
+def test_accelerate_launch_refuses_single_process_stages(tiny_dir, monkeypatch):
+    """Under `accelerate launch` (WORLD_SIZE > 1) a recipe whose stages run in one process is
+    refused before any work; a distillation recipe passes the check."""
+    from compress.config import check_distributed, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CompressError, match="started 2 processes.*\\['awq'\\].*python -m compress"):
+        validate(compose("awq_int4", [f"model.path={tiny_dir}"]))
+    assert check_distributed(compose("minitron_width", [f"model.path={tiny_dir}"])) == 2
