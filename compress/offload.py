@@ -57,7 +57,7 @@ def is_lazy(model) -> bool:
 
 
 def empty_model(config, dtype=torch.float32) -> nn.Module:
-    """An HF model of ``config`` whose parameters are meta tensors (its buffers, e.g. RoPE
+    """An HF model of ``config`` whose parameters are meta tensors (its buffers, e.g. position
     frequencies, real)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM

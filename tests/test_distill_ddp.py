@@ -124,7 +124,8 @@ def test_pipeline_distill_two_processes_match_one(tiny_dir, tmp_path):
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     two = subprocess.Popen(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "compress", *common,
          "distill.batch_size=1", f"hydra.run.dir={tmp_path / 'two'}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -203,6 +203,8 @@ def run_distill(
     docstring."""
     if teacher is not None:
         check_vocab(student, teacher)
+    if any(p.dtype != torch.float32 for p in student.parameters() if p.is_floating_point()):
+        student.float()  # float32 master weights (a 16-bit source loads 16-bit: model.dtype=auto)
     acc = make_accelerator(tc)
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)

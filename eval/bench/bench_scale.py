@@ -152,6 +152,7 @@ def main(argv=None) -> None:
     p.add_argument("--distill-tokens", type=int, default=65536)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense bf16 peak for MFU (H100/H200 SXM: 989)")
+    p.add_argument("--set", nargs="*", default=[], help="extra recipe overrides, e.g. awq.n_grid=2")
     p.add_argument("--work", type=Path, default=None, help="folder for models and runs (kept)")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, seconds")
     p.add_argument("--gpu", action="store_true", help="the device table (about 8 min, H200)")
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
             continue
         recipe = {"rtn": "rtn_int4", "awq": "awq_int4"}[method]
         overrides = [f"device={args.device}", f"eval.windows={args.windows}",
-                     f"calib.samples={args.calib_samples}"]
+                     f"calib.samples={args.calib_samples}", *args.set]
         rep = run_recipe(recipe, folder, out, overrides)
         stage = rep["stages"].get(method, float("nan"))
         rows.append(dict(
@@ -200,7 +201,8 @@ def main(argv=None) -> None:
             peak_device_gb=rep.get("peak_device_bytes", 0) / 1e9, offload=rep.get("offload"),
             ppl=rep.get("ppl"),
         ))
-    print(f"device={args.device} calib.samples={args.calib_samples} eval.windows={args.windows}")
+    print(f"device={args.device} calib.samples={args.calib_samples} eval.windows={args.windows} "
+          f"{' '.join(args.set)}")
     print("| row | params | fp32 GB | stage s | wall s | peak RSS GB | RSS / fp32 | peak device GB | offload | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
