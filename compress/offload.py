@@ -12,9 +12,10 @@ Two kinds of model go through the same loop, ``with layer_on(model, i, device) a
   layer is emptied again. The peak holds one layer, not the model.
 
 Outside the decoder layers a disk-backed model holds its tensors in memory: the embedding and
-the output head in the stored dtype (a bfloat16 source keeps them 16-bit; the head is applied
-``vocab_chunk`` rows at a time, widened to float32, by :func:`head_log_probs`), the small ones
-(norms) in float32.
+the output head in the stored dtype, memory-mapped (a bfloat16 source keeps them 16-bit; the
+head is applied ``vocab_chunk`` rows at a time, widened to float32, by :func:`head_log_probs`;
+both are checked for NaN/inf where used, so a lookup reads only the rows it needs), the small
+ones (norms) in float32. Every tensor of a layer is checked when the layer is read.
 
 :func:`final_hidden` runs token windows through every layer in turn (``capture_inputs``, then
 the layers, then the final norm); :func:`head_log_probs` turns hidden states into log-probs a
@@ -106,8 +107,9 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
     tensors = read(files, [n for n in wanted if n in files])
     for n, t in tensors.items():
         module, pname, stored = wanted[n]
-        if t.is_floating_point() and not stored:
+        if t.is_floating_point() and not stored:  # the embedding and head: checked when used
             t = t.float()
+            _check_finite(t, n)
         _set(module, pname, t)
     if tied:
         model.get_submodule(adapter.lm_head).weight = model.get_submodule(adapter.embed).weight
@@ -167,11 +169,7 @@ def layer_on(model: nn.Module, i: int, device, write: bool = False):
     with torch.no_grad():
         for k, ref in layer.state_dict().items():
             t = tensors.pop(prefix + k)
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise CompressError(
-                    f"tensor '{prefix + k}' contains NaN or inf values. The checkpoint is "
-                    f"damaged or was saved from a diverged run; re-export or re-download it."
-                )
+            _check_finite(t, prefix + k)
             ref.copy_(t)
     del tensors
     try:
@@ -194,6 +192,14 @@ def layer_on(model: nn.Module, i: int, device, write: bool = False):
         for m in layer.modules():  # forms the kernels derived from the tensors (QuantLinear.cache)
             if isinstance(getattr(m, "cache", None), dict):
                 m.cache.clear()
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise CompressError(
+            f"tensor '{name}' contains NaN or inf values. The checkpoint is damaged or was "
+            f"saved from a diverged run; re-export or re-download it."
+        )
 
 
 def _to(obj, device):
@@ -234,6 +240,7 @@ def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, bat
                 else:
                     embed = model.get_submodule(adapter.embed)
                     x = embed(chunk.to(embed.weight.device)).to(d.dtype)
+                    _check_finite(x, f"{adapter.embed}.weight (rows of the tokens used)")
                     model(inputs_embeds=x, use_cache=False)
             except _Stop:
                 pass
@@ -271,10 +278,11 @@ def head_log_probs(model: nn.Module, h: torch.Tensor, vocab_chunk: int = 16384) 
     head = model.get_submodule(get_adapter(model.config).lm_head)
     if isinstance(head, nn.Linear):
         w, b = head.weight, head.bias
-        parts = [
-            h @ w[v : v + vocab_chunk].to(h.device, torch.float32).t()
-            for v in range(0, w.shape[0], vocab_chunk)
-        ]
+        parts = []
+        for v in range(0, w.shape[0], vocab_chunk):
+            wc = w[v : v + vocab_chunk].to(h.device, torch.float32)
+            _check_finite(wc, f"{get_adapter(model.config).lm_head}.weight")
+            parts.append(h @ wc.t())
         logits = torch.cat(parts, dim=1)
         if b is not None:
             logits += b.to(h.device, torch.float32)
