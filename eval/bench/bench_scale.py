@@ -5,7 +5,9 @@ as a bfloat16 safetensors folder (one tensor at a time: the whole model is never
 with SmolLM2's tokenizer, so nothing downloads. Shapes (``SHAPES``): SmolLM2-135M,
 Qwen2.5-0.5B (untied head), a 1.5B Qwen2 (Qwen2-1.5B's config) and Llama-2-7B. AWQ's time is
 linear in the layers, so ``--layers N`` builds N decoder layers of a shape and the table scales
-the stage time by ``layers / N`` (the rows say so); memory is that of the N-layer model.
+the stage time by ``layers / N`` (the rows say so); memory is that of the N-layer model
+(``RSS / fp32``: over the N-layer model's float32 size; ``RSS / full fp32``: over the full
+shape's, the figure that carries over, since a disk-backed run holds one layer at a time).
 
 Each measurement is a fresh ``python -m compress`` process (its ``report.json`` gives the stage
 seconds, ``peak_rss_bytes`` and, on a GPU, ``peak_device_bytes``); peak RSS is also reported
@@ -198,20 +200,23 @@ def main(argv=None) -> None:
             scaled=f"x{scale:g} ({layers} of {full.num_hidden_layers} layers)" if layers else "",
             wall_s=rep["wall_s"], peak_rss_gb=rep["peak_rss_bytes"] / 1e9,
             rss_over_fp32=rep["peak_rss_bytes"] / (4 * n_params(hf_config(shape, layers))),
+            rss_over_full=rep["peak_rss_bytes"] / fp32,
             peak_device_gb=rep.get("peak_device_bytes", 0) / 1e9, offload=rep.get("offload"),
             ppl=rep.get("ppl"),
         ))
     print(f"device={args.device} calib.samples={args.calib_samples} eval.windows={args.windows} "
           f"{' '.join(args.set)}")
-    print("| row | params | fp32 GB | stage s | wall s | peak RSS GB | RSS / fp32 | peak device GB | offload | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | params | fp32 GB | stage s | wall s | peak RSS GB | RSS / fp32 | RSS / full fp32 "
+          "| peak device GB | offload | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tok_s" in r:
             mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU: give --peak-tflops"
-            print(f"| {r['row']} | | | | | | | | | {r['tok_s']} tok/s, {mfu} |")
+            print(f"| {r['row']} | | | | | | | | | | {r['tok_s']} tok/s, {mfu} |")
             continue
         print(f"| {r['row']} | {r['params'] / 1e6:.0f}M | {r['fp32_gb']:.2f} | {r['stage_s']:.1f} | "
               f"{r['wall_s']:.0f} | {r['peak_rss_gb']:.2f} | {r['rss_over_fp32']:.2f} | "
+              f"{r['rss_over_full']:.2f} | "
               f"{r['peak_device_gb']:.2f} | {r['offload']} | {r['scaled']} |")
     if not math.isfinite(sum(r.get("stage_s", 0) for r in rows)):
         print("(a stage time is missing)")
