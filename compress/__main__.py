@@ -116,6 +116,8 @@ def main() -> None:
         except CompressError as e:
             log.error("%s", e)
             sys.exit(2)
+        if "ppl" not in report:  # a process other than 0 of `accelerate launch`
+            return
         print(
             f"ppl {report['ppl']:.3f}  kl {report.get('kl_vs_source', float('nan')):.4f}  "
             f"weight_bytes {report['weight_bytes']:,}  decode {report.get('decode_tok_s', float('nan')):.1f} tok/s  "

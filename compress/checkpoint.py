@@ -3,7 +3,10 @@
 A run folder holds an HF-format checkpoint::
 
     config.json        the model config + "quantization_config" (absent for fp)
-    model.safetensors  every tensor of model.state_dict(); a tied lm_head is omitted
+    model.safetensors  every tensor of model.state_dict(); a tied lm_head is omitted. Above
+                       ``shards.MAX_SHARD_BYTES``, ``model-0000i-of-0000N.safetensors`` shards
+                       and ``model.safetensors.index.json``, as ``save_pretrained`` writes them
+                       (``compress.shards``: written one tensor at a time)
     tokenizer files    as tokenizer.save_pretrained writes them
 
 ``quantization_config["quant_method"]`` says which layer replaces the decoder's
@@ -30,8 +33,11 @@ from compress.adapters import get_adapter, set_module
 from compress.arch import spec_of
 from compress.errors import CompressError
 from compress.formats import quantized_layer
-
-WEIGHTS = "model.safetensors"
+from compress.offload import disk, empty_model, make_lazy
+from compress.shards import WEIGHTS  # noqa: F401  (the single-file name, re-exported)
+from compress.shards import MAX_SHARD_BYTES, Entry, read, tensor_files, weight_files
+from compress.shards import header as read_header
+from compress.shards import write_sharded
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +71,12 @@ def _unquantized(model: nn.Module, sd: dict) -> list[str]:
     return [k for k, v in sd.items() if v.is_floating_point() and not k.startswith(prefixes)]
 
 
+def _value(model: nn.Module, sd: dict, name: str) -> torch.Tensor:
+    """``sd[name]``, read from disk when a disk-backed model holds it there."""
+    t = sd[name]
+    return read(disk(model).files, [name])[name] if t.device.type == "meta" else t
+
+
 def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
     """The dtype of a quantized checkpoint's unquantized tensors: the source's when it is 16-bit,
     else float16 (AutoAWQ's), or bfloat16 when some tensor does not fit float16's range."""
@@ -73,7 +85,7 @@ def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
     sd = model.state_dict()
     limit = torch.finfo(torch.float16).max
     for name in _unquantized(model, sd):
-        if sd[name].numel() and sd[name].abs().max() > limit:
+        if sd[name].numel() and _value(model, sd, name).abs().max() > limit:
             log.warning(
                 "tensor '%s' exceeds float16's range: unquantized tensors saved in bfloat16", name
             )
@@ -92,20 +104,36 @@ def state_dict_for_save(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]
     }
 
 
+def save_entries(model: nn.Module, dtype=None) -> list[Entry]:
+    """The tensors a checkpoint holds, as ``state_dict_for_save`` makes them, to be read one at
+    a time (a disk-backed model's layers from their files)."""
+    sd = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    cast = set(_unquantized(model, sd)) if dtype is not None else set()
+    out = []
+    for k, v in sd.items():
+        target = dtype if k in cast else v.dtype
+        out.append(
+            Entry(k, tuple(v.shape), target, lambda k=k, t=target: _value(model, sd, k).detach().to(t))
+        )
+    return out
+
+
 def save_checkpoint(
     model: nn.Module,
     tokenizer,
     folder: Path,
     quantization_config: dict | None,
     dtype: torch.dtype | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Write config.json, model.safetensors and the tokenizer into ``folder``.
+    """Write config.json, the safetensors file(s) and the tokenizer into ``folder``.
 
     ``dtype``: the unquantized tensors' dtype on disk (``unquantized_dtype``); None keeps the
-    model's.
+    model's. Weights beyond ``max_shard_bytes`` go into shards with an index
+    (``compress.shards.write_sharded``), written one tensor at a time.
     """
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config.to_diff_dict()
     config.pop("quantization_config", None)
@@ -114,7 +142,7 @@ def save_checkpoint(
     if dtype is not None:  # "torch_dtype" for readers older than transformers 5
         config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(state_dict_for_save(model, dtype), str(folder / WEIGHTS), metadata={"format": "pt"})
+    write_sharded(folder, save_entries(model, dtype), max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
@@ -138,9 +166,11 @@ def swap_quantized(model: nn.Module, config, qcfg: dict | None) -> None:
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors file(s) (shards through their index)."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    with guard_safetensors(folder):
+        files = weight_files(folder)
     if not files:
         raise CompressError(
             f"run folder '{folder}' has no *.safetensors file; the run did not finish "
@@ -223,6 +253,8 @@ def read_tokenizer(folder: Path):
 def check_finite(model: nn.Module, where: str) -> None:
     """Refuse NaN or inf in any parameter or buffer, naming the tensor."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta":  # a disk-backed layer: checked when read (offload.layer_on)
+            continue
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CompressError(
                 f"tensor '{name}' of {where} contains NaN or inf values. The checkpoint is "
@@ -239,3 +271,53 @@ def load_run(folder) -> tuple[nn.Module, object]:
     model.eval()
     check_finite(model, f"run folder '{folder}'")
     return model, read_tokenizer(folder)
+
+
+def open_lazy(folder: Path, qcfg: dict | None = None, config=None, spill: Path | None = None):
+    """A disk-backed model of an HF or run folder (``compress.offload``): the decoder layers are
+    read from its safetensors one at a time, widened to float32 as ``load_run`` widens them."""
+    folder = Path(folder)
+    if config is None:
+        config, qcfg = read_config(folder)
+    with guard_safetensors(folder):
+        files = tensor_files(folder)
+        if not files:
+            raise CompressError(
+                f"'{folder}' has no *.safetensors file; the run did not finish or the folder "
+                f"is not a checkpoint."
+            )
+        model = empty_model(config)
+        if qcfg:
+            with torch.device("meta"):
+                swap_quantized(model, config, qcfg)
+        _check_shapes(model, files, str(folder))
+        return make_lazy(model, files, str(folder), spill)
+
+
+def _check_shapes(model: nn.Module, files: dict, where: str) -> None:
+    """Names and shapes of a folder's tensors (headers only) against the model built from its
+    config, as ``load_state`` checks them."""
+    headers = {}
+    for f in set(files.values()):
+        headers.update(read_header(f))
+    expected = model.state_dict()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, ref in expected.items():
+        if name not in headers:
+            if tied and name == "lm_head.weight":
+                continue
+            raise CompressError(
+                f"'{where}' lacks tensor '{name}' (expected shape {tuple(ref.shape)}); "
+                f"the checkpoint does not match its config.json."
+            )
+        if headers[name][0] != tuple(ref.shape):
+            raise CompressError(
+                f"tensor '{name}' in '{where}' has shape {headers[name][0]}, but the config "
+                f"expects {tuple(ref.shape)}; the checkpoint does not match its config.json."
+            )
+    extra = sorted(set(headers) - set(expected))
+    if extra:
+        raise CompressError(
+            f"'{where}' has tensors the config does not use, e.g. '{extra[0]}'; "
+            f"the checkpoint does not match its config.json."
+        )

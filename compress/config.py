@@ -239,15 +239,84 @@ def check_group_size(group_size, in_features: dict[str, int], key: str) -> None:
         check_layer(name, k, group_size)
 
 
-def eval_device(name: str) -> "torch.device":
-    """``eval.device``: ``auto`` is the GPU when there is one, else the CPU."""
+def eval_device(name: str, key: str = "eval.device") -> "torch.device":
+    """A device setting: ``auto`` is the GPU when there is one, else the CPU."""
     import torch
 
-    if name == "auto":
+    if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
-        raise CompressError(f"eval.device={name}: use auto, cpu, or cuda on a machine with a GPU.")
+    if name not in ("cpu", "cuda"):
+        raise CompressError(f"{key}={name}: use auto, cpu, or cuda.")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError(
+            f"{key}=cuda, but this machine has no usable GPU (torch.cuda.is_available() is "
+            f"false: no device, no driver, or a CPU-only torch). Use {key}=auto or {key}=cpu."
+        )
     return torch.device(name)
+
+
+def recipe_device(cfg) -> "torch.device":
+    """``device``: where every calibration runs, one decoder layer at a time (auto, cpu, cuda)."""
+    return eval_device(cfg.get("device", "auto"), "device")
+
+
+def run_eval_device(cfg) -> "torch.device":
+    """``eval.device`` when set (an override), else the recipe's ``device``."""
+    name = cfg.eval.get("device")
+    return eval_device(name, "eval.device") if name not in (None, "") else recipe_device(cfg)
+
+
+DISTRIBUTED_STAGES = ("distill",)  # split across the processes of `accelerate launch`
+REPEATED_STAGES = ("prune", "gqa", "cla", "mla")  # deterministic: every process computes the same
+
+
+def check_distributed(cfg) -> int:
+    """The number of processes (``WORLD_SIZE``, set by ``accelerate launch``/torchrun); refuse,
+    before any work, a recipe with a stage that runs in one process only."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return world
+    alone = [s for s in cfg.stages if s not in DISTRIBUTED_STAGES + REPEATED_STAGES]
+    if alone or "distill" not in cfg.stages:
+        what = f"its stage(s) {alone} run" if alone else "it has no distill stage, so it runs"
+        raise CompressError(
+            f"`accelerate launch` started {world} processes, but recipe {cfg.name}: {what} in "
+            f"one process (only distill splits across processes; {', '.join(REPEATED_STAGES)} "
+            f"are repeated by each). Run it with `python -m compress recipe={cfg.name} ...` "
+            f"(one process; device=cuda puts calibration on the GPU)."
+        )
+    return world
+
+
+LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder layer at a time
+
+
+def layerwise(cfg) -> bool:
+    """Whether every stage of the recipe works one decoder layer at a time (llm_int8 with a
+    numeric threshold: ``auto`` compares whole-model perplexities)."""
+    int8 = cfg.get("llm_int8") or {}
+    if "llm_int8" in cfg.stages and int8.get("threshold", 6.0) == "auto":
+        return False
+    return all(s in LAYERWISE_STAGES for s in cfg.stages)
+
+
+def check_offload(cfg) -> str:
+    """``offload``: auto, disk or host."""
+    value = cfg.get("offload", "auto")
+    if value not in ("auto", "disk", "host"):
+        raise CompressError(
+            f"offload={value}: use auto (the source's decoder layers stay on disk when every "
+            f"stage works layer by layer), disk (require that), or host (load the whole model)."
+        )
+    if value == "disk" and not layerwise(cfg):
+        raise CompressError(
+            f"offload=disk, but the stages {list(cfg.stages)} need the whole model in memory "
+            f"(only {', '.join(LAYERWISE_STAGES)} work one layer at a time; llm_int8 with a "
+            f"numeric threshold). Use offload=auto or offload=host."
+        )
+    return value
 
 
 def validate(cfg: DictConfig) -> None:
@@ -258,11 +327,16 @@ def validate(cfg: DictConfig) -> None:
 
     for name in cfg.stages:
         get_stage(name)
+    check_distributed(cfg)
     for key in ("eval.seqlen", "calib.samples", "calib.seqlen"):
         _positive_int(cfg, key)
     _positive_int(cfg, "eval.windows", null_ok=True)
-    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
-        raise CompressError(f"model.dtype={cfg.model.dtype}: use float32, bfloat16 or float16.")
+    if cfg.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise CompressError(
+            f"model.dtype={cfg.model.dtype}: use auto (the stored dtype), float32, bfloat16 or "
+            f"float16."
+        )
+    check_offload(cfg)
 
     config = check_path(str(cfg.model.path))
     in_features = {}
@@ -285,7 +359,8 @@ def validate(cfg: DictConfig) -> None:
     if "distill" in cfg.stages and cfg.distill.get("data"):
         check_source(cfg.distill.data, role="distill")
 
-    eval_device(cfg.eval.get("device", "auto"))
+    recipe_device(cfg)
+    run_eval_device(cfg)
     from compress.quant.head import check_head
 
     head = (cfg.get("quant") or {}).get("lm_head", "none")

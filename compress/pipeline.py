@@ -8,8 +8,10 @@ place. An interrupted run leaves no run folder that looks complete.
 """
 
 import logging
+import os
 import resource
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +19,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from compress.checkpoint import load_run, save_checkpoint
-from compress.config import eval_device, validate
+from compress.checkpoint import load_run, open_lazy, save_checkpoint
+from compress.config import (
+    check_distributed,
+    check_offload,
+    layerwise,
+    recipe_device,
+    run_eval_device,
+    validate,
+)
 from compress.data import calib_samples, eval_windows, read_text
 from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
@@ -28,8 +37,9 @@ from compress.inputs import check_inputs
 from compress.manifest import verify_folder, write_manifest
 from compress.model_card import write_model_card
 from compress.quant.head import quantize_head
+from compress.offload import is_lazy, resident_to
 from compress.run_folder import atomic_dir, check_writable, commit_dir
-from compress.source import cache_dir, load_model
+from compress.source import cache_dir, load_lazy, load_model
 from compress.stages import get_stage
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,7 @@ class Context:
     # model alongside): folder -> (model, tokenizer) for eval, (folder, dtype) -> decoder model
     eval_loader: object = None
     decode_loader: object = None
+    device: torch.device = torch.device("cpu")  # where calibration runs (``device``), a layer at a time
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
@@ -68,12 +79,12 @@ def _weight_bytes(model, dtype=None) -> tuple[int, int]:
     """Bytes of every saved tensor (as ``save_checkpoint(..., dtype)`` writes them), and of the
     decoder linears alone."""
     from compress.adapters import get_adapter
-    from compress.checkpoint import state_dict_for_save
+    from compress.checkpoint import save_entries
 
-    tensors = state_dict_for_save(model, dtype)
+    entries = save_entries(model, dtype)
     prefixes = tuple(f"{name}." for name in get_adapter(model.config).all_linears(model))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    linear = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith(prefixes))
+    total = sum(e.nbytes for e in entries)
+    linear = sum(e.nbytes for e in entries if e.name.startswith(prefixes))
     return total, linear
 
 
@@ -148,19 +159,60 @@ def decode_figures(folder: Path, ids: list[int], dcfg, loader=None, head: str = 
         return {"decode_error": str(e)}
 
 
+def load_source(cfg: DictConfig, run_dir: Path):
+    """``(model, tokenizer, Source, spill folder or None)``: disk-backed (``compress.offload``)
+    when ``offload`` allows it and every stage works layer by layer, else the whole model."""
+    m = cfg.model
+    offload = check_offload(cfg)
+    if offload != "host" and layerwise(cfg) and m.dtype in ("auto", "float32"):
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        spill = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.layers-", dir=run_dir.parent))
+        got = load_lazy(m.path, m.trust_remote_code, spill)
+        if got is not None:
+            log.info("source layers stay on disk, read one at a time (offload=%s)", offload)
+            return (*got, spill)
+        spill.rmdir()
+    if offload == "disk":
+        raise CompressError(
+            f"offload=disk: the source '{m.path}' cannot be read one layer at a time (it is a "
+            f"hub id, needs remote code, has no safetensors, model.dtype={m.dtype} is not "
+            f"auto or float32, or its layers keep state outside their weights). Download it to "
+            f"a folder first, or use offload=auto."
+        )
+    return (*load_model(m.path, m.dtype, m.trust_remote_code), None)
+
+
 def _run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name)) for name in cfg.stages]
+    model, tok, source, spill = load_source(cfg, run_dir)
+    held = {"model": model}  # the stages' model is dropped once saved (before the evaluation)
+    del model
+    try:
+        return _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
+    finally:
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
+
+
+def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start) -> dict:
     m = cfg.model
-    model, tok, source = load_model(m.path, m.dtype, m.trust_remote_code)
-    ctx = Context(cfg=cfg, tokenizer=tok, run_dir=run_dir)
+    model = held.pop("model")
+    lazy = is_lazy(model)
+    ctx = Context(cfg=cfg, tokenizer=tok, run_dir=run_dir, device=recipe_device(cfg))
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     timings = {}
     for name, fn in stage_fns:
         t = time.time()
         log.info("stage %s", name)
         model = fn(model, ctx)
         timings[name] = round(time.time() - t, 2)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if check_distributed(cfg) > 1 and rank != 0:  # process 0 exports and evaluates
+        log.info("process %d: stages done; process 0 writes the run folder", rank)
+        return {"recipe": cfg.name, "rank": rank, "stages": timings}
 
     tmp = atomic_dir(run_dir)
     head = (cfg.get("quant") or {}).get("lm_head", "none")
@@ -169,6 +221,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
         weight_bytes, linear_bytes = _weight_bytes(model, dtype)
         save_checkpoint(model, tok, tmp, ctx.quantization_config, dtype)
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
         for name, src in ctx.files.items():  # e.g. importance/scores.safetensors
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / name)
@@ -179,20 +233,27 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
         windows = eval_windows(
             tok, read_text(cfg.data.eval.source, role="eval"), cfg.eval.seqlen, cfg.eval.windows
         )
-        device = eval_device(cfg.eval.get("device", "auto"))
-        # evaluate what was saved, not the in-memory model; the head as the decoder loads it
-        compressed = (ctx.eval_loader or load_run)(tmp)[0]
+        device = run_eval_device(cfg)
+        # evaluate what was saved, not the in-memory model; the head as the decoder loads it;
+        # a disk-backed run reads both models' layers one at a time (compress.offload)
+        if lazy and ctx.eval_loader is None:
+            compressed = open_lazy(tmp)
+            reference = load_lazy(m.path, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+        else:
+            compressed = (ctx.eval_loader or load_run)(tmp)[0]
+            reference = None
+            if cfg.eval.compare_source:
+                reference = load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
         quantize_head(compressed, head, ctx.quantization_config)
-        compressed = compressed.to(device)
-        reference = (
-            load_model(m.path, m.dtype, m.trust_remote_code)[0].to(device)
-            if cfg.eval.compare_source
-            else None
-        )
+        compressed = resident_to(compressed, device)
+        if is_lazy(reference):
+            reference = resident_to(reference, device)
         cache = (
             cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
         )
-        figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
+        figures = evaluate(
+            compressed, windows, reference, cache=cache, source_sha=source.sha256, device=device
+        )
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
 
@@ -214,6 +275,13 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             "stages": timings,
             "elapsed_s": round(time.time() - start, 2),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **(
+                {"peak_device_bytes": torch.cuda.max_memory_allocated()}
+                if torch.cuda.is_available() and torch.cuda.is_initialized()
+                else {}
+            ),
+            "device": str(ctx.device),
+            "offload": "disk" if lazy else "host",
             "trust_remote_code": bool(m.trust_remote_code),
         }
         recipe = OmegaConf.to_container(cfg, resolve=True)

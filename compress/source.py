@@ -156,8 +156,42 @@ def source_sha(folder: Path | str) -> str:
     return sha256_files(files) if files else ""
 
 
-def load_model(path: str = DEFAULT_MODEL, dtype: str = "float32", trust_remote_code: bool = False):
-    """Load ``(model, tokenizer, Source)`` in eval mode, validated."""
+def stored_dtype(config) -> str:
+    """The dtype a checkpoint's config.json records (``dtype``, older ``torch_dtype``):
+    float32, bfloat16 or float16; float32 when it records none."""
+    d = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    d = d.removeprefix("torch.")
+    return d if d in ("float32", "bfloat16", "float16") else "float32"
+
+
+def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=None):
+    """``(model, tokenizer, Source)`` with the decoder layers left on disk
+    (``compress.checkpoint.open_lazy``: read one at a time, memory-mapped, widened to float32),
+    or None when the source cannot be read that way: a hub id, remote code, no safetensors,
+    or layers with state outside their weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from compress.checkpoint import open_lazy
+    from compress.offload import layer_buffers_ok
+    from compress.shards import weight_files
+
+    where, name = resolve_path(path)
+    if not isinstance(where, Path) or trust_remote_code or not weight_files(where):
+        return None
+    import compress.formats.attention  # noqa: F401  (converted attention folders load without remote code)
+
+    config = AutoConfig.from_pretrained(where)
+    get_adapter(config)
+    model = open_lazy(where, None, config, spill)
+    if not layer_buffers_ok(model):
+        return None
+    tok = AutoTokenizer.from_pretrained(where)  # tensors are checked for NaN/inf when read
+    return model, tok, Source(name=name, path=str(where), sha256=source_sha(where))
+
+
+def load_model(path: str = DEFAULT_MODEL, dtype: str = "auto", trust_remote_code: bool = False):
+    """Load ``(model, tokenizer, Source)`` in eval mode, validated. ``dtype`` ``auto`` keeps the
+    stored dtype (``stored_dtype``: a bfloat16 checkpoint stays bfloat16)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import compress.formats.attention  # noqa: F401  (converted attention folders load without remote code)
@@ -171,6 +205,8 @@ def load_model(path: str = DEFAULT_MODEL, dtype: str = "float32", trust_remote_c
             f"model first and set model.path to its folder (this machine may be offline)."
         ) from None
     get_adapter(config)  # fail early on unsupported architectures
+    if dtype in (None, "auto"):
+        dtype = stored_dtype(config)
     with guard_safetensors(where):
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -101,3 +102,46 @@ def test_two_processes_match_one(distill_dirs, tmp_path):
     for name in w1:
         assert not torch.equal(w1[name], base[name]) or "norm" in name or "embed" in name
         torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pipeline_distill_two_processes_match_one(tiny_dir, tmp_path):
+    """`accelerate launch -m compress recipe=minitron_width` with 2 gloo processes: every process
+    prunes the same, distillation splits the global batch, process 0 writes the run folder; the
+    loss curve equals one process's with the same global batch within 1e-5 relative."""
+    from tests.conftest import TINY_OVERRIDES
+
+    common = [
+        "recipe=minitron_width",
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        "decode.enabled=false",
+        "distill.tokens=256",
+        "distill.seqlen=32",
+        "distill.grad_accum=2",
+        "distill.lr=1e-3",
+        "distill.tokens_per_step=0",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    two = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "compress", *common,
+         "distill.batch_size=1", f"hydra.run.dir={tmp_path / 'two'}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    one = subprocess.run(
+        [sys.executable, "-m", "compress", *common, "distill.batch_size=2",
+         f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    _, err = two.communicate(timeout=600)
+    assert two.returncode == 0, err[-3000:]
+    assert one.returncode == 0, one.stderr[-3000:]
+    r2 = json.loads((tmp_path / "two" / "report.json").read_text())["distill"]
+    r1 = json.loads((tmp_path / "one" / "report.json").read_text())["distill"]
+    assert r2["steps"] == r1["steps"] == 2  # 256 tokens, 2 x 2 x 32 a step
+    for key in ("loss_first", "loss_last"):
+        assert abs(r1[key] - r2[key]) <= 1e-5 * abs(r1[key]), key
+    for (s1, a), (s2, b) in zip(r1["curve"], r2["curve"]):
+        assert s1 == s2 and abs(a - b) <= 1e-5 * abs(a) + 1e-4  # curve points are rounded to 4 places

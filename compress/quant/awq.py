@@ -56,77 +56,12 @@ from compress.adapters import Adapter, get_adapter, set_module
 from compress.arch import model_spec
 from compress.errors import CompressError
 from compress.formats import QuantLinear
+from compress.offload import calibration_bytes, capture_inputs, check_fits, layer_kwargs, layer_on
 from compress.quant.quantizer import fake_quantize, quantize
 from compress.quant.rtn import quantization_config, resolve_group_size
 
 log = logging.getLogger(__name__)
-
-
-class _Stop(Exception):
-    pass
-
-
-@torch.no_grad()
-def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, batch: int):
-    """Hidden states entering decoder layer 0 for every sample, plus that layer's kwargs."""
-    first = adapter.decoder_layers(model)[0]
-    seen = {"x": [], "kwargs": None}
-
-    def hook(_module, args, kwargs):
-        seen["x"].append(args[0] if args else kwargs.pop("hidden_states"))
-        seen["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for chunk in tokens.split(batch):
-            try:
-                model(chunk, use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    kwargs = seen["kwargs"]
-    kwargs["use_cache"] = False
-    return torch.cat(seen["x"]), kwargs
-
-
-class _Recorder(nn.Module):
-    """Stands in for decoder layer ``i``: records the keyword arguments the model passes it and
-    hands its input on (the last one stops the forward before the head)."""
-
-    def __init__(self, seen: list, i: int, last: bool):
-        super().__init__()
-        self.seen, self.i, self.last = seen, i, last
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.seen[self.i] = {**kwargs, "use_cache": False}
-        if self.last:
-            raise _Stop
-        return hidden_states
-
-
-@torch.no_grad()
-def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor) -> list[dict]:
-    """The keyword arguments each decoder layer receives (its attention mask and RoPE table),
-    from one forward of the first calibration sample with every layer replaced by a recorder
-    (no layer's weights are read).
-
-    Layers differ where the spec's layers do: a sliding-window layer gets a banded mask, and
-    Gemma 3's local and global layers get different RoPE tables; a single-sample mask and table
-    broadcast over any batch of samples."""
-    layers = adapter.decoder_layers(model)
-    originals, seen = list(layers), [None] * len(layers)
-    for i in range(len(layers)):
-        layers[i] = _Recorder(seen, i, last=i == len(layers) - 1)
-    try:
-        model(tokens[:1], use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
-    return seen
+__all__ = ["awq", "capture_inputs", "layer_kwargs", "search_scale", "search_clip", "apply_scale", "scale_groups"]
 
 
 def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
@@ -285,51 +220,20 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     check_grouped(cfg.group_size)
     g = resolve_group_size(model, cfg.group_size)
     bits, batch = int(cfg.bits), int(cfg.batch)
+    device = getattr(ctx, "device", None)  # one decoder layer at a time there (offload.layer_on)
     tokens = ctx.calibration()
-    x, _ = capture_inputs(model, adapter, tokens, batch)
-    per_layer = layer_kwargs(model, adapter, tokens)
+    check_fits(model, device or "cpu", calibration_bytes(model.config, tokens.numel()), "awq")
+    x, per_layer = capture_inputs(model, adapter, tokens, batch, device)
     norm_offset = model_spec(model).norm_offset
     n_search = min(int(cfg.search_samples or len(x)), len(x))
-    alphas, skip_clip = {}, {"q", "k"}
-    layers = adapter.decoder_layers(model)
-    for i, layer in enumerate(tqdm(layers, desc=f"awq int{bits} g{g}", unit="layer")):
-        kwargs = per_layer[i]
-        feats, _ = layer_inputs(layer, adapter, x, kwargs, batch)
-        alphas[i] = {}
-        for group in scale_groups(layer, adapter):
-            inp = feats[group["inp"]]
-            s, alpha, _ = search_scale(
-                layer,
-                adapter,
-                group,
-                inp,
-                inp[:n_search],
-                kwargs,
-                bits,
-                g,
-                cfg.duo_scaling,
-                cfg.n_grid,
-                batch,
+    alphas = {}
+    n_layers = len(adapter.decoder_layers(model))
+    for i in tqdm(range(n_layers), desc=f"awq int{bits} g{g}", unit="layer"):
+        with layer_on(model, i, device, write=True) as layer:
+            x = _awq_layer(
+                layer, adapter, x, per_layer[i], cfg, bits, g, batch, n_search, alphas, i,
+                norm_offset,
             )
-            apply_scale(group["prev"], group["linears"], s, norm_offset)
-            inp.div_(s)  # the linears now see x / s
-            alphas[i][group["name"]] = alpha
-        packed = {}
-        for role, path in adapter.linears:
-            lin = layer.get_submodule(path)
-            clip = None
-            if cfg.clip and role not in skip_clip:
-                clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
-            qw = quantize(lin.weight.data, bits, g, clip_max=clip)
-            packed[path] = QuantLinear.from_quantized(qw, lin.bias)
-            lin.weight.data = qw.dequantize().to(
-                lin.weight.dtype
-            )  # W_hat, for the next layer's inputs
-        del feats
-        with torch.no_grad():  # the quantized layer's output feeds the next layer
-            x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
-        for path, module in packed.items():
-            set_module(layer, path, module)
     ctx.quantization_config = quantization_config(bits, g)
     ctx.record.update(
         bits=bits,
@@ -339,6 +243,50 @@ def awq(model: nn.Module, ctx) -> nn.Module:
         calib_seqlen=int(tokens.shape[1]),
     )
     return model
+
+
+@torch.no_grad()
+def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas, i, norm_offset):
+    """Scale search, clip search and packing of one decoder layer (on x's device); returns the
+    quantized layer's output, the next layer's input."""
+    skip_clip = {"q", "k"}
+    feats, _ = layer_inputs(layer, adapter, x, kwargs, batch)
+    alphas[i] = {}
+    for group in scale_groups(layer, adapter):
+        inp = feats[group["inp"]]
+        s, alpha, _ = search_scale(
+            layer,
+            adapter,
+            group,
+            inp,
+            inp[:n_search],
+            kwargs,
+            bits,
+            g,
+            cfg.duo_scaling,
+            cfg.n_grid,
+            batch,
+        )
+        apply_scale(group["prev"], group["linears"], s, norm_offset)
+        inp.div_(s)  # the linears now see x / s
+        alphas[i][group["name"]] = alpha
+    packed = {}
+    for role, path in adapter.linears:
+        lin = layer.get_submodule(path)
+        clip = None
+        if cfg.clip and role not in skip_clip:
+            clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
+        qw = quantize(lin.weight.data, bits, g, clip_max=clip)
+        packed[path] = QuantLinear.from_quantized(qw, lin.bias)
+        lin.weight.data = qw.dequantize().to(
+            lin.weight.dtype
+        )  # W_hat, for the next layer's inputs
+    del feats
+    with torch.no_grad():  # the quantized layer's output feeds the next layer
+        x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
+    for path, module in packed.items():
+        set_module(layer, path, module)
+    return x
 
 
 def _input_role(role: str) -> str:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from compress.adapters import get_adapter, set_module
 from compress.errors import CompressError
 from compress.formats.int8_linear import Int8Linear, check_threshold
+from compress.offload import capture_inputs, layer_on
 
 
 def quantization_config(threshold: float) -> dict:
@@ -47,10 +48,11 @@ def quantization_config(threshold: float) -> dict:
 
 
 @torch.no_grad()
-def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> dict:
+def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float, device=None) -> dict:
     """Per decoder linear, how many input dims cross ``threshold`` on ``samples [n, seqlen]``, and how often.
 
-    One sample at a time, hooks on the linears' inputs. Per layer: ``dims`` (distinct
+    One decoder layer at a time on ``device`` (``compress.offload.layer_on``), one sample at a
+    time through it, hooks on the linears' inputs. Per layer: ``dims`` (distinct
     dims that ever crossed), ``dims_per_sample`` (mean |O| of a forward over one sample,
     i.e. the width of the fp path), ``sample_frac`` / ``token_frac`` (share of samples /
     tokens with any outlier), ``max_abs`` and ``top_dims`` ([dim, tokens crossing]).
@@ -92,13 +94,19 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> 
 
         return fn
 
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in linears.items()]
-    try:
-        for s in tqdm(samples, desc=f"llm_int8 outliers > {threshold:g}", unit="sample"):
-            model(s.unsqueeze(0), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    adapter = get_adapter(model.config)
+    x, per_layer = capture_inputs(model, adapter, samples, 1, device)
+    for i in tqdm(range(len(adapter.decoder_layers(model))), desc=f"llm_int8 outliers > {threshold:g}", unit="layer"):
+        with layer_on(model, i, device) as layer:
+            handles = [
+                m.register_forward_pre_hook(hook(f"{adapter.layers}.{i}.{path}"))
+                for path, m in adapter.named_linears(layer).items()
+            ]
+            try:  # one sample at a time, as a whole-model forward per sample
+                x = torch.cat([layer(c, **per_layer[i]) for c in x.split(1)])
+            finally:
+                for h in handles:
+                    h.remove()
 
     n, tokens = samples.shape[0], samples.numel()
     table = {}
@@ -117,10 +125,15 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float) -> 
     return table
 
 
-def quantize_model(model: nn.Module, threshold: float) -> nn.Module:
-    """Replace every decoder linear by an ``Int8Linear`` (embeddings and head stay fp)."""
-    for name, lin in get_adapter(model.config).all_linears(model).items():
-        set_module(model, name, Int8Linear.from_linear(lin, threshold, name=name))
+def quantize_model(model: nn.Module, threshold: float, device=None) -> nn.Module:
+    """Replace every decoder linear by an ``Int8Linear`` (embeddings and head stay fp), one
+    decoder layer at a time on ``device`` (None: where the layers are)."""
+    adapter = get_adapter(model.config)
+    for i in range(len(adapter.decoder_layers(model))):
+        with layer_on(model, i, device, write=True) as layer:
+            for path, lin in adapter.named_linears(layer).items():
+                name = f"{adapter.layers}.{i}.{path}"
+                set_module(layer, path, Int8Linear.from_linear(lin, threshold, name=name))
     return model
 
 
@@ -236,8 +249,9 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
     else:
         reason = "set in the recipe (llm_int8.threshold)"
     ctx.record["llm_int8_threshold"], ctx.record["llm_int8_threshold_reason"] = threshold, reason
+    device = getattr(ctx, "device", None)
     if threshold > 0 and cfg.get("outlier_stats", True):
-        table = outlier_stats(model, ctx.calibration(), threshold)
+        table = outlier_stats(model, ctx.calibration(), threshold, device)
         ctx.record["outliers"] = table
         ctx.record["outlier_summary"] = {
             "layers_with_outliers": sum(r["dims"] > 0 for r in table.values()),
@@ -247,4 +261,4 @@ def llm_int8(model: nn.Module, ctx) -> nn.Module:
         }
     ctx.record["threshold"] = threshold
     ctx.quantization_config = quantization_config(threshold)
-    return quantize_model(model, threshold)
+    return quantize_model(model, threshold, device)

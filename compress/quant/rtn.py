@@ -10,6 +10,7 @@ from torch import nn
 
 from compress.adapters import get_adapter, set_module
 from compress.formats import QuantLinear, layout_for
+from compress.offload import check_fits, layer_on
 from compress.quant.quantizer import check_group_size, quantize, auto_group_size
 
 
@@ -46,16 +47,21 @@ def quantization_config(bits: int, group_size: int, symmetric: bool = False) -> 
 
 
 def pack_model(
-    model: nn.Module, bits: int, group_size: int, symmetric: bool = False, clip=None
+    model: nn.Module, bits: int, group_size: int, symmetric: bool = False, clip=None, device=None
 ) -> nn.Module:
-    """Replace every decoder linear by a ``QuantLinear`` holding its RTN codes.
+    """Replace every decoder linear by a ``QuantLinear`` holding its RTN codes, one decoder layer
+    at a time on ``device`` (``compress.offload.layer_on``; None: where the layers are).
 
     ``clip`` maps a full module name to a ``[out, in/g]`` max |w| (AWQ's clip search).
     """
     clip = clip or {}
-    for name, lin in get_adapter(model.config).all_linears(model).items():
-        qw = quantize(lin.weight.data, bits, group_size, symmetric, clip.get(name))
-        set_module(model, name, QuantLinear.from_quantized(qw, lin.bias))
+    adapter = get_adapter(model.config)
+    for i in range(len(adapter.decoder_layers(model))):
+        with layer_on(model, i, device, write=True) as layer:
+            for path, lin in adapter.named_linears(layer).items():
+                name = f"{adapter.layers}.{i}.{path}"
+                qw = quantize(lin.weight.data, bits, group_size, symmetric, clip.get(name))
+                set_module(layer, path, QuantLinear.from_quantized(qw, lin.bias))
     return model
 
 
@@ -63,7 +69,9 @@ def rtn(model: nn.Module, ctx) -> nn.Module:
     """Stage: RTN with ``ctx.cfg.rtn`` = {bits, group_size, symmetric}."""
     q = ctx.cfg.rtn
     g = resolve_group_size(model, q.group_size)
-    model = pack_model(model, q.bits, g, q.get("symmetric", False))
+    device = getattr(ctx, "device", None)
+    check_fits(model, device or "cpu", 0, "rtn")
+    model = pack_model(model, q.bits, g, q.get("symmetric", False), device=device)
     ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False))
     ctx.record["group_size"] = g
     ctx.record["bits"] = q.bits

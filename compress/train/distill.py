@@ -9,6 +9,13 @@ Losses on the next-token logits of each position t (z_s student, z_t teacher, T 
 Minitron distils with forward KL on the logits alone (``kl``, T = 1). The loop is
 ``compress.train.trainer.train`` (accelerate; resumable checkpoints).
 
+With ``kl_chunk`` = C > 0 (``distill.kl_chunk``; ``auto``: 4096 on CUDA, 0 on the CPU) the
+losses are the same sums taken C tokens at a time: both models run up to their final norm,
+and each chunk applies the two heads, the softmaxes and the loss under activation
+checkpointing (recomputed in the backward pass), so ``[batch, seq, vocab]`` float32 logits of
+student and teacher never exist, only ``[C, vocab]`` ones. The teacher runs without gradients,
+in bfloat16 under bf16 mixed precision.
+
 As a pipeline stage (``distill``), the keys are ``distill.*``: tokens (0 skips),
 data (null: ``data.calib.source``), loss, temperature, alpha, and the TrainConfig
 fields (seqlen, batch_size, grad_accum, lr, ...). Checkpoints live beside the run
@@ -44,22 +51,112 @@ log = logging.getLogger(__name__)
 LOSSES = ("kl", "ce", "mix")
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 at least (float64 stays float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def kl_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Forward KL(teacher || student) per token, averaged over tokens, times T^2."""
     T = float(temperature)
-    log_q = F.log_softmax(student_logits.float().flatten(0, -2) / T, dim=-1)
-    log_p = F.log_softmax(teacher_logits.float().flatten(0, -2) / T, dim=-1)
+    log_q = F.log_softmax(_wide(student_logits).flatten(0, -2) / T, dim=-1)
+    log_p = F.log_softmax(_wide(teacher_logits).flatten(0, -2) / T, dim=-1)
     return T * T * F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
 
 
 def ce_loss(student_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(student_logits.float().flatten(0, -2), targets.flatten())
+    return F.cross_entropy(_wide(student_logits).flatten(0, -2), targets.flatten())
 
 
-def distill_loss(teacher, kind: str = "kl", temperature: float = 1.0, alpha: float = 0.5):
-    """``loss_fn(student, batch)`` for the trainer: ``kind`` in kl | ce | mix."""
+def _normed_hidden(model, batch: torch.Tensor) -> torch.Tensor:
+    """The final norm's output ``[B, seq, hidden]`` (the head's input); the head itself runs on
+    the last position only (``logits_to_keep=1``)."""
+    from compress.adapters import get_adapter
+
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    inner = getattr(inner, "_orig_mod", inner)  # torch.compile's
+    seen = {}
+    norm = inner.get_submodule(get_adapter(inner.config).final_norm)
+    handle = norm.register_forward_hook(lambda _m, _a, out: seen.__setitem__("h", out))
+    try:
+        model(batch, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return seen["h"]
+
+
+def _head(model) -> torch.nn.Module:
+    from compress.adapters import get_adapter
+
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "_orig_mod", inner)
+    return inner.get_submodule(get_adapter(inner.config).lm_head)
+
+
+def _chunk_loss(hs, ht, w_s, w_t, targets, kind: str, T: float, alpha: float):
+    """Sum over the chunk's tokens of the loss (see the module docstring)."""
+    zs = _wide(hs @ w_s.t())
+    total = zs.new_zeros(())
+    if kind != "ce":
+        log_q = F.log_softmax(zs / T, dim=-1)
+        with torch.no_grad():
+            log_p = F.log_softmax(_wide(ht @ w_t.t()) / T, dim=-1)
+        kl = T * T * (log_p.exp() * (log_p - log_q)).sum()
+        total = kl if kind == "kl" else alpha * kl
+    if kind != "kl":
+        ce = F.cross_entropy(zs, targets, reduction="sum")
+        total = total + (ce if kind == "ce" else (1 - alpha) * ce)
+    return total
+
+
+def chunked_loss(student, teacher, batch, kind: str, T: float, alpha: float, chunk: int):
+    """The loss of ``distill_loss`` taken ``chunk`` tokens at a time (module docstring)."""
+    from torch.utils.checkpoint import checkpoint
+
+    hs = _normed_hidden(student, batch)[:, :-1].flatten(0, 1)
+    ht = None
+    if kind != "ce":
+        with torch.no_grad():
+            ht = _normed_hidden(teacher, batch)[:, :-1].flatten(0, 1)
+    targets = batch[:, 1:].flatten()
+    w_s = _head(student).weight
+    w_t = _head(teacher).weight if teacher is not None else None
+    total = _wide(hs.new_zeros(()))
+    for a in range(0, hs.shape[0], chunk):
+        b = a + chunk
+        total = total + checkpoint(
+            _chunk_loss,
+            hs[a:b],
+            ht[a:b] if ht is not None else None,
+            w_s,
+            w_t,
+            targets[a:b],
+            kind,
+            T,
+            alpha,
+            use_reentrant=False,
+        )
+    return total / hs.shape[0]
+
+
+def plain_head(model) -> bool:
+    """Whether the logits are the head of the final norm's output alone (no soft-capping, no
+    bias), as ``chunked_loss`` computes them."""
+    head = _head(model)
+    return (
+        getattr(model.config, "final_logit_softcapping", None) is None
+        and isinstance(head, torch.nn.Linear)
+        and head.bias is None
+    )
+
+
+def distill_loss(
+    teacher, kind: str = "kl", temperature: float = 1.0, alpha: float = 0.5, chunk: int = 0
+):
+    """``loss_fn(student, batch)`` for the trainer: ``kind`` in kl | ce | mix; ``chunk`` > 0
+    takes the loss that many tokens at a time (``chunked_loss``)."""
     if kind not in LOSSES:
         raise CompressError(f"distill.loss={kind!r}: use one of {', '.join(LOSSES)}.")
     if not 0.0 <= alpha <= 1.0:
@@ -68,6 +165,8 @@ def distill_loss(teacher, kind: str = "kl", temperature: float = 1.0, alpha: flo
         )
 
     def loss_fn(student, batch):
+        if chunk > 0:
+            return chunked_loss(student, teacher, batch, kind, float(temperature), alpha, chunk)
         logits = student(batch, use_cache=False).logits[:, :-1]
         if kind == "ce":
             return ce_loss(logits, batch[:, 1:])
@@ -98,20 +197,43 @@ def run_distill(
     temperature: float,
     alpha: float,
     fingerprint: dict,
+    kl_chunk="auto",
 ) -> dict:
-    """Distil ``student`` in place; returns the trainer's stats."""
+    """Distil ``student`` in place; returns the trainer's stats. ``kl_chunk``: see the module
+    docstring."""
     if teacher is not None:
         check_vocab(student, teacher)
+    if any(p.dtype != torch.float32 for p in student.parameters() if p.is_floating_point()):
+        student.float()  # float32 master weights (a 16-bit source loads 16-bit: model.dtype=auto)
     acc = make_accelerator(tc)
     if teacher is not None:
         teacher.to(acc.device).eval().requires_grad_(False)
+        if acc.mixed_precision == "bf16":
+            teacher.to(torch.bfloat16)  # no gradients, no optimizer state: 16-bit is enough
+    chunk = resolve_chunk(kl_chunk, acc.device)
+    if chunk and not (plain_head(student) and (teacher is None or plain_head(teacher))):
+        log.info("distill.kl_chunk: the head is not a plain linear; the loss takes whole logits")
+        chunk = 0
     fp = {
         **fingerprint,
         "loss": kind,
         "temperature": float(temperature),
         "alpha": float(alpha) if kind == "mix" else None,
     }
-    return train(student, distill_loss(teacher, kind, temperature, alpha), blocks, tc, fp, acc)
+    loss = distill_loss(teacher, kind, temperature, alpha, chunk)
+    return train(student, loss, blocks, tc, fp, acc)
+
+
+def resolve_chunk(value, device) -> int:
+    """``distill.kl_chunk``: auto (4096 tokens on CUDA, 0 = whole logits on the CPU) or a count."""
+    if value in (None, "auto"):
+        return 4096 if torch.device(device).type == "cuda" else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CompressError(
+            f"distill.kl_chunk={value!r}: give auto, 0 (whole logits) or a number of tokens "
+            f"such as 4096."
+        )
+    return value
 
 
 def train_config(d, seed: int = 0, **over) -> TrainConfig:
@@ -178,6 +300,7 @@ def distill(model, ctx):
         d.get("temperature", 1.0),
         d.get("alpha", 0.5),
         fingerprint,
+        d.get("kl_chunk", "auto"),
     )
     del teacher
     losses = stats["losses"]
@@ -237,6 +360,7 @@ def parse_args(argv=None):
             p.add_argument(
                 flag, type=kind, required=required, default=None if required else f.default
             )
+    p.add_argument("--kl-chunk", default="auto", help="tokens per loss chunk: auto, 0 (whole logits) or N")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -268,8 +392,9 @@ def main(argv=None) -> None:
             "teacher": weights_sha256(teacher) if teacher is not None else None,
             "data": hashlib.sha256(text.encode()).hexdigest(),
         }
+        chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
         stats = run_distill(
-            student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint
+            student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint, chunk
         )
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)

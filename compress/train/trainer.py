@@ -69,6 +69,10 @@ class TrainConfig:
     keep_checkpoints: bool = False  # keep checkpoint_dir once training completes
     progress: bool = True
     extra: dict = field(default_factory=dict)  # caller's settings, part of the fingerprint
+    tokens_per_step: int | str = 0  # > 0: grad_accum from it; auto: batch from device memory
+    minutes: float = 0.0  # > 0: stop after this many minutes of training (the schedule shrinks)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    compile: bool = False  # torch.compile the student
 
     def schedule_keys(self) -> dict:
         """Settings a resumed run must share with the checkpoint."""
@@ -79,6 +83,10 @@ class TrainConfig:
             "keep_checkpoints",
             "progress",
             "mixed_precision",
+            "tokens_per_step",
+            "minutes",
+            "activation_checkpointing",
+            "compile",
         ):
             d.pop(k)
         d["betas"] = list(d["betas"])
@@ -94,6 +102,38 @@ def make_accelerator(tc: TrainConfig):
     # cpu=True on a machine without CUDA: under `accelerate launch --multi_gpu` (torchrun) the
     # processes then form a MULTI_CPU group over gloo instead of running alone
     return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
+
+
+def plan_batch(tc: TrainConfig, world: int, device, model=None) -> TrainConfig:
+    """``tc`` with ``batch_size`` and ``grad_accum`` set from ``tokens_per_step``:
+
+    - 0: as given (today's default);
+    - N > 0: ``grad_accum = ceil(N / (seqlen * batch_size * world))``;
+    - ``auto``: on CUDA, sequences per micro-step from the free memory (activations of about
+      34 * hidden bytes per token and layer in 16-bit, Korthikanti et al. 2022, within half
+      the free memory), and about 2^19 tokens a step (at most 1/64 of the budget); on the CPU,
+      as given.
+    """
+    import dataclasses
+
+    n = tc.tokens_per_step
+    if n in (0, None) or (n == "auto" and torch.device(device).type != "cuda"):
+        return tc
+    if n == "auto":
+        cfg = model.config
+        per_seq = tc.seqlen * cfg.num_hidden_layers * cfg.hidden_size * 34
+        free, _ = torch.cuda.mem_get_info(device)
+        batch = max(1, min(64, int(0.5 * free // per_seq)))
+        target = max(tc.seqlen * batch * world, min(2**19, tc.tokens // 64))
+        accum = max(1, round(target / (tc.seqlen * batch * world)))
+        return dataclasses.replace(tc, batch_size=batch, grad_accum=accum)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise CompressError(
+            f"distill.tokens_per_step={n!r}: give auto, 0 (batch_size x grad_accum x seqlen) "
+            f"or a number of tokens per optimizer step."
+        )
+    accum = max(1, math.ceil(n / (tc.seqlen * tc.batch_size * world)))
+    return dataclasses.replace(tc, grad_accum=accum)
 
 
 def token_blocks(tokenizer, text: str, seqlen: int) -> torch.Tensor:
@@ -225,12 +265,15 @@ def train(
     """
     acc = acc or make_accelerator(tc)
     world, rank = acc.num_processes, acc.process_index
+    tc = plan_batch(tc, world, acc.device, model)
     per_step = tc.seqlen * tc.batch_size * tc.grad_accum * world
     steps = math.ceil(tc.tokens / per_step) if tc.tokens > 0 else 0
     stats = {
         "steps": steps,
         "tokens": steps * per_step,
         "tokens_per_step": per_step,
+        "batch_size": tc.batch_size,
+        "grad_accum": tc.grad_accum,
         "world_size": world,
         "losses": [],
     }
@@ -257,12 +300,20 @@ def train(
         log.info("resuming from %s (step %d of %d)", found, start, steps)
 
     model.train()
+    if tc.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fused = {"fused": True} if acc.device.type == "cuda" else {}  # one kernel for all params
     opt = torch.optim.AdamW(
-        model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+        model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, **fused
     )
+    plan = {"steps": steps}  # minutes: shrunk once the step time is known
+    if found is not None and tc.minutes > 0:
+        plan["steps"] = min(steps, meta.get("steps", steps))
     warm = max(1, round(tc.warmup * steps)) if tc.warmup > 0 else 0
-    sched = LambdaLR(opt, lambda s: lr_factor(s, steps, warm, tc.min_lr_ratio))
+    sched = LambdaLR(opt, lambda s: lr_factor(s, plan["steps"], warm, tc.min_lr_ratio))
     model, opt = acc.prepare(model, opt)
+    if tc.compile:
+        model = torch.compile(model)
     if found is not None:
         _load_rest(found, acc, opt, sched)
 
@@ -275,7 +326,8 @@ def train(
         disable=not (tc.progress and acc.is_local_main_process),
     )
     t_run = time.time()
-    for step in range(start, steps):
+    step = start
+    while step < plan["steps"]:
         t0 = time.time()
         total = torch.zeros((), device=acc.device)
         for m in range(tc.grad_accum):
@@ -300,10 +352,24 @@ def train(
         )
         bar.update(1)
         done = step + 1
-        if folder and tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < steps:
+        step = done
+        if tc.minutes > 0 and done - start == 3:  # the budget in time: fewer steps, same schedule shape
+            per = (time.time() - t_run) / 3
+            fit = start + 3 + int((tc.minutes * 60 - (time.time() - t_run)) / per)
+            fit = int(acc.reduce(torch.tensor(fit, device=acc.device), "min").item())
+            if fit < plan["steps"]:
+                log.info("distill.minutes=%g: %d steps of %d fit", tc.minutes, fit, plan["steps"])
+                plan["steps"] = max(done, fit)
+                bar.total = plan["steps"]
+        if (
+            folder
+            and tc.checkpoint_every
+            and done % tc.checkpoint_every == 0
+            and done < plan["steps"]
+        ):
             meta = {
                 "step": done,
-                "steps": steps,
+                "steps": plan["steps"],
                 "losses": losses,
                 "fingerprint": fp,
                 "elapsed_s": round(elapsed + time.time() - t_run, 2),
@@ -316,8 +382,10 @@ def train(
         shutil.rmtree(folder, ignore_errors=True)
     model = acc.unwrap_model(model)
     model.eval()
-    trained = (steps - start) * per_step
+    trained = (plan["steps"] - start) * per_step
     stats.update(
+        steps=plan["steps"],
+        tokens=plan["steps"] * per_step,
         losses=losses,
         resumed_from=start,
         elapsed_s=round(elapsed + run_s, 2),

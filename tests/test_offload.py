@@ -1,0 +1,186 @@
+"""Sequential onloading (compress.offload), sharded checkpoints (compress.shards), the stored
+dtype, and the device settings' errors."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from compress import offload
+from compress.checkpoint import load_run, open_lazy, save_checkpoint, save_entries
+from compress.errors import CompressError
+from compress.eval.perplexity import evaluate
+from compress.quant.awq import awq
+from compress.quant.llm_int8 import llm_int8
+from compress.quant.rtn import rtn
+from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
+
+
+class Ctx:
+    """What a stage reads and writes (compress.pipeline.Context), with fixed calibration tokens."""
+
+    def __init__(self, group: str, settings: dict, device="cpu"):
+        self.cfg = OmegaConf.create({group: settings})
+        self.device = torch.device(device)
+        self.tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(3))
+        self.quantization_config, self.record = None, {}
+
+    def calibration(self):
+        return self.tokens
+
+
+STAGES = {
+    "awq": (awq, dict(bits=4, group_size=64, duo_scaling=False, n_grid=10, clip=True,
+                      search_samples=None, batch=2)),
+    "rtn": (rtn, dict(bits=3, group_size=64, symmetric=False)),
+    "llm_int8": (llm_int8, dict(threshold=0.05, outlier_stats=True)),
+}
+
+
+def _values(model) -> dict:
+    return {e.name: e.get() for e in save_entries(model)}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_disk_onloading_equals_whole_model(stage, tiny_dir, tmp_path, monkeypatch):
+    """The layers read one at a time from disk give the tensors (AWQ: scales folded into the
+    norms, codes, group scales; LLM.int8: codes and SCB) and records of the whole model in
+    memory, bit for bit, and at most one layer is ever materialized."""
+    fn, settings = STAGES[stage]
+    whole = load_run(tiny_dir)[0]
+    ctx_whole = Ctx(stage, settings)
+    fn(whole, ctx_whole)
+
+    lazy = open_lazy(tiny_dir, spill=tmp_path / "spill")
+    layers = lazy.model.layers
+    assert all(p.device.type == "meta" for p in layers.parameters())
+    real_layer_on = offload.layer_on
+
+    def checked(model, i, device, write=False):
+        assert all(t.device.type == "meta" for t in model.model.layers.state_dict().values())
+        return real_layer_on(model, i, device, write)
+
+    for mod in ("compress.quant.awq", "compress.quant.rtn", "compress.quant.llm_int8"):
+        monkeypatch.setattr(f"{mod}.layer_on", checked)
+    ctx_lazy = Ctx(stage, settings)
+    fn(lazy, ctx_lazy)
+    a, b = _values(whole), _values(lazy)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert ctx_whole.record.keys() == ctx_lazy.record.keys()
+    for key in ("awq_alpha", "outliers"):
+        assert ctx_whole.record.get(key) == ctx_lazy.record.get(key)
+
+
+def test_sharded_checkpoint_loads_in_transformers(tmp_path, tokenizer):
+    """Shards and an index as save_pretrained writes them: transformers loads the folder
+    unchanged, and compress reads it back (whole and layer by layer)."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(tie_word_embeddings=False)
+    save_checkpoint(model, tokenizer, tmp_path, None, max_shard_bytes=1 << 20)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)
+    assert not (tmp_path / "model.safetensors").exists()
+    reference = model.state_dict()
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in reference.values()
+    )
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    ours = load_run(tmp_path)[0].state_dict()
+    for k, t in reference.items():
+        assert torch.equal(hf[k], t) and torch.equal(ours[k], t), k
+
+
+def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
+    """Perplexity, KL and top-1 of disk-backed models (layers one at a time, the head a chunk
+    of tokens at a time) equal the whole models' within float32 rounding; the streamed cache
+    holds the source's log-probs and a second run reads them."""
+    from compress.eval.perplexity import _cache_path, _log_probs
+
+    folder = tmp_path / "rtn"
+    model = load_run(tiny_dir)[0]
+    ctx = Ctx("rtn", STAGES["rtn"][1])
+    rtn(model, ctx)
+    save_checkpoint(model, None, folder, ctx.quantization_config)
+    windows = torch.randint(0, 49152, (3, 48), generator=torch.Generator().manual_seed(5))
+    source = load_run(tiny_dir)[0]
+    ref = evaluate(load_run(folder)[0], windows, source)
+    cache = tmp_path / "cache"
+    for _ in range(2):  # fills the cache, then reads it
+        got = evaluate(open_lazy(folder), windows, open_lazy(tiny_dir), cache=cache, source_sha="s")
+        for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
+            assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+    stored = load_file(str(_cache_path(cache, "s", windows[1])))["log_probs"]
+    torch.testing.assert_close(stored, _log_probs(source, windows[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_stored_dtype_is_kept(tmp_path, tokenizer):
+    """model.dtype=auto loads a bfloat16 folder in bfloat16; a disk-backed one keeps its
+    embedding 16-bit and widens each layer to float32 exactly when it is onloaded."""
+    from compress.source import load_lazy, load_model
+
+    model = make_tiny_model().to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    tokenizer.save_pretrained(tmp_path / "bf16")
+    whole = load_model(str(tmp_path / "bf16"))[0]
+    assert whole.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    lazy = load_lazy(str(tmp_path / "bf16"))[0]
+    assert lazy.model.embed_tokens.weight.dtype == torch.bfloat16
+    with offload.layer_on(lazy, 1, "cpu") as layer:
+        w = layer.mlp.up_proj.weight
+        assert w.dtype == torch.float32
+        assert torch.equal(w, model.model.layers[1].mlp.up_proj.weight.float())
+    assert lazy.model.layers[1].mlp.up_proj.weight.device.type == "meta"
+
+
+def test_pipeline_offload_disk_run(tiny_dir, tmp_path):
+    """A recipe with offload=disk writes the same run folder tensors as offload=host."""
+    from compress.pipeline import run
+
+    reports = {}
+    for where in ("disk", "host"):
+        cfg = compose("rtn_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES,
+                                   f"offload={where}", "decode.enabled=false"])
+        reports[where] = run(cfg, tmp_path / where)
+        assert reports[where]["offload"] == where
+        assert not list(tmp_path.glob(f".{where}.layers-*"))  # the spill folder is removed
+    a = load_file(str(tmp_path / "disk" / "model.safetensors"))
+    b = load_file(str(tmp_path / "host" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for k in ("ppl", "kl_vs_source", "top1_vs_source"):
+        assert reports["disk"][k] == pytest.approx(reports["host"][k], rel=1e-5)
+
+
+def test_device_errors(tiny_dir, monkeypatch):
+    """device=cuda without a GPU, offload=disk with a whole-model stage, and a GPU too small
+    for one layer are refused before any work, naming the fix (and the layer's size)."""
+    from compress.config import validate
+
+    if not torch.cuda.is_available():
+        with pytest.raises(CompressError, match="device=cuda.*no usable GPU"):
+            validate(compose("rtn_int4", [f"model.path={tiny_dir}", "device=cuda"]))
+    with pytest.raises(CompressError, match="offload=disk.*whole model"):
+        validate(compose("minitron_width", [f"model.path={tiny_dir}", "offload=disk"]))
+    model = open_lazy(tiny_dir)
+    size = offload.layer_bytes(model)
+    assert size == 4 * sum(p.numel() for p in make_tiny_model().model.layers[0].parameters())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size // 2, 10 * size))
+    expected = rf"one decoder layer needs {size / 2**20:.1f} MiB in float32.*device=cpu"
+    with pytest.raises(CompressError, match=expected):
+        offload.check_fits(model, "cuda", 0, "awq")
+
+
+def test_accelerate_launch_refuses_single_process_stages(tiny_dir, monkeypatch):
+    """Under `accelerate launch` (WORLD_SIZE > 1) a recipe whose stages run in one process is
+    refused before any work; a distillation recipe passes the check."""
+    from compress.config import check_distributed, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CompressError, match="started 2 processes.*\\['awq'\\].*python -m compress"):
+        validate(compose("awq_int4", [f"model.path={tiny_dir}"]))
+    assert check_distributed(compose("minitron_width", [f"model.path={tiny_dir}"])) == 2
