@@ -377,7 +377,7 @@ def test_minitron_gemma_norms_and_embedding_scale():
 def test_draft_of_another_family(family_dirs, tokenizer, tmp_path):
     """A draft of another family with the target's tokenizer loads (each runs its own spec); one
     with another vocabulary is refused from its config.json, before any weight is read."""
-    from compress.decoder.drafts import load_draft
+    from compress.decoder.speculative.drafts import load_draft
     from compress.decoder.model import load
 
     target, _ = load(family_dirs["llama"])
