@@ -16,7 +16,7 @@ Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_K
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
 a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
 ``torch.compile`` or other compiled code (PackKV's products then run the reference). Triton is
-imported only when a CUDA input needs it. The kernels read the layouts of ``compress.formats``
+imported only when a CUDA input needs it. The kernels own the bit layouts (``bitplanes.py``, ``awq_gemm.py``; ``compress.formats`` reads them)
 and import no method package.
 """
 

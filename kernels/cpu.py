@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.formats.bitplanes import pack_planes
+from compress.kernels.bitplanes import pack_planes
 from compress.kernels.layout import check_layer, planes, stamp
 
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above

@@ -19,8 +19,9 @@ PyTorch reference is :meth:`QuantLinear.dequantize`.
 import torch
 from torch import nn
 
-from compress.formats.awq_gemm import pack_awq, unpack_awq
-from compress.formats.bitplanes import pack_planes, plane_widths, unpack_planes
+from compress.kernels import quant_matmul
+from compress.kernels.awq_gemm import pack_awq, unpack_awq
+from compress.kernels.bitplanes import pack_planes, plane_widths, unpack_planes
 
 
 def layout_for(bits: int) -> str:
@@ -101,8 +102,6 @@ class QuantLinear(nn.Module):
         return ((q - z.repeat_interleave(g, dim=0)).to(dtype) * s).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from compress.kernels import quant_matmul  # here: compress.kernels loads formats at import
-
         y = quant_matmul(x.reshape(-1, self.in_features), self)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
