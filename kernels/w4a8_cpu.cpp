@@ -85,17 +85,19 @@ void tile_scalar(const Args& a, int bits, int64_t t, int64_t m0, int64_t mr) {
 
 // The int32 sums I of one 32-channel block for MR rows and NT tiles (tile stride `tstride`
 // bytes), added into acc as fp32 times the rows' block scales.
+VNNI inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {
+  int32_t a;
+  std::memcpy(&a, x, 4);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a));
+}
+
 template <int BITS, int MR, int NT>
 VNNI inline void block_vnni(const uint8_t* blk, int64_t tstride, const int8_t* const* x,
                             const float* d, __m512* acc) {
   __m512i I[MR * NT];
   for (int i = 0; i < MR * NT; ++i) I[i] = _mm512_setzero_si512();
   const __m512i m4 = _mm512_set1_epi8(15);
-  auto dot = [&](int r, int n, __m512i w, int k) {
-    int32_t a;
-    std::memcpy(&a, x[r] + k, 4);
-    I[r * NT + n] = _mm512_dpbusd_epi32(I[r * NT + n], w, _mm512_set1_epi32(a));
-  };
+#define dot(r, n, w, k) (I[(r) * NT + (n)] = dot4(I[(r) * NT + (n)], (w), x[r] + (k)))
   if constexpr (BITS == 8) {
     for (int st = 0; st < 8; ++st)
       for (int n = 0; n < NT; ++n) {
@@ -126,6 +128,7 @@ VNNI inline void block_vnni(const uint8_t* blk, int64_t tstride, const int8_t* c
       }
     }
   }
+#undef dot
   for (int r = 0; r < MR; ++r) {
     const __m512 dv = _mm512_set1_ps(d[r]);
     for (int n = 0; n < NT; ++n)
@@ -171,16 +174,18 @@ VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
 // of u8 x s8 products into int16 without overflow for codes < 16 (4 k-steps of 2 x 15 x 127
 // stay under 2^15), so the int16 sums are widened once per block; 8-bit codes are split into
 // their nibbles, each summed so, then combined as 16 hi + lo in int32.
+AVX2 inline __m256i bcast4(const int8_t* x) {
+  int32_t a;
+  std::memcpy(&a, x, 4);
+  return _mm256_set1_epi32(a);
+}
+
 template <int BITS, int MR>
 AVX2 inline void half_avx2(const uint8_t* blk, int half, const int8_t* const* x, __m256i* I) {
   const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
   __m256i s16[MR], h16[MR];
   for (int r = 0; r < MR; ++r) s16[r] = h16[r] = _mm256_setzero_si256();
-  auto bx = [&](int r, int k) {
-    int32_t a;
-    std::memcpy(&a, x[r] + k, 4);
-    return _mm256_set1_epi32(a);
-  };
+#define bx(r, k) bcast4(x[r] + (k))
   if constexpr (BITS == 8) {
     for (int st = 0; st < 8; ++st) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + st * 64 + 32 * half));
@@ -230,6 +235,7 @@ AVX2 inline void half_avx2(const uint8_t* blk, int half, const int8_t* const* x,
   }
   for (int r = 0; r < MR; ++r)
     I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_add_epi16(s16[r], h16[r]), one));
+#undef bx
 }
 
 template <int BITS, int MR>

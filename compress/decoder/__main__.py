@@ -28,6 +28,13 @@ from compress.errors import CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
+KERNELS = ("exact", "w4a8")
+# The fast configuration's kernel for the quantized layers, and its head when the folder records
+# none: W4A8 (int8 activations, integer dot products) and an int8 head, kept only while their
+# measured cost stays within 0.3% ppl of the bfloat16 W4A16 path on 40 windows
+# (``decode.kernel=w4a8`` in a recipe reports it; README, "W4A8").
+FAST_KERNEL = "w4a8"
+FAST_HEAD = "int8"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=HEADS,
         help="quantize the output head at load, group-wise (the embedding stays exact); "
         "default: what the run folder's manifest records (quant.lm_head), else none",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=KERNELS,
+        help="how the quantized layers compute: exact (weight-only) or w4a8 (activations rounded "
+        "to int8 per token and 32 channels, integer dot products; CPU); default: "
+        f"{FAST_KERNEL} in the fast configuration, else exact",
     )
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument(
@@ -167,15 +181,18 @@ def group_quantized(folder) -> bool:
 
 
 def configuration(args) -> dict:
-    """The configuration that runs: ``dtype``, ``qdtype``, ``lean``, ``compile``, ``head``, and
-    ``fast`` (whether the fast default chose it).
+    """The configuration that runs: ``dtype``, ``qdtype``, ``lean``, ``compile``, ``head``,
+    ``kernel``, and ``fast`` (whether the fast default chose it).
 
     Without ``--dtype``, a group-quantized folder on the CPU runs the fast configuration: the
     model in bfloat16 (the int layers through ATen's int4pack kernel, as AutoAWQ and vLLM compute
     in 16-bit), lean weights, and the compiled step (fp16 or full cache, no draft; its compiled
     code is kept in torch inductor's on-disk FX graph cache, so later runs skip the C++ compile).
+    The fast configuration also computes the quantized layers with ``FAST_KERNEL`` and
+    quantizes the head to ``FAST_HEAD`` when the folder records none.
     ``--dtype float32`` keeps the bit-faithful path of the pipeline's evaluation; explicit
-    ``--lean``/``--no-lean``, ``--compile``/``--no-compile`` and ``--qdtype`` override either.
+    ``--lean``/``--no-lean``, ``--compile``/``--no-compile``, ``--qdtype``, ``--kernel`` and
+    ``--head`` override either.
     """
     from compress.quant.head import recorded_head
 
@@ -186,12 +203,16 @@ def configuration(args) -> dict:
     static_ok = args.kv in ("fp16", "full") and args.draft is None and args.iam is None
     compile_ = args.compile if args.compile is not None else fast and static_ok
     head = args.head or recorded_head(args.run)
+    if fast and args.head is None and head == "none":
+        head = FAST_HEAD
+    kernel = getattr(args, "kernel", None) or (FAST_KERNEL if fast else "exact")
     return {
         "dtype": dtype,
         "qdtype": qdtype,
         "lean": lean,
         "compile": compile_,
         "head": head,
+        "kernel": kernel,
         "fast": fast,
     }
 
@@ -199,6 +220,7 @@ def configuration(args) -> dict:
 def describe(conf: dict) -> str:
     """One line naming the configuration, for stderr."""
     flags = [f"dtype {conf['dtype']}", f"qdtype {conf['qdtype']}", f"head {conf['head']}"]
+    flags += [f"kernel {conf['kernel']}"] if conf.get("kernel", "exact") != "exact" else []
     flags += [name for name in ("lean", "compile") if conf[name]]
     how = (
         "the fast default; --dtype float32 for the bit-faithful path"
@@ -220,7 +242,7 @@ def run(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     conf = configuration(args)
-    args.compile = conf["compile"]
+    args.compile_flag, args.compile = args.compile, conf["compile"]
     if not args.json:
         print(describe(conf), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -230,6 +252,7 @@ def run(args) -> None:
         qdtype=getattr(torch, conf["qdtype"]),
         lean=conf["lean"],
         head=conf["head"],
+        kernel=conf["kernel"],
     )
     if args.iam is not None:
         from compress.decoder.iam import load_iam
@@ -264,12 +287,9 @@ def run(args) -> None:
 
         from compress.decoder.speculative import speculative_generate
 
-        load_kwargs = dict(
-            dtype=getattr(torch, conf["dtype"]),
-            device=args.device,
-            lean=conf["lean"],
-            qdtype=getattr(torch, conf["qdtype"]),
-        )
+        load_kwargs = spec_cli.draft_load_kwargs(args, conf)
+        if not args.json:
+            print(spec_cli.describe_draft(load_kwargs), file=sys.stderr, flush=True)
         schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
         generate = partial(speculative_generate, draft=schedule)
     if (

@@ -64,6 +64,9 @@ class QuantLinear(nn.Module):
         else:
             self.bias = None
         self.cache = {}  # per-device packed forms built by the kernels (not saved)
+        # "exact" (weight-only: the bit-faithful or int4pack paths) or "w4a8" (int8 activations,
+        # compress.kernels.w4a8_cpu): how the kernels compute it; not saved
+        self.kernel = "exact"
 
     @classmethod
     def from_quantized(cls, qw, bias: torch.Tensor | None = None) -> "QuantLinear":
