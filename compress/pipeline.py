@@ -177,6 +177,16 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
             cache_dir() / "logprobs" if cfg.eval.get("cache_logprobs") and source.sha256 else None
         )
         figures = evaluate(compressed, windows, reference, cache=cache, source_sha=source.sha256)
+        kernel = cfg.decode.get("kernel", "exact")  # a kernel that is not bit-faithful: its cost
+        if kernel != "exact":
+            from compress.eval.kernel_cost import kernel_figures
+
+            figures.update(
+                kernel_figures(
+                    compressed, windows, reference, kernel, figures, cache=cache,
+                    source_sha=source.sha256,
+                )  # fmt: skip
+            )
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
 

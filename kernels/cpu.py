@@ -54,23 +54,15 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.kernels.bitplanes import pack_planes
-from compress.kernels import native, w4a8_cpu
-from compress.kernels.layout import check_layer, planes, stamp
+import compress.kernels.native as native
+import compress.kernels.w4a8_cpu as w4a8_cpu
+from compress.kernels.layout import cached, check_layer, planes, stamp
 
 W4A8_MAX_M = 64  # the int8-activation kernel up to here (larger M: the exact paths' dense matmul)
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above
 INT4PACK_MAX_M = {1: 32, 2: 8}  # ATen int4pack (bfloat16) up to this M, by calls per code
 RECOMPILE_LIMIT = 64  # one compiled graph per (layer shape, M <= 8)
 COMPILE_MIN_WEIGHTS = 2**16  # smaller layers run eagerly: compiling them costs more than it saves
-
-
-def cached(layer, key, build):
-    """``build()``, kept in ``layer.cache[key]`` until the layer's tensors change."""
-    current = stamp(layer)
-    hit = layer.cache.get(key)
-    if hit is None or hit[0] != current:
-        hit = layer.cache[key] = (current, build())
-    return hit[1]
 
 
 def _codes(layer) -> tuple[torch.Tensor, torch.Tensor]:

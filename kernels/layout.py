@@ -33,6 +33,15 @@ def stamp(layer) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in layer._buffers.values() if t is not None)
 
 
+def cached(layer, key, build):
+    """``build()``, kept in ``layer.cache[key]`` until the layer's tensors change."""
+    current = stamp(layer)
+    hit = layer.cache.get(key)
+    if hit is None or hit[0] != current:
+        hit = layer.cache[key] = (current, build())
+    return hit[1]
+
+
 def _where(layer) -> str:
     return (
         f"quantized layer [{layer.in_features} -> {layer.out_features}], {layer.bits}-bit, "

@@ -39,7 +39,8 @@ import os
 import torch
 
 from compress.errors import CompressError
-from compress.kernels import native
+import compress.kernels.native as native
+from compress.kernels.layout import cached
 from compress.kernels.w4a8_ref import BLOCK, matmul as ref_matmul
 
 TILE = 16
@@ -109,9 +110,8 @@ def prepare(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return pack(q, layer.bits), s, (s * z.float()).contiguous()
 
 
-def form(layer):
-    from compress.kernels.cpu import cached
-
+def form(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`prepare`'s form of ``layer``, kept in its cache."""
     return cached(layer, "w4a8", lambda: prepare(layer))
 
 

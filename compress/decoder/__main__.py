@@ -24,17 +24,12 @@ import sys
 from pathlib import Path
 
 from compress.decoder import spec_cli
+from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, group_quantized
 from compress.errors import CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
 KERNELS = ("exact", "w4a8")
-# The fast configuration's kernel for the quantized layers, and its head when the folder records
-# none: W4A8 (int8 activations, integer dot products) and an int8 head, kept only while their
-# measured cost stays within 0.3% ppl of the bfloat16 W4A16 path on 40 windows
-# (``decode.kernel=w4a8`` in a recipe reports it; README, "W4A8").
-FAST_KERNEL = "w4a8"
-FAST_HEAD = "int8"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,15 +164,6 @@ def check_iam_arguments(args) -> None:
         raise CompressError(
             "--iam decodes eagerly with one model pair: leave out --draft and --compile."
         )
-
-
-def group_quantized(folder) -> bool:
-    """Whether ``folder``'s config.json names a group-quantized format (awq, compress)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return False
-    qcfg = json.loads(path.read_text()).get("quantization_config") or {}
-    return qcfg.get("quant_method") in ("awq", "compress")
 
 
 def configuration(args) -> dict:

@@ -83,7 +83,7 @@ def draft_load_kwargs(args, conf: dict) -> dict:
     target's configuration ``conf``."""
     import torch
 
-    from compress.decoder import __main__ as cli
+    from compress.decoder import defaults
 
     flag = getattr(args, "compile_flag", args.compile)  # --compile as given (None: not given)
     kw = dict(
@@ -98,7 +98,7 @@ def draft_load_kwargs(args, conf: dict) -> dict:
         args.draft != "self"
         and args.dtype is None
         and args.device == "cpu"
-        and cli.group_quantized(args.draft)
+        and defaults.group_quantized(args.draft)
     )
     if fast:
         from compress.quant.head import recorded_head
@@ -108,8 +108,8 @@ def draft_load_kwargs(args, conf: dict) -> dict:
             dtype=torch.bfloat16,
             qdtype=torch.bfloat16,
             lean=True if args.lean is None else args.lean,
-            kernel=getattr(args, "kernel", None) or cli.FAST_KERNEL,
-            head=args.head or (cli.FAST_HEAD if head == "none" else head),
+            kernel=getattr(args, "kernel", None) or defaults.FAST_KERNEL,
+            head=args.head or (defaults.FAST_HEAD if head == "none" else head),
             compile=True if flag is None else bool(flag),
         )
     return kw
