@@ -2,6 +2,7 @@
 same quantized arithmetic, on every path this machine runs; its wiring into the layers, the
 compiled step and lean loading; a machine without a compiler."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -175,3 +176,48 @@ def test_no_compiler_keeps_the_exact_path_with_one_warning(monkeypatch):
     assert len(caught) == 1 and native._LIB == {"lib": None}
     assert cpu.cpu_path(x, layer) != "w4a8" and w4a8_cpu.available() == ["ref"]
     assert rel(y, x.double() @ layer.dequantize(torch.float64).t()) < 1e-6
+
+
+def test_fast_head_needs_whole_words(tmp_path):
+    from compress.decoder.defaults import FAST_HEAD, fast_head
+
+    for vocab, head in ((320, FAST_HEAD), (300, "none")):
+        (tmp_path / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+        assert fast_head(tmp_path) == head
+    assert fast_head(tmp_path / "missing") == "none"
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
+    """A quantized folder's default configuration: W4A8 layers, lean, the compiled step, whose
+    greedy tokens are the eager W4A8 model's; ``--kernel exact`` keeps the exact layers."""
+    from compress.decoder.__main__ import main
+    from compress.decoder.generate import generate
+    from compress.decoder.model import load
+    from compress.quant.rtn import pack_model, quantization_config
+    from tests.test_decoder import save, tiny_hf, tiny_tokenizer
+
+    folder = save(
+        pack_model(tiny_hf(vocab_size=320), 4, 32),
+        tmp_path / "q4",
+        tiny_tokenizer(),
+        quantization_config(4, 32),
+    )
+    main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    conf = out["config"]
+    assert conf["kernel"] == "w4a8" and conf["head"] == "int8" and conf["lean"] and conf["compile"]
+    model, tok = load(folder, dtype=torch.bfloat16, lean=True, head="int8", kernel="w4a8")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
+    assert all(m.kernel == "w4a8" and m.cache["lean"] == "w4a8" for m in layers)
+    ids = tok("the quick brown").input_ids
+    compiled = generate(model, [ids], 6, compile=True, ignore_eos=True)
+    step = next(iter(model.static_steps.values()))
+    assert isinstance(step.model.model.layers[0].mlp.down_proj, w4a8_cpu.W4A8Linear)
+    eager = generate(model, [ids], 6, ignore_eos=True)
+    assert compiled.tokens == eager.tokens
+    # the CLI's text leaves out a trailing partial character
+    assert out["text"].rstrip("\ufffd") == tok.decode(eager.tokens[0]).rstrip("\ufffd")
+    exact, _ = load(folder, kernel="exact")
+    assert all(m.kernel == "exact" for m in exact.modules() if isinstance(m, QuantLinear))

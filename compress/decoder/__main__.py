@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from compress.decoder import spec_cli
-from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, group_quantized
+from compress.decoder.defaults import FAST_KERNEL, fast_head, group_quantized
 from compress.errors import CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -175,7 +175,7 @@ def configuration(args) -> dict:
     in 16-bit), lean weights, and the compiled step (fp16 or full cache, no draft; its compiled
     code is kept in torch inductor's on-disk FX graph cache, so later runs skip the C++ compile).
     The fast configuration also computes the quantized layers with ``FAST_KERNEL`` and
-    quantizes the head to ``FAST_HEAD`` when the folder records none.
+    quantizes the head to ``FAST_HEAD`` when the folder records none (``compress.decoder.defaults``).
     ``--dtype float32`` keeps the bit-faithful path of the pipeline's evaluation; explicit
     ``--lean``/``--no-lean``, ``--compile``/``--no-compile``, ``--qdtype``, ``--kernel`` and
     ``--head`` override either.
@@ -190,7 +190,7 @@ def configuration(args) -> dict:
     compile_ = args.compile if args.compile is not None else fast and static_ok
     head = args.head or recorded_head(args.run)
     if fast and args.head is None and head == "none":
-        head = FAST_HEAD
+        head = fast_head(args.run)
     kernel = getattr(args, "kernel", None) or (FAST_KERNEL if fast else "exact")
     return {
         "dtype": dtype,

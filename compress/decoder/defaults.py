@@ -15,6 +15,14 @@ FAST_KERNEL = "w4a8"  # int8 activations, integer dot products (compress.kernels
 FAST_HEAD = "int8"  # the head group-quantized to int8 at load (compress.quant.head)
 
 
+def fast_head(folder) -> str:
+    """``FAST_HEAD``, or none when the folder's vocabulary does not fill whole packed words
+    (``compress.quant.head`` needs a multiple of 32 rows)."""
+    path = Path(folder) / "config.json"
+    vocab = json.loads(path.read_text()).get("vocab_size") if path.is_file() else None
+    return FAST_HEAD if isinstance(vocab, int) and vocab % 32 == 0 else "none"
+
+
 def group_quantized(folder) -> bool:
     """Whether ``folder``'s config.json names a group-quantized format (awq, compress)."""
     path = Path(folder) / "config.json"

@@ -109,7 +109,7 @@ def draft_load_kwargs(args, conf: dict) -> dict:
             qdtype=torch.bfloat16,
             lean=True if args.lean is None else args.lean,
             kernel=getattr(args, "kernel", None) or defaults.FAST_KERNEL,
-            head=args.head or (defaults.FAST_HEAD if head == "none" else head),
+            head=args.head or (defaults.fast_head(args.draft) if head == "none" else head),
             compile=True if flag is None else bool(flag),
         )
     return kw
