@@ -1,5 +1,5 @@
 """The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``,
-``w4a8_cpu.cpp``): one library, built on first use.
+``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``): one library, built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 
 SOURCES = [
-    Path(__file__).with_name(f) for f in ("packkv_cpu.cpp", "packkv_order.cpp", "kivi_cpu.cpp", "w4a8_cpu.cpp")
+    Path(__file__).with_name(f)
+    for f in (
+        "packkv_cpu.cpp",
+        "packkv_order.cpp",
+        "kivi_cpu.cpp",
+        "w4a8_cpu.cpp",
+        "paged_attn_cpu.cpp",
+    )
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
@@ -38,6 +45,7 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "w4a8_quantize": [P, P, P, P, I64, I64, I64],
     "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
     "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
+    "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, INT, INT],
 }
 RESTYPES = {"w4a8_caps": INT}  # functions returning a value (the others return void)
 _LIB: dict = {}  # "lib": the loaded library, or None once a build failed
