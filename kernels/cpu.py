@@ -26,10 +26,13 @@ Each layer gets a form prepared at first use and kept in ``layer.cache``:
 
   For M > 8 (prefill) it dequantizes ``W_hat`` into a reused buffer instead,
   and ``x @ W_hat`` runs as a dense matmul.
-* ``w4a8`` (layers whose ``kernel`` is ``"w4a8"``, any input dtype, M <= ``W4A8_MAX_M``; all M
-  for a layer loaded lean): the activations rounded to int8 per token and 32-channel block,
-  integer dot products against the codes repacked for them (``w4a8_cpu``, C++); not
-  bit-faithful: ``w4a8_ref`` is its arithmetic.
+* ``w4a8`` (layers whose ``kernel`` is ``"w4a8"``, any input dtype, M <= ``W4A8_MAX_M``, or
+  every M with ``kernel_every_m``): the activations rounded to int8 per token and 32-channel
+  block, integer dot products against the codes repacked for them (``w4a8_cpu``, C++); not
+  bit-faithful: ``w4a8_ref`` is its arithmetic. Above ``W4A8_MAX_M`` a layer loaded lean
+  (only the W4A8 form kept) dequantizes that form for a dense matmul (``w4a8-dequant``), as
+  ``kplanes-dequant`` does: prefill stays a dense matmul (``bench_linear --alternatives --m
+  512``: the integer kernel is several times slower there).
 
 The paths and their M limits are the fastest of all candidates per dtype and M; ``python -m
 compress.eval.bench.bench_linear --quick --threads 1 --alternatives`` re-measures them (figures in the
@@ -221,13 +224,17 @@ def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
     if x.dtype == torch.float16:  # CPUs without AVX512-FP16 multiply float16 slowly
         return kplanes_dequant_mm(x.float(), layer).half()
     packed, widths, s, z = cached(layer, "kplanes", lambda: prepare_kplanes(layer))
-    k, n = layer.in_features, layer.out_features
-    buf = _workspace.get(x.dtype)
-    if buf is None or buf.numel() < k * n:
-        buf = _workspace[x.dtype] = torch.empty(k * n, dtype=x.dtype)
-    w = buf[: k * n].view(k, n)
+    w = workspace(x.dtype, layer.in_features, layer.out_features)
     dequant_compiled(layer, w, packed, widths, s, z)
     return x @ w
+
+
+def workspace(dtype: torch.dtype, k: int, n: int) -> torch.Tensor:
+    """A ``[k, n]`` view of the buffer shared by every layer's prefill dequantization."""
+    buf = _workspace.get(dtype)
+    if buf is None or buf.numel() < k * n:
+        buf = _workspace[dtype] = torch.empty(k * n, dtype=dtype)
+    return buf[: k * n].view(k, n)
 
 
 def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
@@ -236,6 +243,7 @@ def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
 
 PATHS = {
     "w4a8": w4a8_cpu.w4a8_mm,
+    "w4a8-dequant": w4a8_cpu.dequant_mm,
     "int4pack": int4pack_mm,
     "kplanes-gemv": kplanes_gemv,
     "kplanes-dequant": kplanes_dequant_mm,
@@ -270,7 +278,8 @@ def takes_w4a8(layer) -> bool:
 
 def keep_w4a8_only(layer) -> None:
     """Prepare the W4A8 form, then free the packed codes it duplicates (``lean`` loading of a
-    ``kernel="w4a8"`` layer): it then computes through the kernel at every ``M``."""
+    ``kernel="w4a8"`` layer): it then computes from that form at every ``M`` (the kernel, or
+    ``w4a8-dequant`` for long prefills)."""
     check_layer(layer)
     form = w4a8_cpu.form(layer)
     for name, t in layer._buffers.items():
@@ -311,9 +320,10 @@ def keep_int4pack_only(layer) -> None:
 def cpu_path(x: torch.Tensor, layer) -> str:
     """Name of the measured-fastest exact CPU path for ``x``'s dtype, the layer and ``M``."""
     lean = layer.cache.get("lean")
+    small = x.shape[0] <= W4A8_MAX_M or getattr(layer, "kernel_every_m", False)
     if lean == "w4a8":
-        return "w4a8"
-    if takes_w4a8(layer) and x.shape[0] <= W4A8_MAX_M:
+        return "w4a8" if small else "w4a8-dequant"
+    if takes_w4a8(layer) and small:
         return "w4a8"
     if lean:
         if x.dtype != torch.bfloat16:

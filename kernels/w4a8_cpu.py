@@ -102,6 +102,42 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     raise ValueError(f"the W4A8 kernel packs 3, 4 or 8-bit codes, not {bits}")
 
 
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: int32 codes ``[K, N]``."""
+    T, B = packed.shape[:2]
+    v = packed.to(torch.int32)
+    if bits == 8:  # [T, B, c, j, u] -> [B, c, u, T, j]
+        q = v.view(T, B, 8, TILE, 4).permute(1, 2, 4, 0, 3)
+    elif bits == 4:  # [T, B, c, j, u, hi] -> [B, c, hi, u, T, j]
+        v = v.view(T, B, 4, TILE, 4)
+        q = torch.stack([v & 15, v >> 4], -1).permute(1, 2, 5, 4, 0, 3)
+    else:
+        lo = v[..., :128].reshape(T, B, 2, TILE, 4, 1) >> (2 * torch.arange(4, dtype=torch.int32))
+        lo = (lo & 3).permute(1, 2, 5, 4, 0, 3).reshape(B * 32, T * TILE)  # [B, ch, r, u, T, j]
+        hi = v[..., 128:].reshape(T, B, TILE, 4, 1) >> torch.arange(8, dtype=torch.int32)
+        hi = (hi & 1).permute(1, 4, 3, 0, 2).reshape(B * 32, T * TILE)  # [B, r, u, T, j]
+        return lo | (hi << 2)
+    return q.reshape(B * BLOCK, T * TILE)
+
+
+def dequantize_into(out: torch.Tensor, packed, s, sz, bits: int, group_size: int) -> None:
+    """``out [K, N] = W_hat^T = q s - s z`` (in ``out``'s dtype) from the packed form."""
+    q = unpack(packed, bits).float().view(s.shape[0], group_size, -1)
+    out.copy_((q * s[:, None] - sz[:, None]).view_as(out))
+
+
+def dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
+    """``x @ W_hat^T`` (exact, no activation rounding) with ``W_hat`` dequantized from the
+    packed form into a reused buffer: a lean W4A8 layer's long prefills, where the dense
+    matmul is faster than the integer kernel (``bench_linear --alternatives --m 512``)."""
+    from compress.kernels.cpu import workspace
+
+    dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
+    w = workspace(dtype, layer.in_features, layer.out_features)
+    dequantize_into(w, *form(layer), layer.bits, layer.group_size)
+    return (x.to(dtype) @ w).to(x.dtype)
+
+
 def prepare(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed, s, sz)``: the layer's codes in the kernel's layout, fp32 scales ``[G, N]`` and
     ``s * z``."""
@@ -145,9 +181,11 @@ def w4a8_mm(x: torch.Tensor, layer) -> torch.Tensor:
     return linear(x, packed, s, sz, layer.bits, layer.group_size, which).to(x.dtype)
 
 
-def use(model: torch.nn.Module, kernel: str = "w4a8") -> int:
+def use(model: torch.nn.Module, kernel: str = "w4a8", every_m: bool = False) -> int:
     """Set ``kernel`` (``"w4a8"`` or ``"exact"``) on every group-quantized layer of ``model``;
-    returns how many layers take it."""
+    returns how many layers take it. ``every_m``: the kernel at every M (batch-invariant
+    serving: a row's bits must not depend on how many rows a step holds), else up to
+    ``cpu.W4A8_MAX_M`` rows and the exact path above."""
     if kernel not in KERNELS:
         raise CompressError(
             f"kernel={kernel!r}: the quantized layers compute exactly (exact: weight-only, the "
@@ -157,6 +195,7 @@ def use(model: torch.nn.Module, kernel: str = "w4a8") -> int:
     for m in model.modules():
         if hasattr(m, "kernel") and hasattr(m, "group_size") and hasattr(m, "bits"):
             m.kernel = kernel if kernel == "exact" or fits(m) else "exact"
+            m.kernel_every_m = every_m and m.kernel == "w4a8"
             n += m.kernel == kernel
     return n
 

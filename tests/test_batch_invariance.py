@@ -15,6 +15,7 @@ from compress.decoder.model import load
 from compress.decoder.scheduler import Params
 from compress.errors import CompressError
 from compress.kernels import native, paged_attn_cpu
+from compress.kernels.w4a8_cpu import use
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 BUILT = native.library() is not None
@@ -87,6 +88,9 @@ def test_engine_batched_equals_one_at_a_time(tmp_path):
     with pytest.raises(CompressError, match="kernel w4a8 and lean"):
         Engine(exact, batch_invariant=True)
     model, tok = load(folder, kernel="w4a8", lean=True, head="int8")
+    with pytest.raises(CompressError, match="at every M"):
+        Engine(model, batch_invariant=True)  # up to 64 rows only: long prefills would differ
+    use(model, "w4a8", every_m=True)
     params = Params(max_tokens=12, ignore_eos=True)
     batched = Engine(model, num_blocks=128, block_size=4, max_seqs=16, max_step_tokens=48,
                      batch_invariant=True).generate(prompts(16), params)  # fmt: skip
@@ -109,6 +113,7 @@ def server(tmp_path):
     openai = pytest.importorskip("openai")
     folder = quantized_folder(tmp_path)
     model, tok = load(folder, kernel="w4a8", lean=True, head="int8")
+    use(model, "w4a8", every_m=True)
     engine = Engine(model, tok, num_blocks=256, block_size=4, max_seqs=16, max_step_tokens=64,
                     batch_invariant=True)  # fmt: skip
     port = free_port()

@@ -146,17 +146,28 @@ def test_use_sets_the_kernel_where_it_fits():
 
 
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
-def test_lean_w4a8_and_the_compiled_op():
-    """Lean loading keeps only the W4A8 form; the op that the compiled step traces computes the
-    same as the layer."""
-    layer = random_layer(8, 128, 64, 32, seed=4)
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_lean_w4a8_and_the_compiled_op(bits):
+    """Lean loading keeps only the W4A8 form: small M through the kernel, long prefills through
+    its exact dequantization (``w4a8-dequant``), every M through the kernel with
+    ``kernel_every_m``; the op that the compiled step traces computes the same as the layer."""
+    layer = random_layer(bits, 128, 64, 32, seed=4)
+    w64 = random_layer(bits, 128, 64, 32, seed=4).dequantize(torch.float64)
+    packed, s, sz = w4a8_cpu.form(layer)
+    assert torch.equal(w4a8_cpu.unpack(packed, bits), layer.codes()[0])  # pack's inverse
     layer.kernel = "w4a8"
-    x = torch.randn(100, 128)  # above W4A8_MAX_M: lean layers still take the kernel
+    x = torch.randn(cpu.W4A8_MAX_M + 36, 128)
     before = layer(x[:5])
     cpu.keep_lean_form(layer)
-    assert layer.qweight_w8.numel() == 0 and layer.cache["lean"] == "w4a8"
+    assert layer.cache["lean"] == "w4a8" and all(
+        t.numel() == 0 for n, t in layer._buffers.items() if n.startswith("qweight")
+    )
     assert torch.equal(layer(x[:5]), before)
-    assert rel(layer(x), x_hat64(x, 32) @ random_layer(8, 128, 64, 32, 4).dequantize(torch.float64).t()) < 2e-6
+    assert cpu.cpu_path(x, layer) == "w4a8-dequant"
+    assert rel(layer(x), x.double() @ w64.t()) < 1e-6  # exact: no activation rounding
+    assert rel(layer(x.bfloat16()), x.bfloat16().double() @ w64.t()) < 1e-2
+    layer.kernel_every_m = True
+    assert rel(layer(x), x_hat64(x, 32) @ w64.t()) < 2e-6
     mod = w4a8_cpu.W4A8Linear(layer)
     compiled = torch.compile(mod, fullgraph=True)
     assert torch.equal(compiled(x[:5].reshape(5, 1, 128)).reshape(5, 64), before)
@@ -221,3 +232,32 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
     assert out["text"].rstrip("\ufffd") == tok.decode(eager.tokens[0]).rstrip("\ufffd")
     exact, _ = load(folder, kernel="exact")
     assert all(m.kernel == "exact" for m in exact.modules() if isinstance(m, QuantLinear))
+
+
+def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
+    """``--draft AWQ_RUN`` with no other flags: the draft loads bfloat16, lean, W4A8, with the
+    fast head, and decodes compiled, whatever the (float) target runs; explicit flags win."""
+    from compress.decoder.__main__ import configuration, parse_args
+    from compress.decoder.spec_cli import draft_load_kwargs
+
+    target, draft = tmp_path / "fp", tmp_path / "q4"
+    for folder, qcfg in ((target, None), (draft, {"quant_method": "awq", "bits": 4})):
+        folder.mkdir()
+        (folder / "config.json").write_text(
+            json.dumps({"vocab_size": 320, "quantization_config": qcfg})
+        )
+
+    def kwargs(*flags):
+        args = parse_args([str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags])
+        conf = configuration(args)
+        args.compile_flag, args.compile = args.compile, conf["compile"]
+        return conf, draft_load_kwargs(args, conf)
+
+    conf, kw = kwargs()
+    assert conf["dtype"] == "float32" and conf["kernel"] == "exact" and not conf["compile"]
+    assert kw == dict(dtype=torch.bfloat16, qdtype=torch.bfloat16, device="cpu", lean=True,
+                      kernel="w4a8", head="int8", compile=True)  # fmt: skip
+    _, kw = kwargs("--no-compile", "--kernel", "exact", "--no-lean")
+    assert not kw["compile"] and kw["kernel"] == "exact" and not kw["lean"]
+    _, kw = kwargs("--dtype", "float32")  # an explicit dtype: the draft runs as the target
+    assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and "head" not in kw

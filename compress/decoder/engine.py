@@ -13,7 +13,8 @@ samples its next token from its last position's logits. Outputs, EOS and stop st
 
 ``batch_invariant`` makes that exact, whatever else is served: attention runs query by query in
 a fixed order (``compress.kernels.paged_attn_cpu``), and the model should be loaded with the
-integer W4A8 linears at every M (``load(..., kernel="w4a8", lean=True)``: per-token int8
+integer W4A8 linears at every M (``load(..., kernel="w4a8", lean=True)``, then
+``w4a8_cpu.use(model, "w4a8", every_m=True)``: per-token int8
 activations and int32 sums, the same bits for a row in any batch); :func:`invariant_model`
 says whether it is.
 """
@@ -42,13 +43,17 @@ class Event:
 
 def invariant_model(model) -> bool:
     """Whether every linear of ``model`` is a W4A8 layer at every M (loaded lean with kernel
-    w4a8): the rows of a batch then do not change each other's bits in the matmuls."""
+    w4a8, then ``compress.kernels.w4a8_cpu.use(model, "w4a8", every_m=True)``): the rows of a
+    batch then do not change each other's bits in the matmuls."""
     linears = [
         m
         for m in model.modules()
         if isinstance(m, nn.Linear) or hasattr(m, "group_size") or hasattr(m, "SCB")
     ]
-    return bool(linears) and all(getattr(m, "cache", {}).get("lean") == "w4a8" for m in linears)
+    return bool(linears) and all(
+        getattr(m, "cache", {}).get("lean") == "w4a8" and getattr(m, "kernel_every_m", False)
+        for m in linears
+    )
 
 
 class Engine:
@@ -71,9 +76,9 @@ class Engine:
         if batch_invariant and not invariant_model(model):
             raise CompressError(
                 "batch-invariant serving needs every linear of the model to compute a row the "
-                "same in any batch: a group-quantized folder loaded with kernel w4a8 and lean "
-                "(python -m compress.serve RUN --batch-invariant), including the output head "
-                "(--head int8 or int4)."
+                "same in any batch: a group-quantized folder loaded with kernel w4a8 and lean, "
+                "the kernel at every M (python -m compress.serve RUN --batch-invariant), "
+                "including the output head (--head int8 or int4)."
             )
         self.cache = new_paged_cache(model, num_blocks, block_size, kv, batch_invariant)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)

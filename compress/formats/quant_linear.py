@@ -67,6 +67,7 @@ class QuantLinear(nn.Module):
         # "exact" (weight-only: the bit-faithful or int4pack paths) or "w4a8" (int8 activations,
         # compress.kernels.w4a8_cpu): how the kernels compute it; not saved
         self.kernel = "exact"
+        self.kernel_every_m = False  # "w4a8" at every M (batch-invariant serving), not to 64 rows
 
     @classmethod
     def from_quantized(cls, qw, bias: torch.Tensor | None = None) -> "QuantLinear":

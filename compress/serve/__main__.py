@@ -122,6 +122,10 @@ def serve(args) -> None:
         kernel="w4a8" if args.batch_invariant else args.kernel,
         lean=args.batch_invariant,
     )
+    if args.batch_invariant:
+        from compress.kernels.w4a8_cpu import use
+
+        use(model, "w4a8", every_m=True)  # the integer kernel for every step, prefills too
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files; the server needs one to read text."

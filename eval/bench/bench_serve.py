@@ -136,6 +136,10 @@ def throughput(label, path, dtype, args) -> list[dict]:
 
         kw.update(lean=True, head=fast_head(path))
     model, tok = load(path, dtype=getattr(torch, dtype), **kw)
+    if invariant:
+        from compress.kernels.w4a8_cpu import use
+
+        use(model, "w4a8", every_m=True)
     reqs = requests(
         tok, model.config.vocab_size, args.requests, args.prompt_lens, args.new_lens, args.seed
     )
