@@ -35,6 +35,7 @@ machines where the library does not build (one warning, from ``native``), keep t
 """
 
 import os
+import threading
 
 import torch
 
@@ -59,10 +60,17 @@ def fits(layer) -> bool:
     )
 
 
+_CAPS: dict = {}  # id of the loaded library -> its w4a8_caps()
+_LOCAL = threading.local()  # per thread: (M, K, G) -> (xq, d, xs), the activations' buffers
+
+
 def available() -> list[str]:
     """The paths this machine runs, fastest first (``ref`` always)."""
     lib = native.library()
-    caps = lib.w4a8_caps() if lib is not None else 0
+    if lib is None:
+        caps = 0
+    elif (caps := _CAPS.get(id(lib))) is None:
+        caps = _CAPS[id(lib)] = lib.w4a8_caps()
     return [p for p in ("vnni", "avx2", "portable") if caps & CAPS[p]] + ["ref"]
 
 
@@ -160,9 +168,16 @@ def linear(x: torch.Tensor, packed, s, sz, bits: int, group_size: int, which: st
     M, K = x.shape
     N = s.shape[1]
     y = torch.empty(M, N, dtype=torch.float32)
-    xq = torch.empty(M, K, dtype=torch.int8)
-    d = torch.empty(M, K // BLOCK, dtype=torch.float32)
-    xs = torch.empty(M, K // group_size, dtype=torch.float32)
+    key, held = (M, K, K // group_size), _LOCAL.__dict__.setdefault("scratch", {})
+    if (scratch := held.get(key)) is None:
+        if len(held) > 64:
+            held.clear()
+        scratch = held[key] = (
+            torch.empty(M, K, dtype=torch.int8),
+            torch.empty(M, K // BLOCK, dtype=torch.float32),
+            torch.empty(M, K // group_size, dtype=torch.float32),
+        )
+    xq, d, xs = scratch
     lib.w4a8_linear(
         x.data_ptr(), xq.data_ptr(), d.data_ptr(), xs.data_ptr(),
         packed.data_ptr(), s.data_ptr(), sz.data_ptr(), y.data_ptr(),

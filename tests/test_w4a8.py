@@ -261,3 +261,26 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
     assert not kw["compile"] and kw["kernel"] == "exact" and not kw["lean"]
     _, kw = kwargs("--dtype", "float32")  # an explicit dtype: the draft runs as the target
     assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and "head" not in kw
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+def test_quantized_draft_default_is_exact(tmp_path, capsys):
+    """``--draft Q4`` with no other flags: the draft runs W4A8, lean, compiled; the output is the
+    float target's own greedy text."""
+    from compress.decoder.__main__ import main
+    from compress.quant.rtn import pack_model, quantization_config
+    from tests.test_decoder import save, tiny_hf, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = save(tiny_hf(vocab_size=320), tmp_path / "fp", tok)
+    draft = save(pack_model(tiny_hf(vocab_size=320), 4, 32), tmp_path / "q4", tok,
+                 quantization_config(4, 32))  # fmt: skip
+    base = [str(target), "--prompt", "the quick brown", "--max-new-tokens", "16", "--json"]
+    main(base)
+    plain = json.loads(capsys.readouterr().out)
+    main(base + ["--draft", str(draft)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == plain["text"] and out["acceptance"] > 0
+    assert out["draft_config"] == dict(dtype="bfloat16", qdtype="bfloat16", device="cpu",
+                                       lean=True, kernel="w4a8", head="int8", compile=True)  # fmt: skip

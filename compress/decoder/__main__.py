@@ -324,6 +324,8 @@ def run(args) -> None:
     }
     if args.draft is not None:
         stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)
+        stats["draft_config"] = {k: str(v).removeprefix("torch.") if k.endswith("dtype") else v
+                                 for k, v in load_kwargs.items()}  # fmt: skip
     if args.json:
         print(json.dumps(stats))
         return
