@@ -27,6 +27,9 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     assert report["kernel_ppl"] != report["ppl"] and abs(report["kernel_ppl_cost"]) < 0.05
     assert report["kernel_kl_vs_source"] > 0
     assert report["decode_config"]["kernel"] == "w4a8"
+    assert report["decoder_default"] == dict(
+        dtype="bfloat16", lean=True, compile=True, kernel="w4a8", head="int8"
+    )
     assert json.loads((out / "report.json").read_text())["kernel_ppl"] == report["kernel_ppl"]
     assert "w4a8" in (out / "README.md").read_text()
     # the same windows through the kernel's PyTorch arithmetic
