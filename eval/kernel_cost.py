@@ -26,7 +26,7 @@ def kernel_figures(model, windows, reference, kernel: str, exact: dict, **eval_k
     ``exact`` being the main evaluation's figures."""
     if kernel == "exact":
         return {}
-    layers = use(model, kernel)
+    layers = use(model, kernel, every_m=True)  # every window token as a decode step computes it
     try:
         figures = evaluate(model, windows, reference, desc=f"eval ({kernel})", **eval_kw)
     finally:

@@ -61,7 +61,7 @@ import compress.kernels.native as native
 import compress.kernels.w4a8_cpu as w4a8_cpu
 from compress.kernels.layout import cached, check_layer, planes, stamp
 
-W4A8_MAX_M = 64  # the int8-activation kernel up to here (larger M: the exact paths' dense matmul)
+W4A8_MAX_M = 32  # the int8-activation kernel up to here (larger M: the exact paths' dense matmul)
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above
 INT4PACK_MAX_M = {1: 32, 2: 8}  # ATen int4pack (bfloat16) up to this M, by calls per code
 RECOMPILE_LIMIT = 64  # one compiled graph per (layer shape, M <= 8)
