@@ -60,6 +60,7 @@ from compress.kernels.bitplanes import pack_planes
 import compress.kernels.native as native
 import compress.kernels.w4a8_cpu as w4a8_cpu
 from compress.kernels.layout import cached, check_layer, planes, stamp
+from compress.kernels.workspace import workspace
 
 W4A8_MAX_M = 32  # the int8-activation kernel up to here (larger M: the exact paths' dense matmul)
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above
@@ -193,7 +194,6 @@ class _Compiled:
 
 gemv_compiled = _Compiled(gemv)
 dequant_compiled = _Compiled(_dequant_into)
-_workspace: dict[torch.dtype, torch.Tensor] = {}  # W_hat of the prefill path, per dtype
 
 
 def kplanes_gemv(x: torch.Tensor, layer) -> torch.Tensor:
@@ -228,13 +228,6 @@ def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
     dequant_compiled(layer, w, packed, widths, s, z)
     return x @ w
 
-
-def workspace(dtype: torch.dtype, k: int, n: int) -> torch.Tensor:
-    """A ``[k, n]`` view of the buffer shared by every layer's prefill dequantization."""
-    buf = _workspace.get(dtype)
-    if buf is None or buf.numel() < k * n:
-        buf = _workspace[dtype] = torch.empty(k * n, dtype=dtype)
-    return buf[: k * n].view(k, n)
 
 
 def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:

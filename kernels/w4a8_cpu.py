@@ -42,6 +42,7 @@ import torch
 from compress.errors import CompressError
 import compress.kernels.native as native
 from compress.kernels.layout import cached
+from compress.kernels.workspace import workspace
 from compress.kernels.w4a8_ref import BLOCK, matmul as ref_matmul
 
 TILE = 16
@@ -138,8 +139,6 @@ def dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
     """``x @ W_hat^T`` (exact, no activation rounding) with ``W_hat`` dequantized from the
     packed form into a reused buffer: a lean W4A8 layer's long prefills, where the dense
     matmul is faster than the integer kernel (``bench_linear --alternatives --m 512``)."""
-    from compress.kernels.cpu import workspace
-
     dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
     w = workspace(dtype, layer.in_features, layer.out_features)
     dequantize_into(w, *form(layer), layer.bits, layer.group_size)
