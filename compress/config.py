@@ -452,7 +452,16 @@ def check_decode(dcfg) -> None:
             f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
             f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
         )
-    if dcfg.get("lean") and dcfg.dtype != "bfloat16":
+    from compress.kernels.w4a8_cpu import KERNELS
+
+    kernel = dcfg.get("kernel", "exact")
+    if kernel not in KERNELS:
+        raise CompressError(
+            f"decode.kernel={kernel}: the quantized layers compute exactly (exact, weight-only) "
+            f"or with int8 activations (w4a8, whose ppl cost the evaluation then reports); use "
+            f"one of {', '.join(KERNELS)}."
+        )
+    if dcfg.get("lean") and dcfg.dtype != "bfloat16" and kernel == "exact":
         raise CompressError(
             f"decode.lean=true keeps only the bfloat16 int4pack form of the int layers, so it "
             f"needs decode.dtype=bfloat16 (got {dcfg.dtype}); or set decode.lean=false."

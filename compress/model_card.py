@@ -158,6 +158,30 @@ def _how_to_load(
     return lines
 
 
+def default_decoding(report: dict) -> str:
+    """What ``python -m compress.decoder FOLDER`` does by default on the CPU, with the measured
+    cost of its kernel when the run reported one (``decode.kernel``)."""
+    from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL
+
+    text = (
+        f"Default decoding: on the CPU, `python -m compress.decoder` runs this folder in bfloat16 "
+        f"with the `{FAST_KERNEL}` kernel"
+        + (" (activations rounded to int8 per token and 32 channels, integer dot products)"
+           if FAST_KERNEL == "w4a8" else "")
+        + f" and the output head quantized to {FAST_HEAD} unless the folder records another; "
+        f"`--dtype float32` runs the bit-faithful path the evaluation below measures."
+    )  # fmt: skip
+    if "kernel_ppl_cost" in report:
+        text += (
+            f" Through the `{report['kernel']}` kernel the evaluation's perplexity is "
+            f"{report['kernel_ppl']:.4g} ({100 * report['kernel_ppl_cost']:+.2f}% against the "
+            f"exact path)"
+            + (f", KL vs source {report['kernel_kl_vs_source']:.4g}" if "kernel_kl_vs_source" in report else "")
+            + "."
+        )  # fmt: skip
+    return text
+
+
 def render(
     report: dict, config: dict, recipe: dict, source: dict, repo_id: str | None = None
 ) -> str:
@@ -193,6 +217,8 @@ def render(
             f"stored. compress's decoder quantizes it as the evaluation did.",
             "",
         ]
+    if qcfg.get("quant_method") in ("awq", "compress"):
+        lines += [default_decoding(report), ""]
     if repo_id == PLACEHOLDER_REPO:
         lines += [PLACEHOLDER_NOTE, ""]
     lines += [

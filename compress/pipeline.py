@@ -139,6 +139,24 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         raise
 
 
+def decoder_default(qcfg: dict | None, head: str) -> dict:
+    """``decoder_default``: what ``python -m compress.decoder RUN`` runs by default on the CPU
+    for a group-quantized folder (``compress.decoder.defaults``); nothing for other folders."""
+    from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL
+
+    if (qcfg or {}).get("quant_method") not in ("awq", "compress"):
+        return {}
+    return {
+        "decoder_default": {
+            "dtype": "bfloat16",
+            "lean": True,
+            "compile": True,
+            "kernel": FAST_KERNEL,
+            "head": head if head != "none" else FAST_HEAD,
+        }
+    }
+
+
 def decode_figures(folder: Path, ids: list[int], dcfg, loader=None, head: str = "none") -> dict:
     """``compress.eval.decode_speed.measure``; a folder the decoder cannot run gets ``decode_error``."""
     from compress.eval.decode_speed import measure
@@ -254,6 +272,16 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         figures = evaluate(
             compressed, windows, reference, cache=cache, source_sha=source.sha256, device=device
         )
+        kernel = cfg.decode.get("kernel", "exact")  # a kernel that is not bit-faithful: its cost
+        if kernel != "exact":
+            from compress.eval.kernel_cost import kernel_figures
+
+            figures.update(
+                kernel_figures(
+                    compressed, windows, reference, kernel, figures, cache=cache,
+                    source_sha=source.sha256,
+                )  # fmt: skip
+            )
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
 
@@ -271,6 +299,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
             "weight_bytes": weight_bytes,
             "linear_weight_bytes": linear_bytes,
             "lm_head": head,
+            **decoder_default(ctx.quantization_config, head),
             **ctx.record,
             "stages": timings,
             "elapsed_s": round(time.time() - start, 2),

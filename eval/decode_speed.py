@@ -8,6 +8,7 @@ and run by ``compress.decoder`` (its own model and kernels, not transformers), b
     prefill_tok_s       one prefill of ``prefill_tokens`` tokens
     kv_bytes_per_token  what the ``kv`` cache holds at the end of the decode, per token held
     decode_config       the configuration measured: dtype, qdtype (the int layers' dtype), lean,
+                        kernel (exact, or w4a8: int8 activations, compress.kernels.w4a8_cpu),
                         compile, head (the output head's load-time quantization), kv, threads
 
 Settings come from the recipe's ``decode`` group (``recipes/base.yaml``); the prompt is the
@@ -66,7 +67,11 @@ def measure(folder, ids: list[int], cfg, loader=None, head: str = "none") -> dic
     with torch_threads(cfg.get("threads", 1)):
         phase("loading the run folder (%d torch threads)", torch.get_num_threads())
         lean = bool(cfg.get("lean", False))
-        model, _ = (loader or load)(folder, dtype=getattr(torch, cfg.dtype), lean=lean, head=head)
+        kernel = cfg.get("kernel", "exact")
+        load_kw = {"kernel": kernel} if kernel != "exact" else {}  # custom loaders need not know it
+        model, _ = (loader or load)(
+            folder, dtype=getattr(torch, cfg.dtype), lean=lean, head=head, **load_kw
+        )
         prompt = ids[: cfg.prompt_tokens]
         kw = dict(
             kv=cfg.kv, max_len=len(prompt) + cfg.new_tokens, compile=cfg.compile, ignore_eos=True
@@ -90,6 +95,7 @@ def measure(folder, ids: list[int], cfg, loader=None, head: str = "none") -> dic
             "lean": lean,
             "compile": bool(cfg.compile),
             "head": head,
+            "kernel": kernel,
             "kv": cfg.kv,
             "threads": threads,
         },

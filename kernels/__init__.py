@@ -1,7 +1,9 @@
 """Kernels: one entry point per kernel family, each implementation beside its reference.
 
     quant_matmul(x, layer)       group-quantized linear    dequant_matmul.py (Triton), cpu.py,
-                                 (a QuantLinear)           reference: x @ layer.dequantize()^T
+                                 (a QuantLinear)           reference: x @ layer.dequantize()^T;
+                                                           layer.kernel "w4a8": int8 activations,
+                                                           w4a8_cpu.py (C++), w4a8_ref.py
     int8_matmul(a, b, c_a, c_b)  LLM.int8's int8 GEMM and  int8_triton.py, int8_cpu.py,
                                  its epilogue              int8_matmul_ref.py
     packkv_qk(q, k)              PackKV's two attention    packkv.py (Triton), packkv_cpu.py
@@ -16,7 +18,7 @@ Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_K
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
 a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
 ``torch.compile`` or other compiled code (PackKV's products then run the reference). Triton is
-imported only when a CUDA input needs it. The kernels read the layouts of ``compress.formats``
+imported only when a CUDA input needs it. The kernels own the bit layouts (``bitplanes.py``, ``awq_gemm.py``; ``compress.formats`` reads them)
 and import no method package.
 """
 
@@ -38,11 +40,19 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     """``x [M, in] @ W_hat^T`` for a ``QuantLinear``, in ``x``'s dtype."""
     where = backend(x)
     if where == "ref" or (x.requires_grad and torch.is_grad_enabled()):
+        if where == "ref" and getattr(layer, "kernel", "exact") == "w4a8":  # its arithmetic
+            from compress.kernels.w4a8_ref import matmul
+
+            return matmul(x, layer, torch.float32).to(x.dtype)
         return x @ layer.dequantize(x.dtype).t()  # the kernels have no backward
     check_inputs(x, layer)
     if x.shape[0] == 0:
         return x.new_empty(0, layer.out_features)
     if where == "triton":
+        if getattr(layer, "kernel", "exact") == "w4a8":  # no CUDA kernel: the same arithmetic
+            from compress.kernels.w4a8_ref import matmul
+
+            return matmul(x, layer, torch.float32).to(x.dtype)
         from compress.kernels.dequant_matmul import triton_quant_matmul
 
         return triton_quant_matmul(x, layer)

@@ -26,6 +26,13 @@ Each layer gets a form prepared at first use and kept in ``layer.cache``:
 
   For M > 8 (prefill) it dequantizes ``W_hat`` into a reused buffer instead,
   and ``x @ W_hat`` runs as a dense matmul.
+* ``w4a8`` (layers whose ``kernel`` is ``"w4a8"``, any input dtype, M <= ``W4A8_MAX_M``, or
+  every M with ``kernel_every_m``): the activations rounded to int8 per token and 32-channel
+  block, integer dot products against the codes repacked for them (``w4a8_cpu``, C++); not
+  bit-faithful: ``w4a8_ref`` is its arithmetic. Above ``W4A8_MAX_M`` a layer loaded lean
+  (only the W4A8 form kept) dequantizes that form for a dense matmul (``w4a8-dequant``), as
+  ``kplanes-dequant`` does: prefill stays a dense matmul (``bench_linear --alternatives --m
+  512``: the integer kernel is several times slower there).
 
 The paths and their M limits are the fastest of all candidates per dtype and M; ``python -m
 compress.eval.bench.bench_linear --quick --threads 1 --alternatives`` re-measures them (figures in the
@@ -49,22 +56,17 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.formats.bitplanes import pack_planes
-from compress.kernels.layout import check_layer, planes, stamp
+from compress.kernels.bitplanes import pack_planes
+import compress.kernels.native as native
+import compress.kernels.w4a8_cpu as w4a8_cpu
+from compress.kernels.layout import cached, check_layer, planes, stamp
+from compress.kernels.workspace import workspace
 
+W4A8_MAX_M = 32  # the int8-activation kernel up to here (larger M: the exact paths' dense matmul)
 GEMV_MAX_M = 8  # compiled GEMV up to here, dequantize + dense matmul above
 INT4PACK_MAX_M = {1: 32, 2: 8}  # ATen int4pack (bfloat16) up to this M, by calls per code
 RECOMPILE_LIMIT = 64  # one compiled graph per (layer shape, M <= 8)
 COMPILE_MIN_WEIGHTS = 2**16  # smaller layers run eagerly: compiling them costs more than it saves
-
-
-def cached(layer, key, build):
-    """``build()``, kept in ``layer.cache[key]`` until the layer's tensors change."""
-    current = stamp(layer)
-    hit = layer.cache.get(key)
-    if hit is None or hit[0] != current:
-        hit = layer.cache[key] = (current, build())
-    return hit[1]
 
 
 def _codes(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +194,6 @@ class _Compiled:
 
 gemv_compiled = _Compiled(gemv)
 dequant_compiled = _Compiled(_dequant_into)
-_workspace: dict[torch.dtype, torch.Tensor] = {}  # W_hat of the prefill path, per dtype
 
 
 def kplanes_gemv(x: torch.Tensor, layer) -> torch.Tensor:
@@ -223,13 +224,10 @@ def kplanes_dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
     if x.dtype == torch.float16:  # CPUs without AVX512-FP16 multiply float16 slowly
         return kplanes_dequant_mm(x.float(), layer).half()
     packed, widths, s, z = cached(layer, "kplanes", lambda: prepare_kplanes(layer))
-    k, n = layer.in_features, layer.out_features
-    buf = _workspace.get(x.dtype)
-    if buf is None or buf.numel() < k * n:
-        buf = _workspace[x.dtype] = torch.empty(k * n, dtype=x.dtype)
-    w = buf[: k * n].view(k, n)
+    w = workspace(x.dtype, layer.in_features, layer.out_features)
     dequant_compiled(layer, w, packed, widths, s, z)
     return x @ w
+
 
 
 def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
@@ -237,6 +235,8 @@ def reference_mm(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 PATHS = {
+    "w4a8": w4a8_cpu.w4a8_mm,
+    "w4a8-dequant": w4a8_cpu.dequant_mm,
     "int4pack": int4pack_mm,
     "kplanes-gemv": kplanes_gemv,
     "kplanes-dequant": kplanes_dequant_mm,
@@ -256,6 +256,39 @@ def int4pack_fits(x: torch.Tensor, layer) -> bool:
 def kplanes_fit(layer) -> bool:
     """Packing along K needs ``in_features`` to fill whole words of the narrowest plane."""
     return layer.in_features % (32 // min(p for p, _, _ in planes(layer))) == 0
+
+
+def takes_w4a8(layer) -> bool:
+    """Whether ``layer`` computes through the W4A8 kernel: it asks for it (``kernel``), fits it,
+    and the C++ library builds (else it keeps the exact path, after ``native``'s one warning)."""
+    return (
+        getattr(layer, "kernel", "exact") == "w4a8"
+        and w4a8_cpu.fits(layer)
+        and os.environ.get("COMPRESS_KERNELS") != "eager"
+        and native.library() is not None
+    )
+
+
+def keep_w4a8_only(layer) -> None:
+    """Prepare the W4A8 form, then free the packed codes it duplicates (``lean`` loading of a
+    ``kernel="w4a8"`` layer): it then computes from that form at every ``M`` (the kernel, or
+    ``w4a8-dequant`` for long prefills)."""
+    check_layer(layer)
+    form = w4a8_cpu.form(layer)
+    for name, t in layer._buffers.items():
+        if name.startswith(("qweight", "qzeros")):
+            layer._buffers[name] = t.new_empty(0)
+    now = stamp(layer)
+    layer.cache = {"w4a8": (now, form), "checked": now, "lean": "w4a8"}
+
+
+def keep_lean_form(layer) -> None:
+    """``lean`` loading: one in-memory form per layer, the W4A8 one where the layer takes it,
+    else the bfloat16 int4pack one."""
+    if takes_w4a8(layer):
+        keep_w4a8_only(layer)
+    else:
+        keep_int4pack_only(layer)
 
 
 def keep_int4pack_only(layer) -> None:
@@ -279,7 +312,13 @@ def keep_int4pack_only(layer) -> None:
 
 def cpu_path(x: torch.Tensor, layer) -> str:
     """Name of the measured-fastest exact CPU path for ``x``'s dtype, the layer and ``M``."""
-    if layer.cache.get("lean"):
+    lean = layer.cache.get("lean")
+    small = x.shape[0] <= W4A8_MAX_M or getattr(layer, "kernel_every_m", False)
+    if lean == "w4a8":
+        return "w4a8" if small else "w4a8-dequant"
+    if takes_w4a8(layer) and small:
+        return "w4a8"
+    if lean:
         if x.dtype != torch.bfloat16:
             raise CompressError(
                 f"this quantized layer [{layer.in_features} -> "

@@ -11,7 +11,7 @@ kernels. It decodes on its own, without the unpacking of ``compress.formats``.
 
 import torch
 
-from compress.formats.awq_gemm import AWQ_ORDER
+from compress.kernels.awq_gemm import AWQ_ORDER
 from compress.kernels.layout import planes
 
 

@@ -1,7 +1,7 @@
 """How the kernels see a ``QuantLinear``: its bit planes, and the inputs they accept.
 
 Every packed weight is a list of bit planes, low bits first (the layouts are
-``compress.formats.awq_gemm`` and ``compress.formats.bitplanes``)::
+``compress.kernels.awq_gemm`` and ``compress.kernels.bitplanes``)::
 
     "awq"      (INT4): one 4-bit plane, qweight [in, out/8], nibbles in AWQ_ORDER
     "compress" (other): plane w{p} per p in plane_widths(bits), widest (low bits) first,
@@ -13,7 +13,7 @@ and ``W_hat[o, i] = (q[i, o] - z[i // g, o]) * s[i // g, o]`` with ``s = scales 
 import torch
 
 from compress.errors import CompressError
-from compress.formats.bitplanes import plane_widths
+from compress.kernels.bitplanes import plane_widths
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -31,6 +31,15 @@ def planes(layer) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
 def stamp(layer) -> tuple:
     """Identity of a layer's tensors: forms prepared from them are rebuilt when it changes."""
     return tuple((t.data_ptr(), t._version) for t in layer._buffers.values() if t is not None)
+
+
+def cached(layer, key, build):
+    """``build()``, kept in ``layer.cache[key]`` until the layer's tensors change."""
+    current = stamp(layer)
+    hit = layer.cache.get(key)
+    if hit is None or hit[0] != current:
+        hit = layer.cache[key] = (current, build())
+    return hit[1]
 
 
 def _where(layer) -> str:

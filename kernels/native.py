@@ -1,9 +1,11 @@
-"""The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``): one library,
-built on first use.
+"""The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``,
+``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``): one library, built on first use.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
-kernels use (AVX-512 or AVX2, torch's ``get_cpu_capability()``), else as portable C++, with
+kernels use (AVX-512 or AVX2, torch's ``get_cpu_capability()``), else as portable C++ (the W4A8
+kernel compiles its AVX2 and AVX-512 VNNI paths with function target attributes whatever the
+flags, and picks one at run time from the CPU's features), with
 OpenMP threads (``torch.get_num_threads()`` per call) where the compiler has them. The sources
 include no torch header, so a build takes seconds, and the functions are called through
 ``ctypes``. Nothing is compiled at install. If the library cannot be built (no C++ compiler, no
@@ -20,7 +22,14 @@ from pathlib import Path
 import torch
 
 SOURCES = [
-    Path(__file__).with_name(f) for f in ("packkv_cpu.cpp", "packkv_order.cpp", "kivi_cpu.cpp")
+    Path(__file__).with_name(f)
+    for f in (
+        "packkv_cpu.cpp",
+        "packkv_order.cpp",
+        "kivi_cpu.cpp",
+        "w4a8_cpu.cpp",
+        "paged_attn_cpu.cpp",
+    )
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
@@ -33,7 +42,12 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "packkv_order_greedy": [P, P, I64, I64, I64, I64, INT],
     "kivi_qk": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
     "kivi_pv": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
+    "w4a8_quantize": [P, P, P, P, I64, I64, I64],
+    "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
+    "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
+    "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, INT, INT],
 }
+RESTYPES = {"w4a8_caps": INT}  # functions returning a value (the others return void)
 _LIB: dict = {}  # "lib": the loaded library, or None once a build failed
 
 
@@ -78,6 +92,8 @@ def _build(capability: str | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     for fn, args in SIGNATURES.items():
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, None
+    for fn, res in RESTYPES.items():
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = [], res
     return lib
 
 

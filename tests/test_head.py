@@ -161,13 +161,16 @@ def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
     def conf(*argv):
         return configuration(parse_args([*argv, "--prompt", "x", "--device", "cpu"]))
 
+    from compress.decoder.defaults import FAST_KERNEL
+
     fast = conf(str(q4))
     assert fast == {
         "dtype": "bfloat16",
         "qdtype": "bfloat16",
         "lean": True,
         "compile": True,
-        "head": "none",
+        "head": "none",  # the fast head (int8) needs a vocabulary of whole words of 32 rows, not 300
+        "kernel": FAST_KERNEL,
         "fast": True,
     }
     faithful = conf(str(q4), "--dtype", "float32")
@@ -177,8 +180,11 @@ def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
         "qdtype": "float32",
         "lean": False,
         "compile": False,
+        "head": "none",
+        "kernel": "exact",
         "fast": False,
     }
+    assert conf(str(q4), "--kernel", "exact", "--head", "none")["kernel"] == "exact"
     assert conf(str(q4), "--kv", "packkv")["compile"] is False  # the static step needs fp16/full
     assert conf(str(q4), "--no-compile", "--head", "int4")["compile"] is False
     assert conf(str(fp))["dtype"] == "float32" and not conf(str(fp))["fast"]

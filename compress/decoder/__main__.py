@@ -24,11 +24,13 @@ import json
 import sys
 from pathlib import Path
 
+from compress.decoder.defaults import FAST_KERNEL, fast_head, group_quantized
 from compress.decoder.speculative import cli as spec_cli
 from compress.errors import ArgumentParser, CompressError
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
+KERNELS = ("exact", "w4a8")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +84,13 @@ def build_parser(prog: str = "python -m compress.decoder", description=None, add
         choices=HEADS,
         help="quantize the output head at load, group-wise (the embedding stays exact); "
         "default: what the run folder's manifest records (quant.lm_head), else none",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=KERNELS,
+        help="how the quantized layers compute: exact (weight-only) or w4a8 (activations rounded "
+        "to int8 per token and 32 channels, integer dot products; CPU); default: "
+        f"{FAST_KERNEL} in the fast configuration, else exact",
     )
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument(
@@ -211,25 +220,19 @@ def verify_folders(args) -> None:
             verify_folder(extra)
 
 
-def group_quantized(folder) -> bool:
-    """Whether ``folder``'s config.json names a group-quantized format (awq, compress)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return False
-    qcfg = json.loads(path.read_text()).get("quantization_config") or {}
-    return qcfg.get("quant_method") in ("awq", "compress")
-
-
 def configuration(args) -> dict:
-    """The configuration that runs: ``dtype``, ``qdtype``, ``lean``, ``compile``, ``head``, and
-    ``fast`` (whether the fast default chose it).
+    """The configuration that runs: ``dtype``, ``qdtype``, ``lean``, ``compile``, ``head``,
+    ``kernel``, and ``fast`` (whether the fast default chose it).
 
     Without ``--dtype``, a group-quantized folder on the CPU runs the fast configuration: the
     model in bfloat16 (the int layers through ATen's int4pack kernel, as AutoAWQ and vLLM compute
     in 16-bit), lean weights, and the compiled step (fp16 or full cache, no draft; its compiled
     code is kept in torch inductor's on-disk FX graph cache, so later runs skip the C++ compile).
+    The fast configuration also computes the quantized layers with ``FAST_KERNEL`` and
+    quantizes the head to ``FAST_HEAD`` when the folder records none (``compress.decoder.defaults``).
     ``--dtype float32`` keeps the bit-faithful path of the pipeline's evaluation; explicit
-    ``--lean``/``--no-lean``, ``--compile``/``--no-compile`` and ``--qdtype`` override either.
+    ``--lean``/``--no-lean``, ``--compile``/``--no-compile``, ``--qdtype``, ``--kernel`` and
+    ``--head`` override either.
     """
     from compress.quant.head import recorded_head
 
@@ -240,12 +243,16 @@ def configuration(args) -> dict:
     static_ok = args.kv in ("fp16", "full") and args.draft is None
     compile_ = args.compile if args.compile is not None else fast and static_ok
     head = args.head or recorded_head(args.run)
+    if fast and args.head is None and head == "none":
+        head = fast_head(args.run)
+    kernel = getattr(args, "kernel", None) or (FAST_KERNEL if fast else "exact")
     return {
         "dtype": dtype,
         "qdtype": qdtype,
         "lean": lean,
         "compile": compile_,
         "head": head,
+        "kernel": kernel,
         "fast": fast,
     }
 
@@ -253,6 +260,7 @@ def configuration(args) -> dict:
 def describe(conf: dict) -> str:
     """One line naming the configuration, for stderr."""
     flags = [f"dtype {conf['dtype']}", f"qdtype {conf['qdtype']}", f"head {conf['head']}"]
+    flags += [f"kernel {conf['kernel']}"] if conf.get("kernel", "exact") != "exact" else []
     flags += [name for name in ("lean", "compile") if conf[name]]
     how = (
         "the fast default; --dtype float32 for the bit-faithful path"
@@ -276,7 +284,7 @@ def run(args, load_model=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     conf = configuration(args)
-    args.compile = conf["compile"]
+    args.compile_flag, args.compile = args.compile, conf["compile"]
     if not args.json:
         print(describe(conf), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -286,6 +294,7 @@ def run(args, load_model=None) -> None:
         qdtype=getattr(torch, conf["qdtype"]),
         lean=conf["lean"],
         head=conf["head"],
+        kernel=conf["kernel"],
     )
     model, tok = (load_model or load)(args.run, **load_kw)
     if tok is None:
@@ -313,12 +322,9 @@ def run(args, load_model=None) -> None:
 
         from compress.decoder.speculative.generate import speculative_generate
 
-        load_kwargs = dict(
-            dtype=getattr(torch, conf["dtype"]),
-            device=args.device,
-            lean=conf["lean"],
-            qdtype=getattr(torch, conf["qdtype"]),
-        )
+        load_kwargs = spec_cli.draft_load_kwargs(args, conf)
+        if not args.json:
+            print(spec_cli.describe_draft(load_kwargs), file=sys.stderr, flush=True)
         schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
         generate = partial(speculative_generate, draft=schedule)
     if (
@@ -367,6 +373,8 @@ def run(args, load_model=None) -> None:
     }
     if args.draft is not None:
         stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)
+        stats["draft_config"] = {k: str(v).removeprefix("torch.") if k.endswith("dtype") else v
+                                 for k, v in load_kwargs.items()}  # fmt: skip
     if args.json:
         print(json.dumps(stats))
         return

@@ -5,8 +5,8 @@ cache (``compress.decoder.kv.fp16``): K and V preallocated per layer, each step 
 ``pos`` (a tensor, so nothing recompiles between tokens) and attends over all ``max_len``
 slots with the unwritten ones and the left padding masked. The linears are swapped, in a
 copy of the module tree that shares every tensor, for compile-friendly forms of the same
-kernels (:func:`static_linear`): the prepared int4pack tensors, the K-packed planes' GEMV, or
-the layer's own forward outside the graph.
+kernels (:func:`static_linear`): the prepared int4pack tensors, the K-packed planes' GEMV, the
+W4A8 kernel (an opaque op, ``compress::w4a8_linear``), or the layer's own forward outside the graph.
 
 Dynamo's guards on the model's ~300 weight tensors cost about as much as the attention; they
 are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
@@ -24,6 +24,7 @@ from torch import nn
 from compress.decoder.kv import FP16Cache
 from compress.decoder.model import Cast, Parallel
 from compress.errors import CompressError
+from compress.kernels import w4a8_cpu
 from compress.kernels.cpu import Eager, Int4PackLinear, KPlanesLinear
 
 
@@ -41,6 +42,8 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
     if isinstance(layer, QuantLinear) and layer.scales.device.type == "cpu":
         probe = torch.empty(batch, layer.in_features, dtype=dtype)
         path = cpu.cpu_path(probe, layer)
+        if path == "w4a8" and w4a8_cpu.path() != "ref":
+            return w4a8_cpu.W4A8Linear(layer)
         if path == "int4pack":
             return Int4PackLinear(layer, dtype)
         if path == "kplanes-gemv":

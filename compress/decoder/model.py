@@ -504,17 +504,25 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
 
 
 def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
-    """Keep one in-memory form per quantized layer: the bfloat16 int4pack form (see :func:`load`)."""
-    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only
+    """Keep one in-memory form per quantized layer: the W4A8 form where the layer takes it, else
+    the bfloat16 int4pack form (see :func:`load`)."""
+    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
     from compress.formats import QuantLinear
 
+    rest = [m for m in model.modules() if isinstance(m, QuantLinear) and not takes_w4a8(m)]
+    if model.device.type == "cpu":
+        for m in model.modules():
+            if isinstance(m, QuantLinear) and takes_w4a8(m):
+                keep_w4a8_only(m)
+        if not rest:
+            return
     if qdtype != torch.bfloat16 or model.device.type != "cpu":
         raise CompressError(
             "lean loading keeps only the CPU's bfloat16 int4pack form of quantized layers: "
             "load on the CPU with dtype or qdtype bfloat16, or without lean."
         )
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and int4pack_fits(torch.empty(0, dtype=qdtype), m):
+    for m in rest:
+        if int4pack_fits(torch.empty(0, dtype=qdtype), m):
             keep_int4pack_only(m)
 
 
@@ -538,6 +546,7 @@ def load(
     lean: bool = False,
     iam_mapped=(),
     head: str = "none",
+    kernel: str = "exact",
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF folder of a supported family as ``(model, tokenizer)``.
 
@@ -551,9 +560,11 @@ def load(
     ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.iam.decode`` loads them).
     ``head`` (none, int8, int4) group-quantizes the output head at load
     (``compress.quant.head``: the embedding stays exact); it then computes like the other
-    quantized layers (``qdtype``, ``lean``).
+    quantized layers (``qdtype``, ``lean``). ``kernel`` "w4a8" rounds the quantized layers'
+    inputs to int8 for the integer kernel (``compress.kernels.w4a8_cpu``); "exact" keeps them.
     """
     from compress.checkpoint import check_finite
+    from compress.kernels.w4a8_cpu import use
 
     folder = Path(folder)
     config, qcfg = read_config(folder)
@@ -567,6 +578,7 @@ def load(
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)
+    use(model, kernel)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     if qdtype is not None and qdtype != dtype:

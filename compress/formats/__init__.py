@@ -3,19 +3,19 @@
 A checkpoint's ``config.json`` names its format in ``quantization_config["quant_method"]``;
 :data:`LAYERS` maps it to the layer that replaces each decoder linear on load:
 
-    "awq"           INT4, AutoAWQ GEMM packing (awq_gemm.py)      -> QuantLinear
-    "compress"      any other width, our bit planes (bitplanes.py) -> QuantLinear
-    "bitsandbytes"  bitsandbytes' int8 layout, LLM.int8 forward    -> Int8Linear
+    "awq"           INT4, AutoAWQ GEMM packing (kernels/awq_gemm.py)        -> QuantLinear
+    "compress"      any other width, our bit planes (kernels/bitplanes.py)  -> QuantLinear
+    "bitsandbytes"  bitsandbytes' int8 layout, LLM.int8 forward             -> Int8Linear
 
 This package knows formats, not methods: it imports nothing from the quantization,
-pruning or training code, and the kernels (``compress.kernels``) read its layouts.
+pruning or training code, and it reads the bit layouts from the kernels (``compress.kernels``, a leaf).
 """
 
 from torch import nn
 
 from compress.errors import CompressError
-from compress.formats.awq_gemm import AWQ_ORDER, pack_awq, unpack_awq
-from compress.formats.bitplanes import pack_planes, plane_widths, unpack_planes
+from compress.kernels.awq_gemm import AWQ_ORDER, pack_awq, unpack_awq
+from compress.kernels.bitplanes import pack_planes, plane_widths, unpack_planes
 from compress.formats.int8_linear import Int8Linear
 from compress.formats.quant_linear import QuantLinear, layout_for
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
+from compress.kernels import int8_matmul
 
 _TINY = 127.0 / torch.finfo(torch.float32).max  # below it 127 / c_x would overflow to inf
 
@@ -121,8 +122,6 @@ def int8_linear(
 ) -> torch.Tensor:
     """LLM.int8's ``x [M, K] @ W_hat^T + b`` -> ``[M, N]`` in ``x.dtype`` (see the module
     docstring)."""
-    from compress.kernels import int8_matmul  # here: compress.kernels loads formats at import
-
     x_i8, c_x, outliers = quantize_activations(x, threshold, name)
     y = int8_matmul(x_i8, weight, c_x, scb, bias)
     if outliers is not None:

@@ -19,8 +19,9 @@ PyTorch reference is :meth:`QuantLinear.dequantize`.
 import torch
 from torch import nn
 
-from compress.formats.awq_gemm import pack_awq, unpack_awq
-from compress.formats.bitplanes import pack_planes, plane_widths, unpack_planes
+from compress.kernels import quant_matmul
+from compress.kernels.awq_gemm import pack_awq, unpack_awq
+from compress.kernels.bitplanes import pack_planes, plane_widths, unpack_planes
 
 
 def layout_for(bits: int) -> str:
@@ -63,6 +64,10 @@ class QuantLinear(nn.Module):
         else:
             self.bias = None
         self.cache = {}  # per-device packed forms built by the kernels (not saved)
+        # "exact" (weight-only: the bit-faithful or int4pack paths) or "w4a8" (int8 activations,
+        # compress.kernels.w4a8_cpu): how the kernels compute it; not saved
+        self.kernel = "exact"
+        self.kernel_every_m = False  # "w4a8" at every M (batch-invariant serving), not to 64 rows
 
     @classmethod
     def from_quantized(cls, qw, bias: torch.Tensor | None = None) -> "QuantLinear":
@@ -101,8 +106,6 @@ class QuantLinear(nn.Module):
         return ((q - z.repeat_interleave(g, dim=0)).to(dtype) * s).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from compress.kernels import quant_matmul  # here: compress.kernels loads formats at import
-
         y = quant_matmul(x.reshape(-1, self.in_features), self)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -42,6 +42,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in")
+    p.add_argument(
+        "--kernel",
+        choices=("exact", "w4a8"),
+        default="exact",
+        help="how the quantized layers compute: exact (weight-only) or w4a8 (int8 activations, "
+        "integer dot products; CPU)",
+    )
+    p.add_argument(
+        "--head",
+        choices=("none", "int8", "int4"),
+        help="quantize the output head at load (default: the folder's recorded quant.lm_head; "
+        "with --batch-invariant: int8 when the folder records none)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's output does not depend on what else is served: W4A8 linears at every "
+        "M (lean), the head quantized, attention query by query in a fixed order (CPU)",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument(
@@ -175,12 +194,25 @@ def serve(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from compress.decoder.defaults import fast_head
+    from compress.quant.head import recorded_head
+
+    head = args.head or recorded_head(args.run)
+    if args.batch_invariant and args.head is None and head == "none":
+        head = fast_head(args.run)
     model, tok = load(
         args.run,
         dtype=getattr(torch, args.dtype),
         device=device,
         qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
+        head=head,
+        kernel="w4a8" if args.batch_invariant else args.kernel,
+        lean=args.batch_invariant,
     )
+    if args.batch_invariant:
+        from compress.kernels.w4a8_cpu import use
+
+        use(model, "w4a8", every_m=True)  # the integer kernel for every step, prefills too
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files; the server needs one to read text."
@@ -204,6 +236,7 @@ def serve(args) -> None:
             prefix_caching=not args.no_prefix_caching,
             runahead=runahead,
             runahead_min_tokens=args.runahead_min_tokens,
+            batch_invariant=args.batch_invariant,
         )
         name = args.served_model_name or Path(args.run).resolve().name
         app = create_app(

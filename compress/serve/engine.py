@@ -10,12 +10,20 @@ Each step runs the decoder's one forward over the sequences the scheduler picked
 (``compress.decoder.kv.paged``); a sequence whose tokens are all in the cache after the step
 samples its next token from its last position's logits. Outputs, EOS and stop strings follow
 ``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
+
+``batch_invariant`` makes that exact, whatever else is served: attention runs query by query in
+a fixed order (``compress.kernels.paged_attn_cpu``), and the model should be loaded with the
+integer W4A8 linears at every M (``load(..., kernel="w4a8", lean=True)``, then
+``w4a8_cpu.use(model, "w4a8", every_m=True)``: per-token int8
+activations and int32 sums, the same bits for a row in any batch); :func:`invariant_model`
+says whether it is.
 """
 
 import itertools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from compress.serve.block_manager import BlockManager
 from compress.decoder.generate import cache_size, eos_ids_of
@@ -34,6 +42,21 @@ class Event:
     finished: bool
 
 
+def invariant_model(model) -> bool:
+    """Whether every linear of ``model`` is a W4A8 layer at every M (loaded lean with kernel
+    w4a8, then ``compress.kernels.w4a8_cpu.use(model, "w4a8", every_m=True)``): the rows of a
+    batch then do not change each other's bits in the matmuls."""
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or hasattr(m, "group_size") or hasattr(m, "SCB")
+    ]
+    return bool(linears) and all(
+        getattr(m, "cache", {}).get("lean") == "w4a8" and getattr(m, "kernel_every_m", False)
+        for m in linears
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -47,10 +70,18 @@ class Engine:
         prefix_caching: bool = True,
         runahead=None,
         runahead_min_tokens: int = 256,
+        batch_invariant: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.runahead, self.runahead_min_tokens = runahead, runahead_min_tokens
-        self.cache = new_paged_cache(model, num_blocks, block_size, kv)
+        if batch_invariant and not invariant_model(model):
+            raise CompressError(
+                "batch-invariant serving needs every linear of the model to compute a row the "
+                "same in any batch: a group-quantized folder loaded with kernel w4a8 and lean, "
+                "the kernel at every M (python -m compress.serve RUN --batch-invariant), "
+                "including the output head (--head int8 or int4)."
+            )
+        self.cache = new_paged_cache(model, num_blocks, block_size, kv, batch_invariant)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
         self.eos = eos_ids_of(model, tokenizer)

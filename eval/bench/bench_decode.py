@@ -1,7 +1,8 @@
 """Batch-1 decode and prefill speed, and peak memory, side by side in one run.
 
-    python -m compress.eval.bench.bench_decode --int4 outputs/awq_int4 [--fp FOLDER] [--rounds 5]
-        [--new 128] [--prompt-len 32] [--prefill-len 512] [--json OUT]
+    python -m compress.eval.bench.bench_decode --int4 outputs/awq_int4 [--int3 outputs/awq_int3]
+        [--fp FOLDER] [--rounds 5] [--new 128] [--prompt-len 32] [--prefill-len 512]
+        [--threads 1 2] [--json OUT]
 
 Systems (``--systems`` picks some):
 
@@ -11,6 +12,11 @@ Systems (``--systems`` picks some):
     ours-int4-bf16  the same with everything in bfloat16 (embedding and head included)
     ...-lean        the same, loaded ``lean``: only the int4pack form of each layer is kept
     ...-head8/4     the same, the output head group-quantized at load (``--head int8/int4``)
+    ...-w4a8        the same, the quantized layers through the W4A8 kernel (``--kernel w4a8``:
+                    int8 activations, integer dot products; ``compress.kernels.w4a8_cpu``)
+    ours-int4-default  the decoder's default configuration for the folder (``python -m
+                    compress.decoder RUN``: bfloat16, lean, its kernel and head, compiled)
+    ours-int3-...   the same rows on the ``--int3`` folder (e.g. awq_int3)
     ...+compile     the same system decoding with the static-shape compiled step
                     (``compress.decoder.compiled``; compiled in the warm-up round)
     ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
@@ -52,6 +58,15 @@ medians. Peak memory is the decode worker's peak RSS over the timed rounds (rese
 the warm-up, so loading does not count). "In memory" is the tensors the model holds,
 kernel-prepared forms included; "on disk" the weight files, which the memory bar uses.
 Wall-clock figures on a shared machine are noisy: compare rows of one run, not runs.
+
+``--threads 1 2`` runs everything once per thread count (torch's threads and llama.cpp's), one
+table each. Before them the driver measures the memory bandwidth with a STREAM-like copy
+(:func:`copy_bandwidth`: ``b.copy_(a)`` of 256 MiB, bytes read + written per second, best of
+5) with each thread count, and each row gives the weight bytes a decode step reads (``read
+MiB/token``: the tensors the model holds, less an embedding that the head does not share, which
+a step reads one row of; for llama.cpp the GGUF's tensors, less ``token_embd`` when it has an
+``output`` tensor) and ``decode tok/s x read bytes / bandwidth``: how close the system runs
+to the memory limit (1.0 = every weight byte once per token at the copy's bandwidth).
 """
 
 import argparse
@@ -75,7 +90,63 @@ OURS = (
     "ours-bf16",
 )
 HEADS = ("ours-int4-bf16-lean-head8", "ours-int4-bf16-lean-head4")  # the head quantized at load
-SYSTEMS = (*OURS, *HEADS, *(f"{s}+compile" for s in (*OURS, *HEADS)), "hf-fp32", "llama.cpp")
+W4A8 = tuple(  # the quantized layers through the W4A8 kernel (int4, and the int3 folder)
+    f"ours-{w}-bf16-lean-w4a8{h}" for w in ("int4", "int3") for h in ("", "-head8", "-head4")
+)
+SYSTEMS = (
+    *OURS,
+    *HEADS,
+    *W4A8,
+    *(f"{s}+compile" for s in (*OURS, *HEADS, *W4A8)),
+    "ours-int4-default",
+    "hf-fp32",
+    "llama.cpp",
+)
+COPY_MIB = 256  # the bandwidth probe's buffer
+
+
+def copy_bandwidth(threads: int, mib: int = COPY_MIB, repeat: int = 5) -> float:
+    """Bytes per second of a STREAM-like copy (``b.copy_(a)``, ``mib`` MiB, read + written) on
+    ``threads`` torch threads, best of ``repeat``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(mib * 2**18)  # fp32: mib MiB
+        b = torch.empty_like(a)
+        b.copy_(a)  # first touch
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            b.copy_(a)
+            best = min(best, time.perf_counter() - t)
+        return 2 * a.numel() * 4 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def gguf_read_bytes(path) -> int:
+    """Bytes of a GGUF's tensors a decode step reads: all, less ``token_embd`` (one row read)
+    when the file has a separate ``output`` head."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    total = sum(sizes.values())
+    return total - sizes.get("token_embd.weight", 0) if "output.weight" in sizes else total
+
+
+def read_bytes(model) -> int:
+    """Weight bytes a decode step of ``model`` reads (see the module docstring)."""
+    total = model_bytes(model)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = emb if emb is not None else getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if emb is None:
+        return total
+    shared = head is not None and any(
+        t.untyped_storage().data_ptr() == emb.weight.untyped_storage().data_ptr()
+        for t in [*head.parameters(), *head.buffers()]
+    )
+    return total if shared else total - emb.weight.untyped_storage().nbytes()
 
 
 def tensor_bytes(objs) -> int:
@@ -142,7 +213,16 @@ def kv_spec(spec: str) -> tuple[str, dict]:
 
 class Ours:
     def __init__(
-        self, folder, dtype, compile, qdtype=None, lean=False, kv="fp16", context=None, head="none"
+        self,
+        folder,
+        dtype,
+        compile,
+        qdtype=None,
+        lean=False,
+        kv="fp16",
+        context=None,
+        head="none",
+        kernel="exact",
     ):
         from compress.decoder.model import load
 
@@ -152,6 +232,7 @@ class Ours:
             qdtype=qdtype and getattr(torch, qdtype),
             lean=lean,
             head=head,
+            kernel=kernel,
         )
         self.compile, (self.kv, self.kv_opts), self.context = compile, kv_spec(kv), context
 
@@ -185,6 +266,9 @@ class Ours:
 
     def weight_bytes(self):
         return model_bytes(self.model)
+
+    def read_bytes(self):
+        return read_bytes(self.model)
 
 
 class HF:
@@ -222,6 +306,9 @@ class HF:
 
     def weight_bytes(self):
         return model_bytes(self.model)
+
+    def read_bytes(self):
+        return read_bytes(self.model)
 
 
 class LlamaCpp:
@@ -266,6 +353,9 @@ class LlamaCpp:
     def weight_bytes(self):
         return Path(self.gguf).stat().st_size  # mmapped file: weights as stored
 
+    def read_bytes(self):
+        return gguf_read_bytes(self.gguf)
+
 
 FOLDER_SYSTEM = re.compile(r"^(?P<base>[^\[\]@]+)\[(?P<kv>[^\]]+)\](?:@(?P<context>\d+))?$")
 
@@ -284,24 +374,33 @@ def make_system(name, args):
     if folder_system(name, args):
         folder, kv, context = folder_system(name, args)
         return Ours(folder, "float32", False, kv=kv, context=context)
+    if name == "ours-int4-default":
+        from compress.decoder.__main__ import configuration, parse_args
+
+        c = configuration(parse_args([args.int4, "--prompt", "x", "--device", "cpu"]))
+        return Ours(args.int4, c["dtype"], c["compile"], c["qdtype"], c["lean"],
+                    head=c["head"], kernel=c["kernel"])  # fmt: skip
     if name.startswith("ours-"):
         base, compiled = name.removesuffix("+compile"), name.endswith("+compile")
         head = {"-head8": "int8", "-head4": "int4"}.get(base[-6:], "none")
         base = base.removesuffix("-head8").removesuffix("-head4")
+        base, kernel = base.removesuffix("-w4a8"), "w4a8" if base.endswith("-w4a8") else "exact"
         base, lean = base.removesuffix("-lean"), base.endswith("-lean")
+        folder = {"ours-int4": args.int4, "ours-int3": args.int3}.get(name[:9], args.fp)
         return Ours(
-            args.int4 if name.startswith("ours-int4") else args.fp,
+            folder,
             "bfloat16" if base.endswith("bf16") else "float32",
             compiled,
             "bfloat16" if base.endswith("q16") else None,
             lean,
             head=head,
+            kernel=kernel,
         )
     if name == "hf-fp32":
         return HF(args.fp)
     from compress.source import default_gguf
 
-    return LlamaCpp(default_gguf(), args.threads)
+    return LlamaCpp(default_gguf(), args.threads[0])
 
 
 def worker(spec: str, args) -> None:
@@ -312,7 +411,7 @@ def worker(spec: str, args) -> None:
     from compress.decoder.model import release_freed_memory
 
     name, task = spec.rsplit(":", 1)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads[0])
     out, sys.stdout = sys.stdout, sys.stderr  # libraries' chatter goes to stderr
     tok = AutoTokenizer.from_pretrained(args.fp)
     context = (folder_system(name, args) or (None, None, None))[2]
@@ -339,6 +438,7 @@ def worker(spec: str, args) -> None:
                     "tok_s": tok_s,
                     "peak_mem_bytes": peak_memory(),
                     "memory_bytes": system.weight_bytes(),
+                    "read_bytes": system.read_bytes(),
                     "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
                     "kv_bytes": getattr(system, "kv_bytes", None),
                     "prompt_prefill_tok_s": getattr(system, "prefill_tok_s", None),
@@ -392,29 +492,34 @@ def disk_bytes(name: str, args) -> int:
 
         return default_gguf().stat().st_size
     named = folder_system(name, args)
-    folder = Path(named[0] if named else args.int4 if name.startswith("ours-int4") else args.fp)
+    folder = named[0] if named else {"ours-int4": args.int4, "ours-int3": args.int3}.get(name[:9])
+    folder = Path(folder or args.fp)
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def table(results: dict) -> list[str]:
+def table(results: dict, bandwidth: float | None = None) -> list[str]:
+    """The decode table; ``bandwidth`` (bytes/s of the copy) adds how close each row runs to the
+    memory limit."""
     hf = results.get("hf-fp32", {}).get("decode_tok_s")
     cpp = results.get("llama.cpp", {}).get("decode_tok_s")
+    nan = float("nan")
     lines = [
         "| system | decode tok/s | prefill tok/s | peak MiB (decode) | in memory MiB | on disk MiB "
-        "| KV B/token | decode vs hf-fp32 | decode vs llama.cpp |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| KV B/token | decode vs hf-fp32 | decode vs llama.cpp | read MiB/token | of bandwidth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "decode_tok_s" not in r:
-            lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | | |")
+            lines.append(f"| {name} | {r.get('error', 'no result')} | | | | | | | | | |")
             continue
-        d = r["decode_tok_s"]
+        d, read = r["decode_tok_s"], r.get("read_bytes")
+        share = d * read / bandwidth if read and bandwidth else nan
         lines.append(
-            f"| {name} | {d:.1f} | {r.get('prefill_tok_s', float('nan')):.0f} | "
+            f"| {name} | {d:.1f} | {r.get('prefill_tok_s', nan):.0f} | "
             f"{r['peak_mem_bytes'] / 2**20:.0f} | {r['memory_bytes'] / 2**20:.0f} | "
-            f"{r['disk_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_token') or float('nan'):.0f} | "
-            f"{d / hf if hf else float('nan'):.2f}x | "
-            f"{d / cpp if cpp else float('nan'):.2f}x |"
+            f"{r['disk_bytes'] / 2**20:.0f} | {r.get('kv_bytes_per_token') or nan:.0f} | "
+            f"{d / hf if hf else nan:.2f}x | "
+            f"{d / cpp if cpp else nan:.2f}x | {(read or nan) / 2**20:.1f} | {share:.2f} |"
         )
     return lines
 
@@ -428,6 +533,19 @@ def targets(results: dict) -> list[str]:
         q = results.get(name, {})
         if "decode_tok_s" not in q:
             continue
+        if "decode_tok_s" in cpp and ("w4a8" in name or name == "ours-int4-default"):
+            r = q["decode_tok_s"] / cpp["decode_tok_s"]
+            out.append(
+                f"{name} / llama.cpp decode: {r:.2f}x (W4A8 target >= 1.2): "
+                f"{'PASS' if r >= 1.2 else 'FAIL'}"
+            )
+        three = results.get(name.replace("ours-int4", "ours-int3"), {})
+        if "decode_tok_s" in three and "w4a8" in name:
+            r = three["decode_tok_s"] / q["decode_tok_s"]
+            out.append(
+                f"{name.replace('ours-int4', 'ours-int3')} / {name} decode: {r:.2f}x "
+                f"(target >= 1): {'PASS' if r >= 1 else 'FAIL'}"
+            )
         fp = (
             "ours-fp32+compile"
             if name.endswith("+compile") and "ours-fp32+compile" in results
@@ -539,13 +657,15 @@ def context_targets(results: dict, args) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
+    p.add_argument("--int3", help="int3 run folder (awq_int3) for the ours-int3 rows")
     p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
     p.add_argument(
         "--systems",
         nargs="*",
         choices=SYSTEMS,
         default=None,
-        help="default: all but the q16 and head rows; none when --folders is given",
+        help="default: all but the q16 and head rows (the W4A8 int8-head rows included; the "
+        "int3 rows with --int3); none when --folders is given",
     )
     p.add_argument(
         "--folders",
@@ -575,7 +695,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument(
-        "--threads", type=int, default=2, help="torch threads, and llama.cpp's n_threads"
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="torch threads, and llama.cpp's n_threads; several: one run (and table) each",
     )
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -595,7 +719,13 @@ def main(argv=None) -> None:
         args.systems = (
             []
             if args.folders or args.contexts
-            else [s for s in SYSTEMS if "q16" not in s and "head" not in s]
+            else [
+                s
+                for s in SYSTEMS
+                if "q16" not in s
+                and ("head" not in s or "w4a8-head8" in s)
+                and (args.int3 or not s.startswith("ours-int3"))
+            ]
         )
     bad = [f for f in args.folders if "=" not in f or not Path(f.split("=", 1)[1]).is_dir()]
     if bad:
@@ -614,8 +744,25 @@ def main(argv=None) -> None:
         args.systems += [f"{b}[{kv}]" for b in names for kv in kvs]
     if any(s.startswith("ours-int4") for s in args.systems) and not args.int4:
         sys.exit("error: --int4 RUN_FOLDER is needed for ours-int4 (or leave it out of --systems)")
-    passthrough = _strip(argv, {"--systems", "--json", "--folders"})
-    passthrough += ["--fp", args.fp, "--folders", *args.folders, "--systems"]
+    if any(s.startswith("ours-int3") for s in args.systems) and not args.int3:
+        sys.exit("error: --int3 RUN_FOLDER is needed for ours-int3 (or leave it out of --systems)")
+    everything = {}
+    for threads in args.threads:
+        passthrough = _strip(argv, {"--systems", "--json", "--folders", "--threads"})
+        passthrough += ["--threads", str(threads), "--fp", args.fp, "--folders", *args.folders]
+        passthrough += ["--systems"]
+        everything[threads] = run_threads(args, passthrough, threads)
+    if args.json:
+        out = everything if len(args.threads) > 1 else everything[args.threads[0]]
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(args.json)
+
+
+def run_threads(args, passthrough: list[str], threads: int) -> dict:
+    """Every phase on ``threads`` threads: the results by system, and the copy bandwidth."""
+    bandwidth = copy_bandwidth(threads)
+    print(f"copy bandwidth, {threads} threads: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     load_before = os.getloadavg()[0]
     results = {name: {"disk_bytes": disk_bytes(name, args)} for name in args.systems}
     rounds = {}
@@ -654,6 +801,7 @@ def main(argv=None) -> None:
                 )
                 results[name]["kv_bytes_per_token"] = rs[-1]["kv_bytes_per_token"]
                 results[name]["kv_bytes"] = rs[-1]["kv_bytes"]
+                results[name]["read_bytes"] = rs[-1]["read_bytes"]
                 results[name]["decode_rounds"] = [r["tok_s"] for r in rs]
                 if folder_system(name, args) and folder_system(name, args)[2]:
                     results[name]["prefill_tok_s"] = statistics.median(
@@ -664,21 +812,24 @@ def main(argv=None) -> None:
         print(
             f"batch 1, {args.prompt_len}-token prompt + {args.new} new tokens (greedy, EOS "
             f"ignored); prefill {args.prefill_len} tokens; median of {args.rounds} after a "
-            f"warm-up; torch threads {args.threads}; load average {load_before:.1f} before, "
+            f"warm-up; torch threads {threads}; load average {load_before:.1f} before, "
             f"{os.getloadavg()[0]:.1f} after"
         )
         sub = {n: results[n] for n in short}
-        print("\n".join(table(sub) + [""] + targets(sub)))
+        print(f"copy bandwidth (STREAM-like, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
+        print("\n".join(table(sub, bandwidth) + [""] + targets(sub)))
     if args.contexts:
         print(
             f"\nbatch 1, WikiText-2 prompts of {', '.join(map(str, args.contexts))} tokens + "
             f"{args.new} new tokens (greedy, EOS ignored); fp32 model, attention in fp32; median "
-            f"of {args.rounds} after a warm-up; torch threads {args.threads}; load average "
+            f"of {args.rounds} after a warm-up; torch threads {threads}; load average "
             f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
         )
         print("\n".join(context_table(results, args) + [""] + context_targets(results, args)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    results["copy_bandwidth_bytes_s"] = bandwidth
+    return results
+
+
 
 
 def _strip(argv, flags) -> list[str]:

@@ -9,11 +9,16 @@ and the GB/s it achieves, against the copy bandwidth of a large tensor
 measured in the same run. For M <= 16 each variant cycles through copies of
 its weights (64 MiB in all, at most 512 copies) so that, as in a decoder, they
 come from memory, not from the cache. ``--alternatives`` adds the other CPU paths of each width (the
-measurements behind ``kernels/cpu.py``).
+measurements behind ``kernels/cpu.py``). Each width also runs as ``w4a8`` (``layer.kernel =
+"w4a8"``: int8 activations, ``compress.kernels.w4a8_cpu``; for M above ``cpu.W4A8_MAX_M`` that is
+the exact path), and with ``--alternatives`` each of its C++ paths forced at every M
+(``w4a8:vnni``, ``w4a8:avx2``, ``w4a8:portable``: where they beat the exact paths at large M
+decides ``W4A8_MAX_M``). ``--head`` adds SmolLM2's output head (576 -> 49152).
 
 CUDA (when present): the Triton kernels against torch's bf16 matmul.
 
-    python -m compress.eval.bench.bench_linear [--quick] [--alternatives]
+    python -m compress.eval.bench.bench_linear [--quick] [--alternatives] [--head]
+        [--threads 2] [--m 1 4 16 512]
 """
 
 import argparse
@@ -26,10 +31,11 @@ import time
 import torch
 
 from compress.formats import QuantLinear
-from compress.kernels import cpu, quant_matmul
+from compress.kernels import cpu, quant_matmul, w4a8_cpu
 from compress.quant.quantizer import quantize
 
 SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down
+HEAD = [(576, 49152)]  # SmolLM2-135M's output head
 LARGE = [(4096, 4096), (4096, 11008), (11008, 4096)]  # 7B: attention, gate/up, down
 BITS = (8, 4, 3)
 MAX_COPIES = 512
@@ -112,6 +118,16 @@ def forced(path: str):
     return lambda x, layer: cpu.PATHS[path](x, layer)
 
 
+def forced_w4a8(which: str):
+    """The W4A8 kernel's C++ path ``which`` at every M."""
+
+    def run(x, layer):
+        packed, s, sz = w4a8_cpu.form(layer)
+        return w4a8_cpu.linear(x, packed, s, sz, layer.bits, layer.group_size, which)
+
+    return run
+
+
 def alt_paths(x: torch.Tensor, layer) -> list[str]:
     """Every CPU path that can take ``x`` (the slow ones only where they stay affordable)."""
     m = x.shape[0]
@@ -145,6 +161,17 @@ def cpu_variants(
             for i, (path, fn) in enumerate(paths):
                 name = f"INT{bits} {act}" + ("" if i == 0 else f" ({path})")
                 out.append((name, path, *rotating(quantized(layer, x, fn), working_set)))
+        if not w4a8_cpu.fits(layer):
+            continue
+        a8 = copy.copy(layer)
+        a8.kernel = "w4a8"
+        out.append((f"INT{bits} w4a8", cpu.cpu_path(x16, a8),
+                    *rotating(quantized(a8, x16, quant_matmul), working_set)))  # fmt: skip
+        if alternatives:
+            for which in (p for p in w4a8_cpu.available() if p != "ref"):
+                fn = forced_w4a8(which)
+                out.append((f"INT{bits} w4a8:{which}", f"w4a8:{which}",
+                            *rotating(quantized(a8, x16, fn), working_set)))  # fmt: skip
     return out
 
 
@@ -245,8 +272,12 @@ def main() -> None:
         "through, above the L3 cache (default 64; 0 times one cache-hot copy)",
     )
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows of x (default 1 512)")
+    ap.add_argument("--head", action="store_true", help="also SmolLM2's output head, 576 -> 49152")
+    ap.add_argument("--shapes", nargs="+", metavar="INxOUT", help="only these shapes, e.g. 576x1536")
     args = ap.parse_args()
-    shapes = SMALL + (LARGE[:1] if args.quick else LARGE)
+    shapes = SMALL + (LARGE[:1] if args.quick else LARGE) + (HEAD if args.head else [])
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     reps = args.reps or (5 if args.quick else 15)
     bench_cpu(shapes, args.m, reps, args.alternatives, args.threads, args.working_set << 20)
     if torch.cuda.is_available():

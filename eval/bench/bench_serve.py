@@ -4,6 +4,12 @@
         --folder awq_int4=outputs/awq_int4 [--batch 1 2 4 8 16 32] [--requests 32] [--json OUT]
     python -m compress.eval.bench.bench_serve --folder fp32=RUN --ttft 2048 8000 --ranks 1 2
     python -m compress.eval.bench.bench_serve --folder tiny=FOLDER --quick    # a check that it runs
+    python -m compress.eval.bench.bench_serve --folder int4=outputs/awq_int4:bfloat16 \
+        --folder w4a8=outputs/awq_int4:bfloat16:w4a8 --folder inv=outputs/awq_int4:bfloat16:invariant
+
+A folder's third field picks how its quantized layers compute: ``w4a8`` (the W4A8 kernel,
+``--kernel w4a8``) or ``invariant`` (batch-invariant serving: W4A8 at every M, lean, int8 head,
+fixed-order attention; ``python -m compress.serve --batch-invariant``).
 
 Throughput: for each folder and each batch size B, the same ``--requests`` seeded requests
 (prompts of 16-256 tokens of WikiText-2, or seeded random ids without the data; 64-128 new
@@ -35,12 +41,21 @@ import torch
 from compress.errors import CompressError
 
 
+KERNELS = {}  # label -> "w4a8" or "invariant" (the folder's third field)
+
+
 def parse_folder(spec: str) -> tuple[str, str, str]:
-    """``LABEL=PATH[:DTYPE]`` -> (label, path, dtype name)."""
+    """``LABEL=PATH[:DTYPE[:KERNEL]]`` -> (label, path, dtype name); KERNEL (w4a8, invariant) is
+    kept in ``KERNELS``."""
     label, sep, rest = spec.partition("=")
     if not sep:
-        raise CompressError(f"--folder takes LABEL=PATH[:DTYPE], got '{spec}'.")
+        raise CompressError(f"--folder takes LABEL=PATH[:DTYPE[:KERNEL]], got '{spec}'.")
     path, _, dtype = rest.partition(":")
+    dtype, _, kernel = dtype.partition(":")
+    if kernel and kernel not in ("w4a8", "invariant"):
+        raise CompressError(f"--folder '{spec}': the kernel is w4a8 or invariant.")
+    if kernel:
+        KERNELS[label] = kernel
     if dtype and dtype not in ("float32", "bfloat16", "float16"):
         raise CompressError(f"--folder '{spec}': the dtype is float32, bfloat16 or float16.")
     if not Path(path).exists():
@@ -78,12 +93,15 @@ def percentiles(xs: list[float]) -> dict:
     return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
-def serve_once(model, tok, reqs, batch: int, block_size: int) -> dict:
+def serve_once(model, tok, reqs, batch: int, block_size: int, invariant: bool = False) -> dict:
     from compress.serve.engine import Engine
     from compress.serve.scheduler import Params
 
     need = sum(-(-(len(p) + n) // block_size) for p, n in reqs)
-    engine = Engine(model, tok, num_blocks=need, block_size=block_size, max_seqs=batch)
+    engine = Engine(
+        model, tok, num_blocks=need, block_size=block_size, max_seqs=batch,
+        batch_invariant=invariant,
+    )  # fmt: skip
     t0 = time.perf_counter()
     seqs = [engine.add(p, Params(max_tokens=n, ignore_eos=True)) for p, n in reqs]
     first, last = {}, {}
@@ -110,15 +128,26 @@ def serve_once(model, tok, reqs, batch: int, block_size: int) -> dict:
 def throughput(label, path, dtype, args) -> list[dict]:
     from compress.decoder.model import load
 
-    model, tok = load(path, dtype=getattr(torch, dtype))
+    kernel = KERNELS.get(label)
+    invariant = kernel == "invariant"
+    kw = dict(kernel="w4a8") if kernel else {}
+    if invariant:
+        from compress.decoder.defaults import fast_head
+
+        kw.update(lean=True, head=fast_head(path))
+    model, tok = load(path, dtype=getattr(torch, dtype), **kw)
+    if invariant:
+        from compress.kernels.w4a8_cpu import use
+
+        use(model, "w4a8", every_m=True)
     reqs = requests(
         tok, model.config.vocab_size, args.requests, args.prompt_lens, args.new_lens, args.seed
     )
-    serve_once(model, tok, reqs[:2], 2, args.block_size)  # warm-up
+    serve_once(model, tok, reqs[:2], 2, args.block_size, invariant)  # warm-up
     rows = []
     for b in args.batch:
-        r = serve_once(model, tok, reqs, b, args.block_size)
-        r.update(label=label, dtype=dtype)
+        r = serve_once(model, tok, reqs, b, args.block_size, invariant)
+        r.update(label=label, dtype=dtype, kernel=kernel or "exact")
         rows.append(r)
         base = rows[0]["tok_s"] if rows[0]["batch"] == 1 else float("nan")
         print(

@@ -65,6 +65,7 @@ def compare(faithful, fast, tok, prompts, new: int, compile: bool = True) -> lis
 
 
 def main(argv=None) -> None:
+    from compress.decoder.defaults import FAST_KERNEL
     from compress.decoder.model import load
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,11 +74,17 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--head", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--kernel",
+        default=FAST_KERNEL,
+        choices=("exact", "w4a8"),
+        help=f"the fast side's kernel (default: the decoder's, {FAST_KERNEL})",
+    )
     p.add_argument("--json", help="also write the records here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     faithful, tok = load(args.run, dtype=torch.float32, head=args.head)
-    fast, _ = load(args.run, dtype=torch.bfloat16, lean=True, head=args.head)
+    fast, _ = load(args.run, dtype=torch.bfloat16, lean=True, head=args.head, kernel=args.kernel)
     rows = compare(faithful, fast, tok, PROMPTS, args.new, args.compile)
     print(
         "| prompt | equal | first difference | faithful / fast token | faithful margin | fast margin |"

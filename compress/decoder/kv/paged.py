@@ -18,8 +18,11 @@ the token's true position. :meth:`PagedCache.bind` gives the cache the step's sl
 with slots past ``len_b`` masked as the future, and a sliding-window layer's keys at or before
 ``pos - w`` hidden (``kv/base.py``). The blocks are shared by all layers through one table per
 sequence, so a local layer's blocks are not freed when they leave its window: the paged cache's
-bytes are not bounded by the window (the contiguous caches' are). Storage is fp16 (``fp16``) or the compute dtype
-(``full``, exact), attention computes as the contiguous caches do.
+bytes are not bounded by the window (the contiguous caches' are). Storage is fp16 (``fp16``) or
+the compute dtype (``full``, exact), attention computes as the contiguous caches do;
+``invariant`` (CPU) computes it instead query by query in a fixed order
+(``compress.kernels.paged_attn_cpu``), so a row's attention is the same bits whatever else the
+batch holds.
 """
 
 import torch
@@ -46,6 +49,7 @@ class PagedCache(Cache):
         v_dim=None,
         scale=None,
         windows=None,
+        invariant: bool = False,
     ):
         super().__init__(
             n_layers,
@@ -69,6 +73,7 @@ class PagedCache(Cache):
             [t[..., :v_dim] for t in self.k] if v_dim else [torch.zeros_like(t) for t in self.k]
         )
         self.step = None
+        self.invariant = invariant
 
     def bind(
         self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, start: torch.Tensor
@@ -93,6 +98,7 @@ class PagedCache(Cache):
             gather=gather,
             flat=gather.reshape(-1),  # every layer's gather index, made once a step
             kpos=kpos[:, None],
+            kpos_lens=lens,
             start=start,
         )
 
@@ -116,6 +122,15 @@ class PagedCache(Cache):
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
         B, L = s["gather"].shape
+        if self.invariant:
+            from compress.kernels import paged_attn_cpu
+
+            if "hi" not in s:  # the same for every layer of the step
+                s["hi"] = paged_attn_cpu.visible(s["kpos_lens"], pos, s["start"])
+            out = paged_attn_cpu.attention(
+                q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+            )
+            return out.to(q.dtype)
         keys = self.k[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         values = self.v[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         return fused_attention(
@@ -138,8 +153,11 @@ class PagedCache(Cache):
         self.step = None
 
 
-def new_paged_cache(model, num_blocks: int, block_size: int = 16, kind: str = "fp16") -> PagedCache:
-    """A block pool for the decoder's ``model``; ``kind`` fp16 or full (the compute dtype).
+def new_paged_cache(
+    model, num_blocks: int, block_size: int = 16, kind: str = "fp16", invariant: bool = False
+) -> PagedCache:
+    """A block pool for the decoder's ``model``; ``kind`` fp16 or full (the compute dtype);
+    ``invariant``: batch-invariant attention (CPU, needs the C++ kernels).
 
     Attention computes in fp32 on the CPU and in the model's dtype on a GPU, as ``new_cache``.
     """
@@ -154,8 +172,23 @@ def new_paged_cache(model, num_blocks: int, block_size: int = 16, kind: str = "f
             f"(got {num_blocks} blocks of {block_size})."
         )
     device = model.device
+    if invariant:
+        from compress.kernels import native
+
+        if device.type != "cpu" or native.library() is None:
+            raise CompressError(
+                "batch-invariant serving computes attention with the C++ CPU kernel: serve on "
+                "the CPU on a machine where it builds (a C++ compiler and ninja), or without "
+                "batch invariance."
+            )
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
+    if invariant and any(w is not None for w in layout.get("windows") or ()):
+        raise CompressError(
+            "batch-invariant serving's fixed-order attention reads every key up to the query; "
+            "this model has sliding-window layers, which it does not mask: serve it without "
+            "batch invariance."
+        )
     storage = torch.float16 if kind == "fp16" else dtype
     return PagedCache(
         layout["n_layers"],
@@ -169,4 +202,5 @@ def new_paged_cache(model, num_blocks: int, block_size: int = 16, kind: str = "f
         layout["v_dim"],
         layout["scale"],
         layout.get("windows"),
+        invariant,
     )

@@ -5,6 +5,11 @@
 --draft self --skip-layers 3,5  the target minus the given layers
 --draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
 --draft self --adapt bandit     per prompt, a unimodal bandit over skip sets x gamma (or ucb1)
+
+A draft folder that is group-quantized, on the CPU, without ``--dtype``, runs in the decoder's
+fast configuration whatever the target's (:func:`draft_load_kwargs`): bfloat16, lean, the
+fast kernel and head, and compiled decode steps. Its tokens are only proposals: the target
+verifies each, so the output is the target's alone.
 """
 
 from compress.errors import CompressError
@@ -72,6 +77,52 @@ def check_arguments(args) -> None:
         raise CompressError("--adapt chooses the skip set itself: drop --skip/--skip-layers.")
 
 
+def draft_load_kwargs(args, conf: dict) -> dict:
+    """``model.load`` keywords of a ``--draft`` folder, plus ``compile`` (its decode steps): the
+    fast configuration for a group-quantized folder on the CPU without ``--dtype``, else the
+    target's configuration ``conf``."""
+    import torch
+
+    from compress.decoder import defaults
+
+    flag = getattr(args, "compile_flag", args.compile)  # --compile as given (None: not given)
+    kw = dict(
+        dtype=getattr(torch, conf["dtype"]),
+        device=args.device,
+        lean=conf["lean"],
+        qdtype=getattr(torch, conf["qdtype"]),
+        kernel=conf.get("kernel", "exact"),
+        compile=bool(args.compile),
+    )
+    fast = (
+        args.draft != "self"
+        and args.dtype is None
+        and args.device == "cpu"
+        and defaults.group_quantized(args.draft)
+    )
+    if fast:
+        from compress.quant.head import recorded_head
+
+        head = recorded_head(args.draft)
+        kw.update(
+            dtype=torch.bfloat16,
+            qdtype=torch.bfloat16,
+            lean=True if args.lean is None else args.lean,
+            kernel=getattr(args, "kernel", None) or defaults.FAST_KERNEL,
+            head=args.head or (defaults.fast_head(args.draft) if head == "none" else head),
+            compile=True if flag is None else bool(flag),
+        )
+    return kw
+
+
+def describe_draft(kw: dict) -> str:
+    """One line naming the draft's configuration, for stderr."""
+    flags = [f"dtype {str(kw['dtype']).removeprefix('torch.')}", f"kernel {kw['kernel']}"]
+    flags += [f"head {kw['head']}"] if kw.get("head") else []
+    flags += [name for name in ("lean", "compile") if kw[name]]
+    return f"[draft config: {', '.join(flags)}]"
+
+
 def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.speculative.bandit import self_bandit
@@ -86,8 +137,10 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     from compress.decoder.speculative.gamma import schedule_for
 
     if args.draft != "self":
+        load_kwargs = dict(load_kwargs)
+        compile_ = load_kwargs.pop("compile", False)
         draft = load_draft(args.draft, model, tokenizer, **load_kwargs)
-        return schedule_for(ModelDraft(draft), args.gamma)
+        return schedule_for(ModelDraft(draft, compile=compile_), args.gamma)
     if args.adapt:
         return self_bandit(model, args.adapt)
     L = model.config.num_hidden_layers

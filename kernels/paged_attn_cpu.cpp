@@ -1,0 +1,85 @@
+// Batch-invariant attention over the paged KV cache (the layout is described in
+// compress/decoder/kv/paged.py, the contract in paged_attn_cpu.py).
+//
+// Each query (row b, head h, column t) is computed by one thread, alone, in one fixed order:
+// its n = hi[b, t] visible keys j = 0 .. n-1 (pool slot gather[b, j], KV head h / (H / Hkv))
+//   s_j = scale * sum_d q[d] k_j[d]        (8 fixed lanes over d, then a fixed horizontal sum)
+//   m = max_j s_j,  l = sum_j exp(s_j - m) in j order,  out = (sum_j exp(s_j - m) v_j) / l
+// so its result does not depend on the other rows, the other queries of its row, the padded
+// key length or the thread count: the same bits alone or in any batch. n = 0 (padding) gives 0.
+
+#include "cpu_simd.h"
+
+namespace {
+
+using namespace cpu_simd;
+
+template <class T>
+inline float as_float(T v);
+template <>
+inline float as_float<float>(float v) { return v; }
+template <>
+inline float as_float<uint16_t>(uint16_t v) { return half_to_float(v); }
+
+template <class T>
+void attend(const float* q, float* out, const T* kp, const T* vp, int64_t ks, int64_t kh,
+            int64_t vs, int64_t vh, const int64_t* gather, const int64_t* hi, int64_t B,
+            int64_t H, int64_t Hkv, int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale,
+            int nthreads) {
+  const int64_t group = H / Hkv;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H, hk = h / group;
+    std::vector<float> s(L), kf(D);
+    for (int64_t t = 0; t < Tq; ++t) {
+      const float* qq = q + (bh * Tq + t) * D;
+      float* o = out + (bh * Tq + t) * Dv;
+      const int64_t n = std::min<int64_t>(hi[b * Tq + t], L);
+      for (int64_t d = 0; d < Dv; ++d) o[d] = 0.0f;
+      if (n <= 0) continue;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = kp + gather[b * L + j] * ks + hk * kh;
+        float lanes[8] = {};
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+          for (int u = 0; u < 8; ++u) lanes[u] += qq[d + u] * as_float<T>(k[d + u]);
+        for (; d < D; ++d) lanes[0] += qq[d] * as_float<T>(k[d]);
+        const float dot = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                          ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        s[j] = dot * scale;
+        m = std::max(m, s[j]);
+      }
+      float l = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = std::exp(s[j] - m);
+        l += w;
+        const T* v = vp + gather[b * L + j] * vs + hk * vh;
+        for (int64_t d = 0; d < Dv; ++d) o[d] += w * as_float<T>(v[d]);
+      }
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [B, H, Tq, D] fp32, out [B, H, Tq, Dv] fp32; K/V pools of fp32 (half = 0) or fp16 (half = 1)
+// with slot strides ks/vs and head strides kh/vh (elements); gather [B, L] pool slots; hi [B, Tq]
+// visible keys per query.
+void paged_attention(const float* q, float* out, const void* kpool, const void* vpool,
+                     int64_t ks, int64_t kh, int64_t vs, int64_t vh, const int64_t* gather,
+                     const int64_t* hi, int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t L,
+                     int64_t D, int64_t Dv, float scale, int half, int nthreads) {
+  if (half)
+    attend<uint16_t>(q, out, (const uint16_t*)kpool, (const uint16_t*)vpool, ks, kh, vs, vh,
+                     gather, hi, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+  else
+    attend<float>(q, out, (const float*)kpool, (const float*)vpool, ks, kh, vs, vh, gather, hi,
+                  B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+}
+
+}  // extern "C"

@@ -1,0 +1,66 @@
+"""Batch-invariant attention over the paged KV cache (``paged_attn_cpu.cpp``): a request's
+attention does not depend on what else is in the batch.
+
+Torch's fused attention reduces over keys and channels in an order that follows the shapes
+(the batch's longest context, the step's query count, the kernel's blocking), so the same query
+gets other low bits in another batch, and a greedy decode can part. Here every query is computed
+alone, in one order fixed by its own keys (as vLLM's batch-invariant mode fixes its kernels'
+reduction orders)::
+
+    n = visible keys of query (b, t):  min(len_b, pos[t] - start[b] + 1)   (``kv/paged.py``)
+    s_j = scale q . K_b[j]  (8 lanes over channels, a fixed tree)    j = 0 .. n-1
+    out = sum_j exp(s_j - max s) V_b[j] / sum_j exp(s_j - max s)     (sums in j order)
+
+in fp32 from the pool's fp16 or fp32 K/V; one thread per (row, head), so the thread count does
+not change it either. :func:`attention` is the same product in float64 PyTorch for tests
+(``reference``). With the integer W4A8 linears (exact whatever the rows) the whole forward of a
+row is then the same alone as in any batch.
+"""
+
+import torch
+
+import compress.kernels.native as native
+
+
+def visible(lens: torch.Tensor, pos: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64: how many keys (from key 0) query column ``t`` of row ``b`` sees."""
+    hi = torch.minimum(lens[:, None], pos[None, :] - start[:, None] + 1)
+    return hi.clamp_min(0).contiguous()
+
+
+def attention(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:
+    """``[B, H, T, Dv]`` fp32: ``q [B, H, T, D]`` against pools ``[slots, Hkv, D]`` (``v_pool``
+    may be a view of ``k_pool``'s first channels), keys of row b at slots ``gather [B, L]``."""
+    lib = native.library()
+    B, H, T, D = q.shape
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+    q = q.float().contiguous()
+    out = torch.empty(B, H, T, Dv, dtype=torch.float32)
+    half = k_pool.dtype == torch.float16
+    if k_pool.dtype not in (torch.float16, torch.float32) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"paged attention reads fp16 or fp32 pools, not {k_pool.dtype}")
+    lib.paged_attention(
+        q.data_ptr(), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        gather.contiguous().data_ptr(), hi.data_ptr(),
+        B, H, Hkv, T, gather.shape[1], D, Dv, float(scale), int(half), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def reference(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:
+    """The same product in float64, query by query (tests)."""
+    B, H, T, _ = q.shape
+    group = H // k_pool.shape[1]
+    out = torch.zeros(B, H, T, v_pool.shape[2], dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            n = int(hi[b, t])
+            if n <= 0:
+                continue
+            keys = k_pool[gather[b, :n]].double()  # [n, Hkv, D]
+            vals = v_pool[gather[b, :n]].double()
+            for h in range(H):
+                s = keys[:, h // group] @ q[b, h, t].double() * scale
+                out[b, h, t] = torch.softmax(s, 0) @ vals[:, h // group]
+    return out

@@ -1,0 +1,389 @@
+// W4A8 (and W3A8, W8A8) group-quantized linears on the CPU: int8 activations against the packed
+// codes, integer dot products, int32 sums per 32-channel block, fp32 scaling. The layouts and
+// the arithmetic are described in w4a8_cpu.py; the PyTorch reference is w4a8_ref.py.
+//
+//   I[m, b, o] = sum_{i in block b} q[i, o] xq[m, i]                          (int32, exact)
+//   y[m, o]    = sum_G s[G, o] sum_{b in G} d[m, b] I[m, b, o] - sum_G sz[G, o] xs[m, G]
+//
+// Three paths, chosen per call (`path`): 2 = AVX-512 VNNI (vpdpbusd, 16 output columns per
+// vector), 1 = AVX2 (vpmaddubsw + vpmaddwd), 0 = portable C++. The SIMD paths are compiled
+// with function target attributes, so one library holds all three whatever flags it was built
+// with; w4a8_caps() says which ones this CPU runs.
+
+#include "cpu_simd.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define W4A8_X86 1
+#endif
+
+namespace {
+
+constexpr int TILE = 16;  // output columns per tile
+constexpr int BLK = 32;   // input channels per activation block
+constexpr int MR_MAX = 4; // rows of x per pass over a tile
+
+// Bytes of one (tile, 32-channel block) of the packed weight.
+constexpr int64_t block_bytes(int bits) { return bits == 4 ? 256 : bits == 8 ? 512 : 192; }
+
+struct Args {
+  const int8_t* xq;  // [M, K]
+  const float* d;    // [M, K / 32]
+  const float* xs;   // [M, G]
+  const uint8_t* w;  // [N / 16, K / 32, block_bytes]
+  const float* s;    // [G, N]
+  const float* sz;   // [G, N]
+  float* y;          // [M, N]
+  int64_t M, K, N, g;
+};
+
+// ---- portable C++ --------------------------------------------------------------------------
+
+// Code of channel k (within the block) of column j of one packed (tile, block).
+inline int code_at(const uint8_t* blk, int bits, int k, int j) {
+  const int u = k & 3;
+  if (bits == 8) return blk[(k >> 2) * 64 + j * 4 + u];
+  if (bits == 4) {
+    const int step = k >> 3, hi = (k >> 2) & 1;
+    return (blk[step * 64 + j * 4 + u] >> (4 * hi)) & 15;
+  }
+  const int c4 = k >> 2;  // k4-step 0..7: crumb (c4 % 4) of chunk c4 / 4, high bit c4
+  const int lo = (blk[(c4 >> 2) * 64 + j * 4 + u] >> (2 * (c4 & 3))) & 3;
+  const int hi = (blk[128 + j * 4 + u] >> c4) & 1;
+  return lo | (hi << 2);
+}
+
+void tile_scalar(const Args& a, int bits, int64_t t, int64_t m0, int64_t mr) {
+  const int64_t KB = a.K / BLK, G = a.K / a.g, bpg = a.g / BLK, col0 = t * TILE;
+  const uint8_t* wt = a.w + t * KB * block_bytes(bits);
+  for (int64_t m = m0; m < m0 + mr; ++m) {
+    float y[TILE] = {};
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float acc[TILE] = {};
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        const uint8_t* blk = wt + b * block_bytes(bits);
+        const int8_t* x = a.xq + m * a.K + b * BLK;
+        int32_t I[TILE] = {};
+        for (int k = 0; k < BLK; ++k)
+          for (int j = 0; j < TILE; ++j) I[j] += code_at(blk, bits, k, j) * (int32_t)x[k];
+        const float d = a.d[m * KB + b];
+        for (int j = 0; j < TILE; ++j) acc[j] += (float)I[j] * d;
+      }
+      const float xs = a.xs[m * G + gi];
+      for (int j = 0; j < TILE; ++j)
+        y[j] += acc[j] * a.s[gi * a.N + col0 + j] - xs * a.sz[gi * a.N + col0 + j];
+    }
+    for (int j = 0; j < TILE; ++j) a.y[m * a.N + col0 + j] = y[j];
+  }
+}
+
+#ifdef W4A8_X86
+
+// ---- AVX-512 VNNI --------------------------------------------------------------------------
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+
+// The int32 sums I of one 32-channel block for MR rows and NT tiles (tile stride `tstride`
+// bytes), added into acc as fp32 times the rows' block scales.
+VNNI inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {
+  int32_t a;
+  std::memcpy(&a, x, 4);
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(a));
+}
+
+template <int BITS, int MR, int NT>
+VNNI inline void block_vnni(const uint8_t* blk, int64_t tstride, const int8_t* const* x,
+                            const float* d, __m512* acc) {
+  __m512i I[MR * NT];
+  for (int i = 0; i < MR * NT; ++i) I[i] = _mm512_setzero_si512();
+  const __m512i m4 = _mm512_set1_epi8(15);
+#define dot(r, n, w, k) (I[(r) * NT + (n)] = dot4(I[(r) * NT + (n)], (w), x[r] + (k)))
+  if constexpr (BITS == 8) {
+    for (int st = 0; st < 8; ++st)
+      for (int n = 0; n < NT; ++n) {
+        const __m512i w = _mm512_loadu_si512(blk + n * tstride + st * 64);
+        for (int r = 0; r < MR; ++r) dot(r, n, w, 4 * st);
+      }
+  } else if constexpr (BITS == 4) {
+    for (int st = 0; st < 4; ++st)
+      for (int n = 0; n < NT; ++n) {
+        const __m512i v = _mm512_loadu_si512(blk + n * tstride + st * 64);
+        const __m512i lo = _mm512_and_si512(v, m4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < MR; ++r) dot(r, n, lo, 8 * st), dot(r, n, hi, 8 * st + 4);
+      }
+  } else {  // 3 bits: two chunks of 2-bit crumbs, then the high bits
+    const __m512i m2 = _mm512_set1_epi8(3), b2 = _mm512_set1_epi8(4);
+    for (int n = 0; n < NT; ++n) {
+      const __m512i h = _mm512_loadu_si512(blk + n * tstride + 128);
+      for (int ch = 0; ch < 2; ++ch) {
+        const __m512i v = _mm512_loadu_si512(blk + n * tstride + ch * 64);
+        for (int c = 0; c < 4; ++c) {
+          const int c4 = 4 * ch + c;
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(v, 2 * c), m2);
+          const __m512i hb = c4 <= 2 ? _mm512_slli_epi16(h, 2 - c4) : _mm512_srli_epi16(h, c4 - 2);
+          const __m512i w = _mm512_ternarylogic_epi32(lo, hb, b2, 0xF8);  // lo | (hb & 4)
+          for (int r = 0; r < MR; ++r) dot(r, n, w, 4 * c4);
+        }
+      }
+    }
+  }
+#undef dot
+  for (int r = 0; r < MR; ++r) {
+    const __m512 dv = _mm512_set1_ps(d[r]);
+    for (int n = 0; n < NT; ++n)
+      acc[r * NT + n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r * NT + n]), dv, acc[r * NT + n]);
+  }
+}
+
+template <int BITS, int MR, int NT>
+VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
+  const int64_t KB = a.K / BLK, G = a.K / a.g, bpg = a.g / BLK, col0 = t * TILE;
+  const int64_t tstride = KB * block_bytes(BITS);
+  const uint8_t* wt = a.w + t * tstride;
+  __m512 y[MR * NT];
+  for (int i = 0; i < MR * NT; ++i) y[i] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 acc[MR * NT];
+    for (int i = 0; i < MR * NT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+      const int8_t* x[MR];
+      float d[MR];
+      for (int r = 0; r < MR; ++r) x[r] = a.xq + (m0 + r) * a.K + b * BLK, d[r] = a.d[(m0 + r) * KB + b];
+      block_vnni<BITS, MR, NT>(wt + b * block_bytes(BITS), tstride, x, d, acc);
+    }
+    for (int n = 0; n < NT; ++n) {
+      const __m512 s = _mm512_loadu_ps(a.s + gi * a.N + col0 + n * TILE);
+      const __m512 sz = _mm512_loadu_ps(a.sz + gi * a.N + col0 + n * TILE);
+      for (int r = 0; r < MR; ++r) {
+        __m512& yy = y[r * NT + n];
+        yy = _mm512_fmadd_ps(acc[r * NT + n], s, yy);
+        yy = _mm512_fnmadd_ps(_mm512_set1_ps(a.xs[(m0 + r) * G + gi]), sz, yy);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NT; ++n) _mm512_storeu_ps(a.y + (m0 + r) * a.N + col0 + n * TILE, y[r * NT + n]);
+}
+
+// ---- AVX2 ----------------------------------------------------------------------------------
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+// One 32-byte half (8 columns) of a tile: I over one block for MR rows. vpmaddubsw sums pairs
+// of u8 x s8 products into int16 without overflow for codes < 16 (4 k-steps of 2 x 15 x 127
+// stay under 2^15), so the int16 sums are widened once per block; 8-bit codes are split into
+// their nibbles, each summed so, then combined as 16 hi + lo in int32.
+AVX2 inline __m256i bcast4(const int8_t* x) {
+  int32_t a;
+  std::memcpy(&a, x, 4);
+  return _mm256_set1_epi32(a);
+}
+
+template <int BITS, int MR>
+AVX2 inline void half_avx2(const uint8_t* blk, int half, const int8_t* const* x, __m256i* I) {
+  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  __m256i s16[MR], h16[MR];
+  for (int r = 0; r < MR; ++r) s16[r] = h16[r] = _mm256_setzero_si256();
+#define bx(r, k) bcast4(x[r] + (k))
+  if constexpr (BITS == 8) {
+    for (int st = 0; st < 8; ++st) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + st * 64 + 32 * half));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xa = bx(r, 4 * st);
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, xa));
+        h16[r] = _mm256_add_epi16(h16[r], _mm256_maddubs_epi16(hi, xa));
+      }
+      if (st == 3)  // 4 steps of each nibble fill the int16 sums: widen them
+        for (int r = 0; r < MR; ++r) {
+          I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(s16[r], one));
+          I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(h16[r], _mm256_set1_epi16(16)));
+          s16[r] = h16[r] = _mm256_setzero_si256();
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+      I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(s16[r], one));
+      I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(h16[r], _mm256_set1_epi16(16)));
+    }
+    return;
+  } else if constexpr (BITS == 4) {
+    for (int st = 0; st < 4; ++st) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + st * 64 + 32 * half));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      for (int r = 0; r < MR; ++r) {
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bx(r, 8 * st)));
+        h16[r] = _mm256_add_epi16(h16[r], _mm256_maddubs_epi16(hi, bx(r, 8 * st + 4)));
+      }
+    }
+  } else {
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * half));
+    for (int ch = 0; ch < 2; ++ch) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + ch * 64 + 32 * half));
+      for (int c = 0; c < 4; ++c) {
+        const int c4 = 4 * ch + c;
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), m2);
+        const __m256i hb = c4 <= 2 ? _mm256_slli_epi16(h, 2 - c4) : _mm256_srli_epi16(h, c4 - 2);
+        const __m256i w = _mm256_or_si256(lo, _mm256_and_si256(hb, b2));
+        for (int r = 0; r < MR; ++r)
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, bx(r, 4 * c4)));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_add_epi16(s16[r], h16[r]), one));
+#undef bx
+}
+
+template <int BITS, int MR>
+AVX2 void tile_avx2(const Args& a, int64_t t, int64_t m0) {
+  const int64_t KB = a.K / BLK, G = a.K / a.g, bpg = a.g / BLK, col0 = t * TILE;
+  const uint8_t* wt = a.w + t * KB * block_bytes(BITS);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c0 = col0 + 8 * half;
+    __m256 y[MR];
+    for (int r = 0; r < MR; ++r) y[r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m256 acc[MR];
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        const int8_t* x[MR];
+        __m256i I[MR];
+        for (int r = 0; r < MR; ++r) x[r] = a.xq + (m0 + r) * a.K + b * BLK, I[r] = _mm256_setzero_si256();
+        half_avx2<BITS, MR>(wt + b * block_bytes(BITS), half, x, I);
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_set1_ps(a.d[(m0 + r) * KB + b]), acc[r]);
+      }
+      const __m256 s = _mm256_loadu_ps(a.s + gi * a.N + c0);
+      const __m256 sz = _mm256_loadu_ps(a.sz + gi * a.N + c0);
+      for (int r = 0; r < MR; ++r) {
+        y[r] = _mm256_fmadd_ps(acc[r], s, y[r]);
+        y[r] = _mm256_fnmadd_ps(_mm256_set1_ps(a.xs[(m0 + r) * G + gi]), sz, y[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(a.y + (m0 + r) * a.N + c0, y[r]);
+  }
+}
+
+template <int BITS>
+void run_avx2(const Args& a, int64_t t, int64_t m0, int64_t mr) {
+  switch (mr) {
+    case 1: return tile_avx2<BITS, 1>(a, t, m0);
+    case 2: return tile_avx2<BITS, 2>(a, t, m0);
+    case 3: return tile_avx2<BITS, 3>(a, t, m0);
+    default: return tile_avx2<BITS, 4>(a, t, m0);
+  }
+}
+
+// NT tiles starting at t for rows m0 .. m0 + mr - 1 (mr <= 4): more tiles per pass for fewer
+// rows, so that one row still has independent chains of vpdpbusd.
+template <int BITS>
+void run_vnni(const Args& a, int64_t t, int nt, int64_t m0, int64_t mr) {
+  if (nt == 4 && mr == 1) return tiles_vnni<BITS, 1, 4>(a, t, m0);
+  if (nt >= 2 && mr <= 2) {
+    for (int i = 0; i + 2 <= nt; i += 2)
+      mr == 1 ? tiles_vnni<BITS, 1, 2>(a, t + i, m0) : tiles_vnni<BITS, 2, 2>(a, t + i, m0);
+    if (nt % 2 == 0) return;
+    t += nt - 1, nt = 1;
+  }
+  for (int i = 0; i < nt; ++i) switch (mr) {
+      case 1: tiles_vnni<BITS, 1, 1>(a, t + i, m0); break;
+      case 2: tiles_vnni<BITS, 2, 1>(a, t + i, m0); break;
+      case 3: tiles_vnni<BITS, 3, 1>(a, t + i, m0); break;
+      default: tiles_vnni<BITS, 4, 1>(a, t + i, m0); break;
+    }
+}
+
+#endif  // W4A8_X86
+
+void run_tiles(const Args& a, int bits, int path, int64_t t, int nt, int64_t m0, int64_t mr) {
+#ifdef W4A8_X86
+  if (path == 2) {
+    if (bits == 4) return run_vnni<4>(a, t, nt, m0, mr);
+    if (bits == 8) return run_vnni<8>(a, t, nt, m0, mr);
+    return run_vnni<3>(a, t, nt, m0, mr);
+  }
+  if (path == 1) {
+    for (int i = 0; i < nt; ++i) {
+      if (bits == 4) run_avx2<4>(a, t + i, m0, mr);
+      else if (bits == 8) run_avx2<8>(a, t + i, m0, mr);
+      else run_avx2<3>(a, t + i, m0, mr);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < nt; ++i) tile_scalar(a, bits, t + i, m0, mr);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bit 0: the portable path (always), bit 1: AVX2, bit 2: AVX-512 VNNI, as this CPU runs them.
+int w4a8_caps() {
+  int caps = 1;
+#ifdef W4A8_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) caps |= 2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    caps |= 4;
+#endif
+  return caps;
+}
+
+// Per row m and 32-channel block b of fp32 x [M, K]: d = absmax / 127, xq = round(x * 127 /
+// absmax) (half to even; 0 for an all-zero block), and xs[m, G] = sum_{b in G} d sum xq.
+void w4a8_quantize(const float* x, int8_t* xq, float* d, float* xs, int64_t M, int64_t K,
+                   int64_t g) {
+  const int64_t KB = K / BLK, bpg = g / BLK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < K / g; ++gi) {
+      float sum = 0.0f;
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        const float* xb = x + m * K + b * BLK;
+        float amax = 0.0f;
+        for (int k = 0; k < BLK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t bsum = 0;
+        for (int k = 0; k < BLK; ++k) {
+          const int32_t v = (int32_t)std::nearbyint(xb[k] * inv);
+          xq[m * K + b * BLK + k] = (int8_t)v;
+          bsum += v;
+        }
+        d[m * KB + b] = amax / 127.0f;
+        sum += d[m * KB + b] * (float)bsum;
+      }
+      xs[m * (K / g) + gi] = sum;
+    }
+}
+
+// y [M, N] fp32 from the quantized activations and a packed weight (layouts in w4a8_cpu.py).
+void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
+               const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t g, int bits, int path, int nthreads) {
+  const Args a{xq, d, xs, w, s, sz, y, M, K, N, g};
+  const int64_t tiles = N / TILE;
+  const int nt = M == 1 ? 4 : M == 2 ? 2 : 1;  // tiles per unit of work
+  const int64_t units = (tiles + nt - 1) / nt;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u * nt;
+    const int n = (int)std::min<int64_t>(nt, tiles - t);
+    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX)
+      run_tiles(a, bits, path, t, n, m0, std::min<int64_t>(MR_MAX, M - m0));
+  }
+}
+
+// Both steps in one call; xq, d and xs are the caller's scratch.
+void w4a8_linear(const float* x, int8_t* xq, float* d, float* xs, const uint8_t* w,
+                 const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t g, int bits, int path, int nthreads) {
+  w4a8_quantize(x, xq, d, xs, M, K, g);
+  w4a8_gemm(xq, d, xs, w, s, sz, y, M, K, N, g, bits, path, nthreads);
+}
+
+}  // extern "C"

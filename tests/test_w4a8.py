@@ -1,0 +1,286 @@
+"""The W4A8 kernel (int8 activations x INT3/INT4/INT8 codes) against float64 references of the
+same quantized arithmetic, on every path this machine runs; its wiring into the layers, the
+compiled step and lean loading; a machine without a compiler."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compress.errors import CompressError
+from compress.formats import QuantLinear
+from compress.kernels import cpu, native, w4a8_cpu, w4a8_ref
+
+C_PATHS = [p for p in ("vnni", "avx2", "portable") if p in w4a8_cpu.available()]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def random_layer(bits: int, K: int, N: int, g: int, seed: int) -> QuantLinear:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (N, K), generator=gen)
+    z = torch.randint(0, 2**bits, (N, K // g), generator=gen)
+    s = (torch.rand(N, K // g, generator=gen) * 0.02 + 1e-3).half()
+    return QuantLinear.from_quantized(SimpleNamespace(q=q, zeros=z, scales=s, bits=bits, group_size=g))
+
+
+def x_hat64(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The activations the kernel multiplies, from first principles in float64: per token and
+    32-channel block, ``round(x * 127 / absmax) * absmax / 127``."""
+    x = x.double()
+    M, K = x.shape
+    b = x.reshape(M, K // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, (127.0 / amax.float()).double(), 0.0)  # fp32 like the kernel
+    q = torch.round((b.float() * inv.float()).double())
+    return (q * (amax.float() / 127.0).double()).reshape(M, K)
+
+
+def test_packing_round_trips_through_the_portable_reading():
+    """``pack`` puts code q[i, o] where the docstring says: unpack it again in PyTorch."""
+    for bits in (3, 4, 8):
+        gen = torch.Generator().manual_seed(bits)
+        q = torch.randint(0, 2**bits, (64, 32), generator=gen, dtype=torch.int32)
+        p = w4a8_cpu.pack(q, bits).to(torch.int32)  # [T, B, bytes]
+        T, B = p.shape[:2]
+        back = torch.empty_like(q)
+        for i in range(64):
+            b, k, u = i // 32, i % 32, i % 4
+            for o in range(32):
+                t, j = o // 16, o % 16
+                blk = p[t, b]
+                if bits == 8:
+                    v = blk[(k // 4) * 64 + 4 * j + u]
+                elif bits == 4:
+                    v = (blk[(k // 8) * 64 + 4 * j + u] >> (4 * ((k // 4) % 2))) & 15
+                else:
+                    r = k // 4
+                    v = ((blk[(r // 4) * 64 + 4 * j + u] >> (2 * (r % 4))) & 3) | (
+                        ((blk[128 + 4 * j + u] >> r) & 1) << 2
+                    )
+                back[i, o] = v
+        assert torch.equal(back, q), bits
+
+
+def test_reference_quantizes_as_specified():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 128, generator=gen) * torch.rand(3, 128, generator=gen) * 4
+    x[1, 32:64] = 0  # an all-zero block: codes 0, scale 0
+    xq, d, xs = w4a8_ref.quantize(x, 64)
+    assert xq.dtype == torch.int8 and xq.abs().max() <= 127 and not xq[1, 32:64].any()
+    assert rel(w4a8_ref.dequantized(x, 64), x_hat64(x, 64)) < 1e-12
+    assert rel(w4a8_ref.dequantized(x, 64), x) < 1e-2  # int8 per 32 channels: ~0.4% off
+    sums = (xq.double().reshape(3, 4, 32).sum(-1) * d.double()).reshape(3, 2, 2).sum(-1)
+    assert rel(xs, sums) < 1e-6
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("shape", [(64, 32, 32), (256, 96, 128), (576, 224, 64), (160, 160, 160)])
+def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
+    """Every C++ path, M in 1, 2, 4, 8, 17 (and odd shapes: 7 or 14 tiles, 5 blocks per group),
+    into poisoned outputs: ``x_hat @ W_hat^T`` in float64 to fp32 accuracy."""
+    monkeypatch.setenv("COMPRESS_W4A8", path)
+    K, N, g = shape
+    layer = random_layer(bits, K, N, g, seed=bits * 7 + K)
+    layer.kernel = "w4a8"
+    packed, s, sz = w4a8_cpu.form(layer)
+    w64 = layer.dequantize(torch.float64)
+    lib = native.library()
+    for M in (1, 2, 4, 8, 17):
+        gen = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=gen) * (1 + 3 * torch.rand(M, K, generator=gen))
+        ref = x_hat64(x, g) @ w64.t()
+        xq, d, xs = (torch.full((M, K), -77, dtype=torch.int8),) + tuple(
+            torch.full(shape, math.nan) for shape in ((M, K // 32), (M, K // g))
+        )
+        y = torch.full((M, N), math.nan)
+        lib.w4a8_linear(
+            x.data_ptr(), xq.data_ptr(), d.data_ptr(), xs.data_ptr(),
+            packed.data_ptr(), s.data_ptr(), sz.data_ptr(), y.data_ptr(),
+            M, K, N, g, bits, w4a8_cpu.PATHS[path], 2,
+        )  # fmt: skip
+        assert torch.isfinite(y).all()
+        assert rel(y, ref) < 2e-6, (M, rel(y, ref))
+        assert torch.equal(xq, w4a8_ref.quantize(x, g)[0])  # the kernel's rounding is the reference's
+        # through the layer: the same numbers, in the input's dtype
+        out = layer(x.bfloat16())
+        assert out.dtype == torch.bfloat16 and rel(out, x_hat64(x.bfloat16().float(), g) @ w64.t()) < 4e-3
+
+
+def test_layer_dispatch_and_the_pytorch_path(monkeypatch):
+    """``kernel="w4a8"`` sends small M through the kernel, large M through the exact path;
+    ``COMPRESS_W4A8=ref`` runs the PyTorch arithmetic; an unknown path is refused."""
+    layer = random_layer(4, 128, 64, 64, seed=3)
+    x = torch.randn(3, 128)
+    exact = x.double() @ layer.dequantize(torch.float64).t()
+    assert cpu.cpu_path(x, layer) != "w4a8" and rel(layer(x), exact) < 1e-6
+    layer.kernel = "w4a8"
+    big = torch.randn(cpu.W4A8_MAX_M + 1, 128)
+    if C_PATHS:
+        assert cpu.cpu_path(x, layer) == "w4a8" and cpu.cpu_path(big, layer) != "w4a8"
+    ref = x_hat64(x, 64) @ layer.dequantize(torch.float64).t()
+    assert rel(layer(x), ref) < 2e-6 and rel(layer(x), exact) > 1e-4  # not the exact product
+    monkeypatch.setenv("COMPRESS_W4A8", "ref")
+    assert rel(layer(x), ref) < 2e-6
+    monkeypatch.setenv("COMPRESS_KERNELS", "ref")
+    assert rel(layer(x), ref) < 2e-6
+    monkeypatch.delenv("COMPRESS_KERNELS")
+    monkeypatch.setenv("COMPRESS_W4A8", "sse9")
+    with pytest.raises(CompressError, match="COMPRESS_W4A8=sse9"):
+        layer(x)
+
+
+def test_use_sets_the_kernel_where_it_fits():
+    model = torch.nn.Sequential(random_layer(4, 128, 64, 64, 1), random_layer(4, 96, 64, 48, 2))
+    assert w4a8_cpu.use(model, "w4a8") == 1  # group size 48 is no whole number of 32-blocks
+    assert [m.kernel for m in model] == ["w4a8", "exact"]
+    assert w4a8_cpu.use(model, "exact") == 2 and {m.kernel for m in model} == {"exact"}
+    with pytest.raises(CompressError, match="kernel='w8a8'"):
+        w4a8_cpu.use(model, "w8a8")
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_lean_w4a8_and_the_compiled_op(bits):
+    """Lean loading keeps only the W4A8 form: small M through the kernel, long prefills through
+    its exact dequantization (``w4a8-dequant``), every M through the kernel with
+    ``kernel_every_m``; the op that the compiled step traces computes the same as the layer."""
+    layer = random_layer(bits, 128, 64, 32, seed=4)
+    w64 = random_layer(bits, 128, 64, 32, seed=4).dequantize(torch.float64)
+    packed, s, sz = w4a8_cpu.form(layer)
+    assert torch.equal(w4a8_cpu.unpack(packed, bits), layer.codes()[0])  # pack's inverse
+    layer.kernel = "w4a8"
+    x = torch.randn(cpu.W4A8_MAX_M + 36, 128)
+    before = layer(x[:5])
+    cpu.keep_lean_form(layer)
+    assert layer.cache["lean"] == "w4a8" and all(
+        t.numel() == 0 for n, t in layer._buffers.items() if n.startswith("qweight")
+    )
+    assert torch.equal(layer(x[:5]), before)
+    assert cpu.cpu_path(x, layer) == "w4a8-dequant"
+    assert rel(layer(x), x.double() @ w64.t()) < 1e-6  # exact: no activation rounding
+    assert rel(layer(x.bfloat16()), x.bfloat16().double() @ w64.t()) < 1e-2
+    layer.kernel_every_m = True
+    assert rel(layer(x), x_hat64(x, 32) @ w64.t()) < 2e-6
+    mod = w4a8_cpu.W4A8Linear(layer)
+    compiled = torch.compile(mod, fullgraph=True)
+    assert torch.equal(compiled(x[:5].reshape(5, 1, 128)).reshape(5, 64), before)
+
+
+def test_no_compiler_keeps_the_exact_path_with_one_warning(monkeypatch):
+    """A machine without a C++ compiler: one warning, then ``kernel="w4a8"`` layers compute the
+    exact product (the path they had)."""
+    monkeypatch.setattr(native, "_LIB", {})
+    monkeypatch.setenv("CXX", "no-such-c++")
+    layer = random_layer(4, 128, 64, 64, seed=5)
+    layer.kernel = "w4a8"
+    x = torch.randn(2, 128)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler") as caught:
+        y = layer(x)
+        layer(x)
+    assert len(caught) == 1 and native._LIB == {"lib": None}
+    assert cpu.cpu_path(x, layer) != "w4a8" and w4a8_cpu.available() == ["ref"]
+    assert rel(y, x.double() @ layer.dequantize(torch.float64).t()) < 1e-6
+
+
+def test_fast_head_needs_whole_words(tmp_path):
+    from compress.decoder.defaults import FAST_HEAD, fast_head
+
+    for vocab, head in ((320, FAST_HEAD), (300, "none")):
+        (tmp_path / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+        assert fast_head(tmp_path) == head
+    assert fast_head(tmp_path / "missing") == "none"
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
+    """A quantized folder's default configuration: W4A8 layers, lean, the compiled step, whose
+    greedy tokens are the eager W4A8 model's; ``--kernel exact`` keeps the exact layers."""
+    from compress.decoder.__main__ import main
+    from compress.decoder.generate import generate
+    from compress.decoder.model import load
+    from compress.quant.rtn import pack_model, quantization_config
+    from tests.test_decoder import save, tiny_hf, tiny_tokenizer
+
+    folder = save(
+        pack_model(tiny_hf(vocab_size=320), 4, 32),
+        tmp_path / "q4",
+        tiny_tokenizer(),
+        quantization_config(4, 32),
+    )
+    main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    conf = out["config"]
+    assert conf["kernel"] == "w4a8" and conf["head"] == "int8" and conf["lean"] and conf["compile"]
+    model, tok = load(folder, dtype=torch.bfloat16, lean=True, head="int8", kernel="w4a8")
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
+    assert all(m.kernel == "w4a8" and m.cache["lean"] == "w4a8" for m in layers)
+    ids = tok("the quick brown").input_ids
+    compiled = generate(model, [ids], 6, compile=True, ignore_eos=True)
+    step = next(iter(model.static_steps.values()))
+    assert isinstance(step.model.model.layers[0].mlp.down_proj, w4a8_cpu.W4A8Linear)
+    eager = generate(model, [ids], 6, ignore_eos=True)
+    assert compiled.tokens == eager.tokens
+    # the CLI's text leaves out a trailing partial character
+    assert out["text"].rstrip("\ufffd") == tok.decode(eager.tokens[0]).rstrip("\ufffd")
+    exact, _ = load(folder, kernel="exact")
+    assert all(m.kernel == "exact" for m in exact.modules() if isinstance(m, QuantLinear))
+
+
+def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
+    """``--draft AWQ_RUN`` with no other flags: the draft loads bfloat16, lean, W4A8, with the
+    fast head, and decodes compiled, whatever the (float) target runs; explicit flags win."""
+    from compress.decoder.__main__ import configuration, parse_args
+    from compress.decoder.speculative.cli import draft_load_kwargs
+
+    target, draft = tmp_path / "fp", tmp_path / "q4"
+    for folder, qcfg in ((target, None), (draft, {"quant_method": "awq", "bits": 4})):
+        folder.mkdir()
+        (folder / "config.json").write_text(
+            json.dumps({"vocab_size": 320, "quantization_config": qcfg})
+        )
+
+    def kwargs(*flags):
+        args = parse_args([str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags])
+        conf = configuration(args)
+        args.compile_flag, args.compile = args.compile, conf["compile"]
+        return conf, draft_load_kwargs(args, conf)
+
+    conf, kw = kwargs()
+    assert conf["dtype"] == "float32" and conf["kernel"] == "exact" and not conf["compile"]
+    assert kw == dict(dtype=torch.bfloat16, qdtype=torch.bfloat16, device="cpu", lean=True,
+                      kernel="w4a8", head="int8", compile=True)  # fmt: skip
+    _, kw = kwargs("--no-compile", "--kernel", "exact", "--no-lean")
+    assert not kw["compile"] and kw["kernel"] == "exact" and not kw["lean"]
+    _, kw = kwargs("--dtype", "float32")  # an explicit dtype: the draft runs as the target
+    assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and "head" not in kw
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+def test_quantized_draft_default_is_exact(tmp_path, capsys):
+    """``--draft Q4`` with no other flags: the draft runs W4A8, lean, compiled; the output is the
+    float target's own greedy text."""
+    from compress.decoder.__main__ import main
+    from compress.quant.rtn import pack_model, quantization_config
+    from tests.test_decoder import save, tiny_hf, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = save(tiny_hf(vocab_size=320), tmp_path / "fp", tok)
+    draft = save(pack_model(tiny_hf(vocab_size=320), 4, 32), tmp_path / "q4", tok,
+                 quantization_config(4, 32))  # fmt: skip
+    base = [str(target), "--prompt", "the quick brown", "--max-new-tokens", "16", "--json"]
+    main(base)
+    plain = json.loads(capsys.readouterr().out)
+    main(base + ["--draft", str(draft)])
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == plain["text"] and out["acceptance"] > 0
+    assert out["draft_config"] == dict(dtype="bfloat16", qdtype="bfloat16", device="cpu",
+                                       lean=True, kernel="w4a8", head="int8", compile=True)  # fmt: skip
