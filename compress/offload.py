@@ -250,12 +250,12 @@ def _forward_to_layers(model: nn.Module, adapter: Adapter, chunk: torch.Tensor) 
 
 @torch.no_grad()
 def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, device=None) -> list[dict]:
-    """The keyword arguments each decoder layer receives (its attention mask and RoPE table),
+    """The keyword arguments each decoder layer receives (its attention mask and position encoding),
     from one forward of the first sample with every layer replaced by a recorder (no layer's
     weights are read), on ``device`` (default: where the model made them).
 
     Layers differ where the spec's layers do: a sliding-window layer gets a banded mask, and
-    Gemma 3's local and global layers get different RoPE tables; a single-sample mask and table
+    Gemma 3's local and global layers get different position-encoding tables; a single-sample mask and table
     broadcast over any batch of samples."""
     layers = adapter.decoder_layers(model)
     originals, seen = list(layers), [None] * len(layers)
