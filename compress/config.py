@@ -294,12 +294,12 @@ LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder la
 
 
 def layerwise(cfg) -> bool:
-    """Whether every stage of the recipe works one decoder layer at a time (llm_int8 with a
-    numeric threshold: ``auto`` compares whole-model perplexities)."""
+    """Whether the recipe has stages and every one works one decoder layer at a time (llm_int8
+    with a numeric threshold: ``auto`` compares whole-model perplexities)."""
     int8 = cfg.get("llm_int8") or {}
     if "llm_int8" in cfg.stages and int8.get("threshold", 6.0) == "auto":
         return False
-    return all(s in LAYERWISE_STAGES for s in cfg.stages)
+    return bool(cfg.stages) and all(s in LAYERWISE_STAGES for s in cfg.stages)
 
 
 def check_offload(cfg) -> str:

@@ -185,7 +185,11 @@ def load_source(cfg: DictConfig, run_dir: Path):
     if offload != "host" and layerwise(cfg) and m.dtype in ("auto", "float32"):
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         spill = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.layers-", dir=run_dir.parent))
-        got = load_lazy(m.path, m.trust_remote_code, spill)
+        try:
+            got = load_lazy(m.path, m.trust_remote_code, spill)
+        except BaseException:
+            shutil.rmtree(spill, ignore_errors=True)
+            raise
         if got is not None:
             log.info("source layers stay on disk, read one at a time (offload=%s)", offload)
             return (*got, spill)

@@ -74,7 +74,10 @@ def n_params(config) -> int:
     from compress.offload import empty_model
 
     model = empty_model(config)
-    return sum(p.numel() for p in model.parameters())
+    tied = getattr(config, "tie_word_embeddings", False)
+    return sum(
+        p.numel() for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")
+    )
 
 
 def make_model(folder: Path, shape: str, layers: int | None = None, seed: int = 0) -> Path:
