@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from compress.adapters import get_adapter
+from compress.arch import spec_of
 from compress.checkpoint import check_finite, guard_safetensors, save_checkpoint
 from compress.embedded import EMBEDDED, embedded_model, gguf_file
 from compress.errors import CompressError
@@ -168,7 +169,7 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
     """``(model, tokenizer, Source)`` with the decoder layers left on disk
     (``compress.checkpoint.open_lazy``: read one at a time, memory-mapped, widened to float32),
     or None when the source cannot be read that way: a hub id, remote code, no safetensors,
-    or layers with state outside their weights."""
+    layers with state outside their weights, or layers that read another layer's K/V (CLA)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from compress.checkpoint import open_lazy
@@ -181,7 +182,9 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
     import compress.formats.attention  # noqa: F401  (converted attention folders load without remote code)
 
     config = AutoConfig.from_pretrained(where)
-    get_adapter(config)
+    spec = spec_of(config)
+    if spec.n_slots < spec.n_layers:  # CLA: a layer reads the K/V another computed in the forward
+        return None
     model = open_lazy(where, None, config, spill)
     if not layer_buffers_ok(model):
         return None

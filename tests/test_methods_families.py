@@ -41,7 +41,12 @@ EXTRA = {  # tiny-model settings of each recipe (no distillation: the stage is n
                        "prune.export.num_hidden_layers=1"],  # fmt: skip
 }
 QUANT = ("rtn_int4", "rtn_int3", "rtn_int8", "awq_int4", "awq_int3")
-FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width")}  # the rest: slow
+FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width")}
+# a slow cross-section runs with the suite; the rest of the family x recipe matrix with -m matrix
+SLOW = {("qwen3", "rtn_int4"), ("mistral", "awq_int4"), ("llama", "awq_int3"),
+        ("qwen2", "rtn_int8"), ("gemma3_text", "rtn_int3"), ("gemma3_text", "minitron_depth"),
+        ("qwen3", "gqa")}  # fmt: skip
+MATRIX = [pytest.mark.slow, pytest.mark.matrix]
 
 
 def rel_err(a, b) -> float:
@@ -85,7 +90,9 @@ def hf_logits(model, ids):
 
 def matrix(recipes):
     return [
-        pytest.param(f, r, marks=() if (f, r) in FAST else pytest.mark.slow)
+        pytest.param(
+            f, r, marks=() if (f, r) in FAST else pytest.mark.slow if (f, r) in SLOW else MATRIX
+        )
         for f in FAMILIES
         for r in recipes
     ]
@@ -159,7 +166,7 @@ def test_awq_layer_kwargs_run_each_layer_as_the_model_does(family):
 
 @pytest.mark.parametrize(
     "family",
-    [f if f == "gemma3_text" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
+    [f if f == "gemma3_text" else pytest.param(f, marks=MATRIX) for f in FAMILIES],
 )
 def test_awq_stage_keeps_the_function_like_rtn(family):
     """The awq stage at 8 bits (folds + search, no clip) is within 1.5x of RTN's error against the
@@ -230,7 +237,11 @@ def test_quantized_folder_agrees_with_transformers(family, recipe, family_dirs, 
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.slow if f in ("llama", "gemma3_text") else MATRIX)
+        for f in FAMILIES
+    ],
 )
 def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -242,8 +253,10 @@ def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
     assert rel_err(decoder_logits(out, ids), hf_logits(hf, ids)) < 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow if f == "gemma3_text" else MATRIX) for f in FAMILIES],
+)
 def test_llm_int8_folder_loads_through_bitsandbytes(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
