@@ -28,6 +28,7 @@ from compress.config import (
     run_eval_device,
     validate,
 )
+from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, fast_head
 from compress.data import calib_samples, eval_windows, read_text
 from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
@@ -142,8 +143,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
 def decoder_default(qcfg: dict | None, head: str) -> dict:
     """``decoder_default``: what ``python -m compress.decoder RUN`` runs by default on the CPU
     for a group-quantized folder (``compress.decoder.defaults``); nothing for other folders."""
-    from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL
-
     if (qcfg or {}).get("quant_method") not in ("awq", "compress"):
         return {}
     return {
@@ -280,12 +279,17 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         if kernel != "exact":
             from compress.eval.kernel_cost import kernel_figures
 
-            figures.update(
-                kernel_figures(
-                    compressed, windows, reference, kernel, figures, cache=cache,
-                    source_sha=source.sha256,
-                )  # fmt: skip
-            )
+            eval_kw = dict(cache=cache, source_sha=source.sha256)
+            exact = dict(figures)
+            figures.update(kernel_figures(compressed, windows, reference, kernel, exact, **eval_kw))
+            if head == "none" and (default_head := fast_head(tmp)) != "none":  # and the default head
+                quantize_head(compressed, default_head, ctx.quantization_config)
+                figures.update(
+                    kernel_figures(
+                        compressed, windows, reference, kernel, exact, "default", **eval_kw
+                    ),
+                    default_head=default_head,
+                )
         del compressed, reference
         timings["eval"] = round(time.time() - t, 2)
 

@@ -11,6 +11,11 @@ weight-only path of the main evaluation. On the same windows it reports::
     kernel_kl_vs_source KL(source || model through the kernel), nats per token (when the source
                         is compared)
 
+and, when the recipe keeps the head as stored, the same for the decoder's whole default (the
+kernel with the head quantized to ``default_head``, ``compress.decoder.defaults``)::
+
+    default_head, default_ppl, default_ppl_cost, default_kl_vs_source
+
 The decoder's fast default computes with the kernel only while ``kernel_ppl_cost`` stays within
 ``BAR`` on the 40-window protocol.
 """
@@ -21,9 +26,11 @@ from compress.kernels.w4a8_cpu import use
 BAR = 0.003  # the largest ppl cost the decoder's default accepts (0.3%)
 
 
-def kernel_figures(model, windows, reference, kernel: str, exact: dict, **eval_kw) -> dict:
+def kernel_figures(
+    model, windows, reference, kernel: str, exact: dict, prefix: str = "kernel", **eval_kw
+) -> dict:
     """The figures above for ``model`` (its quantized layers switched to ``kernel``, then back),
-    ``exact`` being the main evaluation's figures."""
+    ``exact`` being the main evaluation's figures, named ``{prefix}_ppl`` and so on."""
     if kernel == "exact":
         return {}
     layers = use(model, kernel, every_m=True)  # every window token as a decode step computes it
@@ -33,11 +40,11 @@ def kernel_figures(model, windows, reference, kernel: str, exact: dict, **eval_k
         use(model, "exact")
     out = {
         "kernel": kernel,
-        "kernel_layers": layers,
-        "kernel_ppl": figures["ppl"],
-        "kernel_ppl_cost": figures["ppl"] / exact["ppl"] - 1,
-        "kernel_within_bar": figures["ppl"] / exact["ppl"] - 1 <= BAR,
+        f"{prefix}_layers": layers,
+        f"{prefix}_ppl": figures["ppl"],
+        f"{prefix}_ppl_cost": figures["ppl"] / exact["ppl"] - 1,
+        f"{prefix}_within_bar": figures["ppl"] / exact["ppl"] - 1 <= BAR,
     }
     if "kl_vs_source" in figures:
-        out["kernel_kl_vs_source"] = figures["kl_vs_source"]
+        out[f"{prefix}_kl_vs_source"] = figures["kl_vs_source"]
     return out

@@ -44,3 +44,22 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     # layers, so the two agree to ~1e-3, within half the kernel's distance from the exact path
     err = abs(ref / report["kernel_ppl"] - 1)
     assert err < 2e-3 and err < abs(report["kernel_ppl_cost"]) / 2, (err, report["kernel_ppl_cost"])
+
+
+@pytest.mark.slow
+def test_with_the_head_as_stored_it_also_reports_the_decoders_default(tiny_dir, tmp_path, tokenizer):
+    out = tmp_path / "run"
+    report = run_recipe("rtn_int4", tiny_dir, out, "decode.kernel=w4a8")
+    assert report["kernel_layers"] == 2 * 7 and report["default_head"] == "int8"
+    assert report["default_layers"] == 2 * 7 + 1  # the int8 head through the kernel too
+    assert math.isclose(report["default_ppl_cost"], report["default_ppl"] / report["ppl"] - 1)
+    assert len({report["ppl"], report["kernel_ppl"], report["default_ppl"]}) == 3
+    assert report["default_kl_vs_source"] > 0
+    # the default's figure is that of the folder loaded as the decoder loads it by default
+    model = load_run(out)[0]
+    quantize_head(model, "int8", json.loads((out / "config.json").read_text())["quantization_config"])
+    use(model, "w4a8", every_m=True)
+    text = read_text(str(DATA / "wikitext-2" / "wiki.test.raw"), role="eval")
+    windows = eval_windows(tokenizer, text, 64, 2)
+    err = abs(evaluate(model, windows)["ppl"] / report["default_ppl"] - 1)
+    assert err < 1e-6, err
