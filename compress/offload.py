@@ -136,6 +136,35 @@ def resident_to(model: nn.Module, device) -> nn.Module:
     return model
 
 
+def share_unchanged(model: nn.Module, source: nn.Module) -> list[str]:
+    """Point the tensors ``model`` holds outside its decoder layers at ``source``'s where they are
+    equal (same name, shape, dtype and values): a recipe that keeps the embedding and head as
+    stored then has them mapped once in the evaluation, not twice (the check reads both once,
+    before the evaluation's own peak). Both models disk-backed; returns the names shared."""
+    layers = get_adapter(model.config).layers
+    theirs = {}
+    for name, module in source.named_modules():
+        for k, t in module._parameters.items():
+            if t is not None and t.device.type != "meta":
+                theirs[f"{name}.{k}" if name else k] = t
+    shared = []
+    for name, module in model.named_modules():
+        if name == layers or name.startswith(layers + "."):
+            continue
+        for k, t in list(module._parameters.items()):
+            full = f"{name}.{k}" if name else k
+            other = theirs.get(full)
+            if t is None or other is None or t is other or t.device.type == "meta":
+                continue
+            if t.shape == other.shape and t.dtype == other.dtype and torch.equal(t, other):
+                _set(module, k, other.data)
+                shared.append(full)
+    adapter = get_adapter(model.config)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_submodule(adapter.lm_head).weight = model.get_submodule(adapter.embed).weight
+    return shared
+
+
 def host_device(layer: nn.Module) -> torch.device:
     return next(iter(layer.state_dict().values())).device
 

@@ -38,7 +38,7 @@ from compress.inputs import check_inputs
 from compress.manifest import verify_folder, write_manifest
 from compress.model_card import write_model_card
 from compress.quant.head import quantize_head
-from compress.offload import is_lazy, resident_to
+from compress.offload import is_lazy, resident_to, share_unchanged
 from compress.run_folder import atomic_dir, check_writable, commit_dir
 from compress.source import cache_dir, load_lazy, load_model
 from compress.stages import get_stage
@@ -260,6 +260,8 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         if lazy and ctx.eval_loader is None:
             compressed = open_lazy(tmp)
             reference = load_lazy(m.path, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+            if reference is not None:  # the tensors the recipe kept as stored, mapped once
+                share_unchanged(compressed, reference)
         else:
             compressed = (ctx.eval_loader or load_run)(tmp)[0]
             reference = None

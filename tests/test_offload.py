@@ -117,6 +117,18 @@ def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
             assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
     stored = load_file(str(_cache_path(cache, "s", windows[1])))["log_probs"]
     torch.testing.assert_close(stored, _log_probs(source, windows[1]), rtol=1e-5, atol=1e-5)
+    # the tensors rtn kept as stored are shared with the source, the figures unchanged
+    ours, theirs = open_lazy(folder), open_lazy(tiny_dir)
+    theirs.model.norm.weight.data[0] += 1  # one kept tensor the two no longer share
+    shared = offload.share_unchanged(ours, theirs)
+    assert "model.embed_tokens.weight" in shared and "model.norm.weight" not in shared
+    ptr = theirs.model.embed_tokens.weight.data_ptr()
+    assert ours.model.embed_tokens.weight.data_ptr() == ptr
+    assert ours.lm_head.weight.data_ptr() == ptr  # the tiny model's head is tied
+    theirs.model.norm.weight.data[0] -= 1
+    got = evaluate(ours, windows, theirs)
+    for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
+        assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
 
 
 def test_stored_dtype_is_kept(tmp_path, tokenizer):
