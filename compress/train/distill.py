@@ -26,10 +26,12 @@ Standalone, on one process or several::
 
     python -m compress.train.distill --student DIR --teacher DIR --data FILE --out DIR --tokens N
     accelerate launch --multi_gpu --num_processes 2 -m compress.train.distill --student DIR ...
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 -m compress.train.distill ...
 
 (accelerate 1.15's ``launch --cpu --num_processes 2`` starts one process unless given an MPI
 hostfile; ``--multi_gpu`` goes through torchrun, and without CUDA the processes form a
-MULTI_CPU group over gloo.)
+MULTI_CPU group over gloo; ``--use_fsdp --fsdp_version 2`` shards the student, see
+``compress.train.fsdp``.)
 """
 
 import argparse
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import CompressError
+from compress.train import fsdp
 from compress.train.trainer import TrainConfig, make_accelerator, token_blocks, train
 
 log = logging.getLogger(__name__)
@@ -201,6 +204,7 @@ def run_distill(
 ) -> dict:
     """Distil ``student`` in place; returns the trainer's stats. ``kl_chunk``: see the module
     docstring."""
+    fsdp.check_settings(tc.compile, kl_chunk)
     if teacher is not None:
         check_vocab(student, teacher)
     if any(p.dtype != torch.float32 for p in student.parameters() if p.is_floating_point()):
@@ -225,9 +229,10 @@ def run_distill(
 
 
 def resolve_chunk(value, device) -> int:
-    """``distill.kl_chunk``: auto (4096 tokens on CUDA, 0 = whole logits on the CPU) or a count."""
+    """``distill.kl_chunk``: auto (4096 tokens on CUDA, 0 = whole logits on the CPU and under
+    FSDP) or a count."""
     if value in (None, "auto"):
-        return 4096 if torch.device(device).type == "cuda" else 0
+        return 4096 if torch.device(device).type == "cuda" and not fsdp.requested() else 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CompressError(
             f"distill.kl_chunk={value!r}: give auto, 0 (whole logits) or a number of tokens "
@@ -382,6 +387,8 @@ def main(argv=None) -> None:
             )
         if args.loss != "ce" and args.teacher is None:
             raise CompressError("--teacher is required unless --loss ce.")
+        chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
+        fsdp.check_settings(tc.compile, chunk)
         student, tok, _ = load_model(args.student)
         teacher = load_model(args.teacher)[0] if args.loss != "ce" else None
         text = read_text(args.data, role="distill")
@@ -392,7 +399,6 @@ def main(argv=None) -> None:
             "teacher": weights_sha256(teacher) if teacher is not None else None,
             "data": hashlib.sha256(text.encode()).hexdigest(),
         }
-        chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
         stats = run_distill(
             student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint, chunk
         )
