@@ -315,6 +315,7 @@ def distill(model, ctx):
             "loss": kind,
             "steps": stats["steps"],
             "tokens_per_step": stats["tokens_per_step"],
+            "parallel": stats["parallel"],
             "tok_s": stats.get("tok_s"),
             "elapsed_s": stats.get("elapsed_s"),
             "resumed_from": stats.get("resumed_from"),

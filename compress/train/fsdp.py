@@ -17,8 +17,9 @@ a tied head stays one parameter). Each parameter becomes a DTensor split along d
 ranks, so rank r holds ~1/N of the weights, gradients and AdamW moments; a unit's full weights
 exist only around its forward and backward (all-gather), gradients are reduce-scattered
 (averaged) at the last micro-step of an optimizer step (``set_requires_gradient_sync``). The
-trainer shards a copy of the student; the trained weights are gathered back into the caller's
-model at the end (every rank holds them whole, as before training). The teacher is not trained
+trainer shards a copy of the student (the caller's whole model stays where it was meanwhile,
+as every rank loaded it); the trained weights are gathered back into it at the end, whole on
+every rank as before training. The teacher is not trained
 and stays replicated.
 
 Checkpoints: ``torch.distributed.checkpoint`` (DCP) of ``{"model", "optim"}`` from
@@ -94,8 +95,12 @@ def shard(model, device, activation_checkpointing: bool = False):
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(work, reshard_after_forward=reshard)
-    world = torch.distributed.get_world_size()
-    log.info("fsdp: the student sharded over %d processes in %d units", world, len(layers) + 1)
+    if torch.distributed.get_rank() == 0:
+        log.info(
+            "fsdp: the student sharded over %d processes in %d units",
+            torch.distributed.get_world_size(),
+            len(layers) + 1,
+        )
     return work
 
 

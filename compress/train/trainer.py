@@ -292,6 +292,7 @@ def train(
         "batch_size": tc.batch_size,
         "grad_accum": tc.grad_accum,
         "world_size": world,
+        "parallel": "fsdp" if sharded else ("ddp" if world > 1 else "none"),
         "losses": [],
     }
     if steps == 0:
