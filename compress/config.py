@@ -290,7 +290,7 @@ def check_distributed(cfg) -> int:
     from compress.train.fsdp import check_settings
 
     d = cfg.get("distill") or {}
-    check_settings(bool(d.get("compile", False)), d.get("kl_chunk", "auto"))
+    check_settings(bool(d.get("compile", False)))
     return world
 
 

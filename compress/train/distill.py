@@ -204,7 +204,7 @@ def run_distill(
 ) -> dict:
     """Distil ``student`` in place; returns the trainer's stats. ``kl_chunk``: see the module
     docstring."""
-    fsdp.check_settings(tc.compile, kl_chunk)
+    fsdp.check_settings(tc.compile)
     if teacher is not None:
         check_vocab(student, teacher)
     if any(p.dtype != torch.float32 for p in student.parameters() if p.is_floating_point()):
@@ -229,10 +229,9 @@ def run_distill(
 
 
 def resolve_chunk(value, device) -> int:
-    """``distill.kl_chunk``: auto (4096 tokens on CUDA, 0 = whole logits on the CPU and under
-    FSDP) or a count."""
+    """``distill.kl_chunk``: auto (4096 tokens on CUDA, 0 = whole logits on the CPU) or a count."""
     if value in (None, "auto"):
-        return 4096 if torch.device(device).type == "cuda" and not fsdp.requested() else 0
+        return 4096 if torch.device(device).type == "cuda" else 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CompressError(
             f"distill.kl_chunk={value!r}: give auto, 0 (whole logits) or a number of tokens "
@@ -388,8 +387,7 @@ def main(argv=None) -> None:
             )
         if args.loss != "ce" and args.teacher is None:
             raise CompressError("--teacher is required unless --loss ce.")
-        chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
-        fsdp.check_settings(tc.compile, chunk)
+        fsdp.check_settings(tc.compile)
         student, tok, _ = load_model(args.student)
         teacher = load_model(args.teacher)[0] if args.loss != "ce" else None
         text = read_text(args.data, role="distill")
@@ -400,6 +398,7 @@ def main(argv=None) -> None:
             "teacher": weights_sha256(teacher) if teacher is not None else None,
             "data": hashlib.sha256(text.encode()).hexdigest(),
         }
+        chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
         stats = run_distill(
             student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint, chunk
         )

@@ -12,11 +12,14 @@ only on accelerator devices: on the CPU its processes form a plain MULTI_CPU (gl
 trainer therefore reads those variables itself and shards with torch's ``fully_shard`` on the GPU
 and the CPU alike; accelerate still launches the processes, joins them and reduces the losses.
 
-Sharding: one FSDP unit per decoder layer and one for the rest (embeddings, final norm, head;
-a tied head stays one parameter). Each parameter becomes a DTensor split along dim 0 over the N
+Sharding: one FSDP unit per decoder layer and one root for the rest (embeddings, final norm,
+head; a tied head stays one parameter). Each parameter becomes a DTensor split along dim 0 over the N
 ranks, so rank r holds ~1/N of the weights, gradients and AdamW moments; a unit's full weights
 exist only around its forward and backward (all-gather), gradients are reduce-scattered
 (averaged) at the last micro-step of an optimizer step (``set_requires_gradient_sync``). The
+root keeps its full weights from its forward to its backward (``reshard_after_forward=False``),
+so the chunked distillation loss (``distill.kl_chunk``), which applies the head after the
+forward, sees the whole head and its gradient is reduce-scattered with the root's. The
 trainer shards a copy of the student (the caller's whole model stays where it was meanwhile,
 as every rank loaded it); the trained weights are gathered back into it at the end, whole on
 every rank as before training. The teacher is not trained
@@ -27,9 +30,8 @@ Checkpoints: ``torch.distributed.checkpoint`` (DCP) of ``{"model", "optim"}`` fr
 ``dcp/.metadata``), and loading reads each rank's shard back in place, so resuming is exact.
 
 Refused before any work (``check_settings``): ``--fsdp_version 1`` (FSDP1 is deprecated in
-torch; FSDP2 is what is implemented and tested), parameter offload (``--fsdp_offload_params``),
-``distill.compile`` and an explicit ``distill.kl_chunk`` > 0 (the chunked loss reads the head's
-weight outside the forward, where FSDP holds only a shard of it; ``auto`` takes whole logits).
+torch; FSDP2 is what is implemented and tested), parameter offload (``--fsdp_offload_params``)
+and ``distill.compile`` (not tried under FSDP).
 """
 
 import copy
@@ -53,7 +55,7 @@ def requested() -> bool:
     return _flag("ACCELERATE_USE_FSDP") and world > 1
 
 
-def check_settings(compile: bool = False, kl_chunk=None) -> None:
+def check_settings(compile: bool = False) -> None:
     """Refuse an FSDP launch the trainer cannot honour (module docstring); no-op without FSDP."""
     if not requested():
         return
@@ -72,12 +74,6 @@ def check_settings(compile: bool = False, kl_chunk=None) -> None:
         )
     if compile:
         raise CompressError(f"distill.compile=true is not supported under FSDP. {fix}")
-    if isinstance(kl_chunk, int) and not isinstance(kl_chunk, bool) and kl_chunk > 0:
-        raise CompressError(
-            f"distill.kl_chunk={kl_chunk}: the chunked loss applies the head's weight outside "
-            f"the forward, where FSDP holds only this rank's shard of it. Use "
-            f"distill.kl_chunk=auto or 0 (whole logits) under FSDP, or DDP (--multi_gpu)."
-        )
 
 
 def shard(model, device, activation_checkpointing: bool = False):
@@ -94,7 +90,7 @@ def shard(model, device, activation_checkpointing: bool = False):
     layers = get_adapter(work.config).decoder_layers(work)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(work, reshard_after_forward=reshard)
+    fully_shard(work, reshard_after_forward=False)  # the root: its weights are needed at once
     if torch.distributed.get_rank() == 0:
         log.info(
             "fsdp: the student sharded over %d processes in %d units",
