@@ -106,11 +106,13 @@ def set_sync(model, sync: bool) -> None:
 
 
 def gather_into(sharded, model) -> None:
-    """The full trained weights of ``sharded`` loaded into ``model`` (collective: every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
-    model.load_state_dict(full)
+    """The full trained weights of ``sharded`` copied into ``model``, one parameter all-gathered
+    at a time (collective: every rank, in the same order)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in sharded.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[name].copy_(full)
 
 
 def save(folder, model, opt) -> None:

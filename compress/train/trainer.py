@@ -412,7 +412,7 @@ def train(
         shutil.rmtree(folder, ignore_errors=True)
     if sharded:  # the trained weights, whole on every rank, into the caller's model
         fsdp.gather_into(model, target)
-        del opt
+        del model, opt, sched
         model = target.to(acc.device)
     model = acc.unwrap_model(model)
     model.eval()
