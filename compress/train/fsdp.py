@@ -13,17 +13,16 @@ trainer therefore reads those variables itself and shards with torch's ``fully_s
 and the CPU alike; accelerate still launches the processes, joins them and reduces the losses.
 
 Sharding: one FSDP unit per decoder layer and one root for the rest (embeddings, final norm,
-head; a tied head stays one parameter). Each parameter becomes a DTensor split along dim 0 over the N
-ranks, so rank r holds ~1/N of the weights, gradients and AdamW moments; a unit's full weights
-exist only around its forward and backward (all-gather), gradients are reduce-scattered
+head; a tied head stays one parameter). Each parameter becomes a DTensor split along dim 0 over
+the N ranks, so rank r holds ~1/N of the weights, gradients and AdamW moments; a unit's full
+weights exist only around its forward and backward (all-gather), gradients are reduce-scattered
 (averaged) at the last micro-step of an optimizer step (``set_requires_gradient_sync``). The
 root keeps its full weights from its forward to its backward (``reshard_after_forward=False``),
 so the chunked distillation loss (``distill.kl_chunk``), which applies the head after the
-forward, sees the whole head and its gradient is reduce-scattered with the root's. The
-trainer shards a copy of the student (the caller's whole model stays where it was meanwhile,
-as every rank loaded it); the trained weights are gathered back into it at the end, whole on
-every rank as before training. The teacher is not trained
-and stays replicated.
+forward, sees the whole head and its gradient is reduce-scattered with the root's. The trainer
+shards a copy of the student (the caller's whole model stays where it was meanwhile, as every
+rank loaded it); the trained weights are gathered back into it at the end, whole on every rank
+as before training. The teacher is not trained and stays replicated.
 
 Checkpoints: ``torch.distributed.checkpoint`` (DCP) of ``{"model", "optim"}`` from
 ``get_state_dict``: every rank writes its own shard (``dcp/__<rank>_0.distcp``, with a shared
