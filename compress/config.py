@@ -287,6 +287,10 @@ def check_distributed(cfg) -> int:
             f"are repeated by each). Run it with `python -m compress recipe={cfg.name} ...` "
             f"(one process; device=cuda puts calibration on the GPU)."
         )
+    from compress.train.fsdp import check_settings
+
+    d = cfg.get("distill") or {}
+    check_settings(bool(d.get("compile", False)))
     return world
 
 

@@ -26,10 +26,12 @@ Standalone, on one process or several::
 
     python -m compress.train.distill --student DIR --teacher DIR --data FILE --out DIR --tokens N
     accelerate launch --multi_gpu --num_processes 2 -m compress.train.distill --student DIR ...
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 -m compress.train.distill ...
 
 (accelerate 1.15's ``launch --cpu --num_processes 2`` starts one process unless given an MPI
 hostfile; ``--multi_gpu`` goes through torchrun, and without CUDA the processes form a
-MULTI_CPU group over gloo.)
+MULTI_CPU group over gloo; ``--use_fsdp --fsdp_version 2`` shards the student, see
+``compress.train.fsdp``.)
 """
 
 import argparse
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import CompressError
+from compress.train import fsdp
 from compress.train.trainer import TrainConfig, make_accelerator, token_blocks, train
 
 log = logging.getLogger(__name__)
@@ -201,6 +204,7 @@ def run_distill(
 ) -> dict:
     """Distil ``student`` in place; returns the trainer's stats. ``kl_chunk``: see the module
     docstring."""
+    fsdp.check_settings(tc.compile)
     if teacher is not None:
         check_vocab(student, teacher)
     if any(p.dtype != torch.float32 for p in student.parameters() if p.is_floating_point()):
@@ -310,6 +314,7 @@ def distill(model, ctx):
             "loss": kind,
             "steps": stats["steps"],
             "tokens_per_step": stats["tokens_per_step"],
+            "parallel": stats["parallel"],
             "tok_s": stats.get("tok_s"),
             "elapsed_s": stats.get("elapsed_s"),
             "resumed_from": stats.get("resumed_from"),
@@ -382,6 +387,7 @@ def main(argv=None) -> None:
             )
         if args.loss != "ce" and args.teacher is None:
             raise CompressError("--teacher is required unless --loss ce.")
+        fsdp.check_settings(tc.compile)
         student, tok, _ = load_model(args.student)
         teacher = load_model(args.teacher)[0] if args.loss != "ce" else None
         text = read_text(args.data, role="distill")
