@@ -195,3 +195,28 @@ def test_block_manager_frees_dead_local_blocks():
     bm.release(seq)
     bm.release(other)
     assert all(r == 0 for r in bm.ref) and bm.num_free == 40
+
+
+def test_metrics_and_flag(family):
+    """``/metrics`` reports each local pool by window; ``--local-blocks 0`` is refused before
+    the model loads."""
+    from starlette.testclient import TestClient
+
+    from compress.serve.__main__ import check_arguments, parse_args
+    from compress.serve.app import create_app
+    from compress.serve.worker import Worker
+
+    name, model, _ = family
+    engine = Engine(model, num_blocks=64, block_size=BS, max_seqs=2, local_blocks=12)
+    seq = engine.add(list(range(1, 30)), Params(max_tokens=8))
+    for _ in range(6):
+        engine.step()
+    text = TestClient(create_app(Worker(engine), None, "w")).get("/metrics").text
+    rows = dict(line.rsplit(" ", 1) for line in text.splitlines())
+    used = 12 - int(rows[f'compress_kv_local_blocks_free{{window="{W}"}}'])
+    assert rows[f'compress_kv_local_blocks_total{{window="{W}"}}'] == "12"
+    assert used == engine.blocks.held(seq)[-1] and 0 < used <= math.ceil(W / BS) + 1
+    engine.abort(seq)
+    no_leaks(engine)
+    with pytest.raises(CompressError, match="--local-blocks 0"):
+        check_arguments(parse_args(["run", "--local-blocks", "0"]))

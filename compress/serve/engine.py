@@ -11,6 +11,11 @@ Each step runs the decoder's one forward over the sequences the scheduler picked
 samples its next token from its last position's logits. Outputs, EOS and stop strings follow
 ``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
 
+A model with sliding-window layers gets one block pool per window group
+(``compress.serve.block_manager``): the global layers' ``num_blocks``, and per window
+``local_blocks`` (default :func:`~compress.serve.block_manager.local_pool_blocks`, at most
+``num_blocks``), whose blocks return to the pool once they leave the window.
+
 ``batch_invariant`` makes that exact, whatever else is served: attention runs query by query in
 a fixed order (``compress.kernels.paged_attn_cpu``), and the model should be loaded with the
 integer W4A8 linears at every M (``load(..., kernel="w4a8", lean=True)``, then
@@ -86,7 +91,8 @@ class Engine:
         sizes = [
             num_blocks
             if w is None
-            else local_blocks or min(num_blocks, local_pool_blocks(w, block_size, max_seqs, max_step_tokens))
+            else local_blocks
+            or min(num_blocks, local_pool_blocks(w, block_size, max_seqs, max_step_tokens))
             for w in windows
         ]
         self.cache = new_paged_cache(model, sizes, block_size, kv, batch_invariant)

@@ -71,7 +71,7 @@ class Scheduler:
         need = bm.needs(n_prompt + max_tokens - 1, self.max_step_tokens)
         for n, pool in zip(need, bm.pools):
             if n > pool.num_blocks:
-                what = "the pool" if pool.window is None else f"the {pool.window}-token window's pool"
+                what = f"the {pool.window}-token window's pool" if pool.window else "the pool"
                 raise CompressError(
                     f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
                     f"ones needs {n} KV blocks, and {what} has "
