@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from compress.decoder.generate import generate
+from compress.decoder.kv.paged import new_paged_cache
 from compress.decoder.model import load
 from compress.errors import CompressError
+from compress.kernels import native
 from compress.serve.block_manager import BlockManager
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params, Sequence
@@ -220,3 +222,63 @@ def test_metrics_and_flag(family):
     no_leaks(engine)
     with pytest.raises(CompressError, match="--local-blocks 0"):
         check_arguments(parse_args(["run", "--local-blocks", "0"]))
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.skipif(not native.library(), reason="the C++ kernels did not build")
+def test_fixed_order_window_attention(family):
+    """The batch-invariant kernel's window rows (``window_keys``) against the masked fused
+    attention over the same pools, every step of a batched run past the window; the greedy
+    tokens are still those of each request alone."""
+    name, model, _ = family
+    reqs = prompts(4, seed=5, lo=5, hi=25)
+    engine = Engine(model, num_blocks=64, block_size=BS, max_seqs=4, max_step_tokens=8, kv="full")
+    inv = new_paged_cache(model, engine.cache.group_blocks, BS, "full", invariant=True)
+    inv.k, inv.v = engine.cache.k, engine.cache.v
+    bind, forward, errs = engine.cache.bind, engine.model, []
+
+    def bind_both(*a):
+        bind(*a)
+        inv.bind(*a)
+
+    def both(idx, cache, **kw):
+        out = forward(idx, cache, **kw)
+        errs.append(rel(forward(idx, inv, **kw), out))  # writes the slots again, within 1e-7
+        return out
+
+    both.config = model.config  # the engine checks requests against it
+    engine.cache.bind, engine.model = bind_both, both
+    seqs, _ = serve(engine, reqs, Params(max_tokens=30, ignore_eos=True))
+    assert len(errs) > 30 and max(errs) < 1e-5
+    alone = [generate(model, [p], 30, kv="full", ignore_eos=True).tokens[0] for p in reqs]
+    assert [s.output for s in seqs] == alone
+
+
+@pytest.mark.skipif(not native.library(), reason="the C++ kernels did not build")
+def test_batch_invariant_windowed_model(tmp_path):
+    """A W4A8 Mistral (window 8) served with batch invariance: six concurrent greedy requests
+    running well past the window give the tokens of the same requests one at a time."""
+    import transformers as tf
+
+    from compress.kernels.w4a8_cpu import use
+    from compress.quant.rtn import pack_model, quantization_config
+    from tests.test_decoder import save, tiny_tokenizer
+
+    torch.manual_seed(1)
+    config = tf.MistralConfig(**dict(COMMON, vocab_size=320), num_hidden_layers=2, sliding_window=W)
+    hf = pack_model(tf.AutoModelForCausalLM.from_config(config), 4, 32)
+    folder = save(hf, tmp_path / "q4", tiny_tokenizer(), quantization_config(4, 32))
+    model, _ = load(folder, kernel="w4a8", lean=True, head="int8")
+    use(model, "w4a8", every_m=True)
+    reqs, params = prompts(6, seed=6, lo=3, hi=30), Params(max_tokens=24, ignore_eos=True)
+    batched = Engine(model, num_blocks=96, block_size=BS, max_seqs=6, max_step_tokens=24,
+                     batch_invariant=True).generate(reqs, params)  # fmt: skip
+    alone = [
+        Engine(model, num_blocks=32, block_size=BS, batch_invariant=True).generate([p], params)[0]
+        for p in reqs
+    ]
+    assert [s.output for s in batched] == [s.output for s in alone]
+    assert len({tuple(s.output) for s in alone}) > 3

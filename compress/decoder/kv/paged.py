@@ -29,8 +29,8 @@ with slots past ``len_b`` masked as the future, and a sliding-window layer's key
 contiguous caches'. Storage is fp16 (``fp16``) or the compute dtype (``full``, exact), attention
 computes as the contiguous caches do; ``invariant`` (CPU) computes it instead query by query in
 a fixed order (``compress.kernels.paged_attn_cpu``), so a row's attention is the same bits
-whatever else the batch holds (models without sliding windows only: the kernel does not mask a
-window).
+whatever else the batch holds; a sliding-window layer gives the kernel one row per query, its
+window's keys in position order (:func:`window_keys`).
 """
 import torch
 
@@ -45,6 +45,22 @@ def window_groups(windows) -> list[int | None]:
     block pool and one block table per sequence for each."""
     ws = set(windows or [None])
     return ([None] if None in ws else []) + sorted(w for w in ws if w is not None)
+
+
+def window_keys(gather, lens, first, pos, start, window: int):
+    """The fixed-order kernel's input for a sliding-window layer, one row per query ``(b, t)``:
+    the pool slots of the keys it sees, in position order, ``[B * T, n_max]`` and their count
+    ``[B * T, 1]``. Row b's gather starts at position ``first[b]``; the query at true position
+    ``p = pos[t] - start[b]`` sees positions ``max(0, p - w + 1) .. min(p, len_b - 1)``."""
+    B, L = gather.shape
+    p = pos[None, :] - start[:, None]
+    hi = torch.minimum(lens[:, None], p + 1) - first[:, None]
+    lo = ((p - window + 1).clamp_min(0) - first[:, None]).clamp_min(0)
+    n = (hi - lo).clamp(0, window)
+    width = min(window, L)
+    idx = (lo[..., None] + torch.arange(width, device=gather.device)).clamp_max(L - 1)
+    slots = torch.gather(gather[:, None, :].expand(-1, len(pos), -1), 2, idx)
+    return slots.reshape(-1, width).contiguous(), n.reshape(-1, 1).contiguous()
 
 
 class PagedCache(Cache):
@@ -126,6 +142,7 @@ class PagedCache(Cache):
             )
             self.step["groups"].append(
                 dict(
+                    first=f,
                     keep=keep,
                     dest=flat[keep],
                     gather=gather,
@@ -154,15 +171,33 @@ class PagedCache(Cache):
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
         B, L = s["gather"].shape
-        if self.invariant:  # one global group (windowed models are refused)
+        if self.invariant:
             from compress.kernels import paged_attn_cpu
 
-            if "hi" not in s:  # the same for every layer of the step
-                s["hi"] = paged_attn_cpu.visible(step["kpos_lens"], pos, step["start"])
+            w = self.windows[layer]
+            if "hi" not in s:  # the same for every layer of the group in the step
+                if w is None:
+                    s["hi"] = paged_attn_cpu.visible(step["kpos_lens"], pos, step["start"])
+                else:
+                    s["hi"] = window_keys(
+                        s["gather"], step["kpos_lens"], s["first"], pos, step["start"], w
+                    )
+            if w is None:
+                out = paged_attn_cpu.attention(
+                    q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+                )
+                return out.to(q.dtype)
+            slots, n = s["hi"]  # every query its own row of keys
+            T, H = q.shape[2], q.shape[1]
             out = paged_attn_cpu.attention(
-                q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+                q.transpose(1, 2).reshape(B * T, H, 1, -1),
+                self.k[layer],
+                self.v[layer],
+                slots,
+                n,
+                self.scale,
             )
-            return out.to(q.dtype)
+            return out.view(B, T, H, -1).transpose(1, 2).to(q.dtype)
         keys = self.k[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         values = self.v[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         return fused_attention(
@@ -218,12 +253,6 @@ def new_paged_cache(
             )
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
-    if invariant and any(w is not None for w in layout.get("windows") or ()):
-        raise CompressError(
-            "batch-invariant serving's fixed-order attention reads every key up to the query; "
-            "this model has sliding-window layers, which it does not mask: serve it without "
-            "batch invariance."
-        )
     storage = torch.float16 if kind == "fp16" else dtype
     return PagedCache(
         layout["n_layers"],
