@@ -49,7 +49,7 @@ def window_groups(windows) -> list[int | None]:
 
 def window_keys(gather, lens, first, pos, start, window: int):
     """The fixed-order kernel's input for a sliding-window layer, one row per query ``(b, t)``:
-    the pool slots of the keys it sees, in position order, ``[B * T, n_max]`` and their count
+    the pool slots of the keys it sees, in position order, ``[B * T, min(w, L)]``, and their count
     ``[B * T, 1]``. Row b's gather starts at position ``first[b]``; the query at true position
     ``p = pos[t] - start[b]`` sees positions ``max(0, p - w + 1) .. min(p, len_b - 1)``."""
     B, L = gather.shape
