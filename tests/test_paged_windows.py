@@ -282,3 +282,33 @@ def test_batch_invariant_windowed_model(tmp_path):
     ]
     assert [s.output for s in batched] == [s.output for s in alone]
     assert len({tuple(s.output) for s in alone}) > 3
+
+
+def test_held_bytes(family):
+    """``Engine.kv_bytes`` at 59 tokens: the global slots' blocks for all of them, the local
+    slots' for the window only (analytic)."""
+    name, model, _ = family
+    engine = Engine(model, num_blocks=64, block_size=BS)
+    seq = engine.add(prompts(1, seed=7, lo=50, hi=51)[0], Params(max_tokens=20))
+    while len(seq.output) < 10:
+        engine.step()
+    c, slot_block = seq.computed, BS * 2 * 2 * 16 * 2  # K and V, 2 heads of 16, fp16
+    n_local = 5 if name == "gemma3_text" else 2
+    live = math.ceil(c / BS) - (c - W + 1) // BS
+    want = ((6 - n_local if name == "gemma3_text" else 0) * math.ceil(c / BS) + n_local * live)
+    assert c == 59 and engine.kv_bytes(seq) == want * slot_block
+    engine.abort(seq)
+
+
+def test_bytes_bench_quick(tmp_path):
+    """The bench script's quick run (a tiny Gemma 3 at 300 tokens): the held bytes within the
+    bound and under the all-global figure, the pools smaller than one pool for every slot."""
+    import json
+
+    from compress.eval.bench import paged_window_bytes
+
+    out = tmp_path / "bytes.json"
+    assert paged_window_bytes.main(["--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["measured_bytes"] <= res["bound_bytes"] < res["all_global_bytes"]
+    assert res["pool_bytes"] < res["pool_bytes_all_global"]

@@ -267,6 +267,11 @@ class Engine:
             self.step()
         return seqs
 
+    def kv_bytes(self, seq: Sequence) -> int:
+        """Bytes of K/V ``seq`` holds now: its blocks in each window group's pool times the
+        group's bytes per block (``PagedCache.block_bytes``)."""
+        return sum(n * self.cache.block_bytes(g) for g, n in enumerate(self.blocks.held(seq)))
+
     def stats(self) -> dict:
         """Queue length, running sequences, block counts, prefix-cache hits, preemptions."""
         sch, bm = self.scheduler, self.blocks
