@@ -156,7 +156,6 @@ class Engine:
         B, T, bs = len(batch), max(n for _, n in batch), self.blocks.block_size
         V = max(0, max(s.computed + n for s, n in batch) - T)
         idx = torch.full((B, T), self.pad, dtype=torch.long)
-        slots = torch.full((B, T), -1, dtype=torch.long)
         start, lens = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
         for b, (s, n) in enumerate(batch):
             c = s.computed
