@@ -76,7 +76,7 @@ def serve(engine: Engine, reqs, params, bounded=True):
     sequence holds at most ceil(w / bs) + 1 blocks of every local pool (and the pools' used
     blocks at most that times the running sequences); the most global blocks held at once."""
     bm, most_global = engine.blocks, 0
-    bound = math.ceil(W / BS) + 1
+    bound = math.ceil(W / bm.block_size) + 1
     seqs = []
 
     def check():
@@ -122,6 +122,19 @@ def test_served_past_the_window_as_alone(family, kv):
     assert windows == ([None, W] if name == "gemma3_text" else [W])
     if name == "gemma3_text":
         assert most_global > len(reqs) * (math.ceil(W / BS) + 1)  # global blocks grow
+    no_leaks(engine)
+
+
+def test_blocks_larger_than_the_window(family):
+    """Blocks of 16 tokens over a window of 8: a block is freed only once its last position
+    leaves the window; at most two blocks per local table, the tokens as alone."""
+    name, model, _ = family
+    reqs = prompts(3, seed=8, lo=5, hi=40)
+    engine = Engine(model, num_blocks=32, block_size=16, max_seqs=3, max_step_tokens=12, kv="full")
+    seqs, _ = serve(engine, reqs, Params(max_tokens=40, ignore_eos=True))
+    assert [s.output for s in seqs] == [
+        generate(model, [p], 40, kv="full", ignore_eos=True).tokens[0] for p in reqs
+    ]
     no_leaks(engine)
 
 
