@@ -29,6 +29,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--local-blocks",
+        type=int,
+        help="KV blocks in each sliding-window layer group's pool (default: what --max-seqs "
+        "windows and a step's tokens can hold at once, at most --num-blocks)",
+    )
     p.add_argument("--max-seqs", type=int, default=32, help="sequences batched at once")
     p.add_argument(
         "--max-step-tokens",
@@ -115,9 +121,10 @@ def check_arguments(args) -> None:
         "prefill_ranks",
         "runahead_min_tokens",
         "max_body_bytes",
+        "local_blocks",
     ):
         value = getattr(args, flag)
-        if value < 1:
+        if value is not None and value < 1:
             raise CompressError(f"--{flag.replace('_', '-')} {value}: give an integer >= 1.")
     if not args.body_timeout > 0 or args.body_timeout == float("inf"):
         raise CompressError(f"--body-timeout {args.body_timeout}: give a number of seconds > 0.")
@@ -237,6 +244,7 @@ def serve(args) -> None:
             runahead=runahead,
             runahead_min_tokens=args.runahead_min_tokens,
             batch_invariant=args.batch_invariant,
+            local_blocks=args.local_blocks,
         )
         name = args.served_model_name or Path(args.run).resolve().name
         app = create_app(

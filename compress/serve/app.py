@@ -124,6 +124,11 @@ def create_app(
             ("compress_runahead_prefills_total", s["runahead_prefills"]),
             ("compress_generation_tokens_per_second", round(s["tokens_per_s"], 3)),
         ]
+        for pool in s.get("pools", ()):  # sliding-window layers' pools, per window
+            if pool["window"] is not None:
+                label = f'{{window="{pool["window"]}"}}'
+                rows.append((f"compress_kv_local_blocks_free{label}", pool["free"]))
+                rows.append((f"compress_kv_local_blocks_total{label}", pool["total"]))
         return PlainTextResponse("".join(f"{k} {v}\n" for k, v in rows))
 
     async def run(request: Request, body, chat: bool):

@@ -11,6 +11,11 @@ Each step runs the decoder's one forward over the sequences the scheduler picked
 samples its next token from its last position's logits. Outputs, EOS and stop strings follow
 ``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
 
+A model with sliding-window layers gets one block pool per window group
+(``compress.serve.block_manager``): the global layers' ``num_blocks``, and per window
+``local_blocks`` (default :func:`~compress.serve.block_manager.local_pool_blocks`, at most
+``num_blocks``), whose blocks return to the pool once they leave the window.
+
 ``batch_invariant`` makes that exact, whatever else is served: attention runs query by query in
 a fixed order (``compress.kernels.paged_attn_cpu``), and the model should be loaded with the
 integer W4A8 linears at every M (``load(..., kernel="w4a8", lean=True)``, then
@@ -25,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.serve.block_manager import BlockManager
+from compress.serve.block_manager import BlockManager, local_pool_blocks
 from compress.decoder.generate import cache_size, eos_ids_of
-from compress.decoder.kv.paged import new_paged_cache
+from compress.decoder.kv.paged import new_paged_cache, window_groups
 from compress.decoder.sampling import sample
 from compress.decoder.stopping import Stopping
 from compress.serve.scheduler import Params, Scheduler, Sequence
@@ -71,6 +76,7 @@ class Engine:
         runahead=None,
         runahead_min_tokens: int = 256,
         batch_invariant: bool = False,
+        local_blocks: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.runahead, self.runahead_min_tokens = runahead, runahead_min_tokens
@@ -81,8 +87,16 @@ class Engine:
                 "the kernel at every M (python -m compress.serve RUN --batch-invariant), "
                 "including the output head (--head int8 or int4)."
             )
-        self.cache = new_paged_cache(model, num_blocks, block_size, kv, batch_invariant)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        windows = window_groups(model.kv_layout().get("windows"))
+        sizes = [
+            num_blocks
+            if w is None
+            else local_blocks
+            or min(num_blocks, local_pool_blocks(w, block_size, max_seqs, max_step_tokens))
+            for w in windows
+        ]
+        self.cache = new_paged_cache(model, sizes, block_size, kv, batch_invariant)
+        self.blocks = BlockManager(sizes, block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
         self.eos = eos_ids_of(model, tokenizer)
         self.pad = (
@@ -142,18 +156,31 @@ class Engine:
         B, T, bs = len(batch), max(n for _, n in batch), self.blocks.block_size
         V = max(0, max(s.computed + n for s, n in batch) - T)
         idx = torch.full((B, T), self.pad, dtype=torch.long)
-        slots = torch.full((B, T), -1, dtype=torch.long)
-        tables = torch.zeros(B, max(len(s.block_table) for s, _ in batch), dtype=torch.long)
         start, lens = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.long)
         for b, (s, n) in enumerate(batch):
             c = s.computed
             idx[b, T - n :] = torch.tensor(s.tokens[c : c + n])
-            table = torch.tensor(s.block_table)
-            tables[b, : len(table)] = table
-            p = torch.arange(c, c + n)
-            slots[b, T - n :] = table[p // bs] * bs + p % bs
             start[b], lens[b] = V + T - n - c, c + n
-        self.cache.bind(slots, tables, lens, start)
+        all_slots, all_tables, all_first = [], [], []
+        for g in range(len(self.blocks.pools)):  # each window group: the live blocks
+            live = []
+            for s, _ in batch:
+                t = s.block_tables[g]
+                dead = next((i for i, x in enumerate(t) if x is not None), len(t))
+                live.append((dead, t[dead:]))
+            slots = torch.full((B, T), -1, dtype=torch.long)
+            tables = torch.zeros(B, max(len(t) for _, t in live), dtype=torch.long)
+            first = torch.empty(B, dtype=torch.long)
+            for b, ((s, n), (dead, t)) in enumerate(zip(batch, live)):
+                table = torch.tensor(t, dtype=torch.long)
+                tables[b, : len(table)] = table
+                p = torch.arange(s.computed, s.computed + n) - dead * bs
+                slots[b, T - n :] = table[p // bs] * bs + p % bs
+                first[b] = dead * bs
+            all_slots.append(slots)
+            all_tables.append(tables)
+            all_first.append(first)
+        self.cache.bind(all_slots, all_tables, lens, start, all_first)
         return (
             idx.to(self.device),
             torch.arange(V, V + T, device=self.device),
@@ -196,8 +223,9 @@ class Engine:
         logits, full = self.runahead.prefill(seq.tokens)
         bs, T = self.blocks.block_size, len(seq.tokens)
         p = torch.arange(T)
-        slots = (torch.tensor(seq.block_table)[p // bs] * bs + p % bs).to(self.device)
         for layer in range(self.cache.n_layers):
+            table = torch.tensor(seq.block_tables[self.cache.group[layer]])
+            slots = (table[p // bs] * bs + p % bs).to(self.device)
             self.cache.k[layer][slots] = (
                 full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
             )
@@ -238,6 +266,11 @@ class Engine:
             self.step()
         return seqs
 
+    def kv_bytes(self, seq: Sequence) -> int:
+        """Bytes of K/V ``seq`` holds now: its blocks in each window group's pool times the
+        group's bytes per block (``PagedCache.block_bytes``)."""
+        return sum(n * self.cache.block_bytes(g) for g, n in enumerate(self.blocks.held(seq)))
+
     def stats(self) -> dict:
         """Queue length, running sequences, block counts, prefix-cache hits, preemptions."""
         sch, bm = self.scheduler, self.blocks
@@ -246,6 +279,9 @@ class Engine:
             running=len(sch.running),
             free_blocks=bm.num_free,
             total_blocks=bm.num_blocks,
+            pools=[
+                dict(window=p.window, free=len(p.free), total=p.num_blocks) for p in bm.pools
+            ],
             block_size=bm.block_size,
             prefix_hit_tokens=bm.hit_tokens,
             preemptions=sch.preemptions,

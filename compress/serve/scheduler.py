@@ -34,7 +34,7 @@ class Sequence:
 
     def __init__(self, seq_id, prompt: list[int], params: Params, stopping: Stopping | None = None):
         self.id, self.tokens, self.n_prompt, self.params = seq_id, list(prompt), len(prompt), params
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int | None]] = []  # one per window group
         self.block_hashes: list[bytes] = []
         self.computed = 0
         self.stopping = stopping or Stopping(params.max_tokens)  # EOS, stop strings, text
@@ -66,14 +66,17 @@ class Scheduler:
 
     def fits(self, n_prompt: int, max_tokens: int) -> None:
         """Raise unless a request could ever run: all its K/V (the last token is not fed) fit
-        in the pool."""
-        need = self.blocks.blocks_for(n_prompt + max_tokens - 1)
-        if need > self.blocks.num_blocks:
-            raise CompressError(
-                f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
-                f"ones needs {need} KV blocks, and the pool has "
-                f"{self.blocks.num_blocks}: shorten it or give more blocks."
-            )
+        in each pool (a local group's pool: its window and a step's chunk)."""
+        bm = self.blocks
+        need = bm.needs(n_prompt + max_tokens - 1, self.max_step_tokens)
+        for n, pool in zip(need, bm.pools):
+            if n > pool.num_blocks:
+                what = f"the {pool.window}-token window's pool" if pool.window else "the pool"
+                raise CompressError(
+                    f"a request of {n_prompt} prompt tokens and up to {max_tokens} new "
+                    f"ones needs {n} KV blocks, and {what} has "
+                    f"{pool.num_blocks}: shorten it or give more blocks."
+                )
 
     def add(self, seq: Sequence) -> None:
         self.fits(len(seq.tokens), seq.params.max_tokens)

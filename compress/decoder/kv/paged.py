@@ -1,30 +1,37 @@
-"""A paged KV cache (PagedAttention, Kwon et al. 2023): one pool of fixed-size blocks for many
-sequences, each sequence's tokens found through its block table.
+"""A paged KV cache (PagedAttention, Kwon et al. 2023): pools of fixed-size blocks for many
+sequences, each sequence's tokens found through its block tables.
 
-Layout, per layer: K and V pools ``[num_blocks * block_size, Hkv, D]``; token position ``p`` of
-a sequence with block table ``t`` lives in slot ``t[p // bs] * bs + p % bs`` (``bs`` = block_size).
+The cache slots fall in window groups (:func:`window_groups`): the global slots, and the slots
+of each sliding window ``w``. Each group has its own pool of ``num_blocks[g]`` blocks and each
+sequence one block table per group (vLLM's hybrid KV-cache manager). Layout, per slot of group
+``g``: K and V pools ``[num_blocks[g] * block_size, Hkv, D]``; token position ``p`` of a
+sequence with table ``t`` lives in slot ``t[p // bs] * bs + p % bs`` (``bs`` = block_size).
+A local group's blocks that every present and future query sees past (all their positions
+``<= c - w`` once ``c`` tokens are cached) go back to the pool (``compress.serve.block_manager``),
+so a sequence holds at most ``ceil(w / bs) + 1`` blocks of a local group between steps, at any
+length: the local slots' bytes are bounded by the window, as the contiguous caches' rings are,
+and the pool of a local group can be much smaller than the global one.
 
 A step of the engine (``compress.serve.engine``) runs the ONE model forward on a padded batch
 ``idx [B, T]``, each row's new tokens right-aligned. Rows sit on a shared virtual timeline, as
 left padding does in ``generate``: column ``j`` is virtual slot ``pos[j] = V + j`` and row b's
 position 0 is virtual slot ``start[b]``, so the model's position ``pos[j] - start[b]`` is
-the token's true position. :meth:`PagedCache.bind` gives the cache the step's slot mapping
-(pool slot of every column, -1 for padding), block tables and context lengths, then
+the token's true position. :meth:`PagedCache.bind` gives the cache the step's layout per group:
+the pool slot of every column (-1 for padding), the live part of each row's block table (from
+the block holding position ``first[b]``) and the context lengths, then
 
     append:  pool[slot[b, j]] = k[b, :, j]                        (padding not written)
-    attend:  K_b = pool[table_b]  at virtual slots start[b] + 0 .. len_b - 1
+    attend:  K_b = pool[table_b]  at virtual slots start[b] + first[b] + 0 .. len_b - first[b] - 1
              softmax(q K_b^T * scale + mask) V_b          (``hidden``, ``fused_attention``)
 
 with slots past ``len_b`` masked as the future, and a sliding-window layer's keys at or before
-``pos - w`` hidden (``kv/base.py``). The blocks are shared by all layers through one table per
-sequence, so a local layer's blocks are not freed when they leave its window: the paged cache's
-bytes are not bounded by the window (the contiguous caches' are). Storage is fp16 (``fp16``) or
-the compute dtype (``full``, exact), attention computes as the contiguous caches do;
-``invariant`` (CPU) computes it instead query by query in a fixed order
-(``compress.kernels.paged_attn_cpu``), so a row's attention is the same bits whatever else the
-batch holds.
+``pos - w`` hidden (``kv/base.py``), so the freed blocks are never needed and the mask is the
+contiguous caches'. Storage is fp16 (``fp16``) or the compute dtype (``full``, exact), attention
+computes as the contiguous caches do; ``invariant`` (CPU) computes it instead query by query in
+a fixed order (``compress.kernels.paged_attn_cpu``), so a row's attention is the same bits
+whatever else the batch holds; a sliding-window layer gives the kernel one row per query, its
+window's keys in position order (:func:`window_keys`).
 """
-
 import torch
 
 from compress.decoder.kv.base import Cache, fused_attention, hidden
@@ -33,8 +40,33 @@ from compress.errors import CompressError
 PAGED_KINDS = ("fp16", "full")
 
 
+def window_groups(windows) -> list[int | None]:
+    """The distinct sliding windows of the cache slots ``windows``, global (None) first: one
+    block pool and one block table per sequence for each."""
+    ws = set(windows or [None])
+    return ([None] if None in ws else []) + sorted(w for w in ws if w is not None)
+
+
+def window_keys(gather, lens, first, pos, start, window: int):
+    """The fixed-order kernel's input for a sliding-window layer, one row per query ``(b, t)``:
+    the pool slots of the keys it sees, in position order, ``[B * T, min(w, L)]``, and their count
+    ``[B * T, 1]``. Row b's gather starts at position ``first[b]``; the query at true position
+    ``p = pos[t] - start[b]`` sees positions ``max(0, p - w + 1) .. min(p, len_b - 1)``."""
+    B, L = gather.shape
+    p = pos[None, :] - start[:, None]
+    hi = torch.minimum(lens[:, None], p + 1) - first[:, None]
+    lo = ((p - window + 1).clamp_min(0) - first[:, None]).clamp_min(0)
+    n = (hi - lo).clamp(0, window)
+    width = min(window, L)
+    idx = (lo[..., None] + torch.arange(width, device=gather.device)).clamp_max(L - 1)
+    slots = torch.gather(gather[:, None, :].expand(-1, len(pos), -1), 2, idx)
+    return slots.reshape(-1, width).contiguous(), n.reshape(-1, 1).contiguous()
+
+
 class PagedCache(Cache):
-    """A pool of ``num_blocks`` blocks of ``block_size`` tokens; bind a step before the forward."""
+    """One pool per window group of ``num_blocks`` blocks (an int for every group, or one count
+    per group of :func:`window_groups`) of ``block_size`` tokens; bind a step before the
+    forward."""
 
     def __init__(
         self,
@@ -51,23 +83,31 @@ class PagedCache(Cache):
         windows=None,
         invariant: bool = False,
     ):
+        groups = window_groups(windows)
+        sizes = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(sizes) != len(groups):
+            raise CompressError(
+                f"the paged KV cache has {len(groups)} window groups {groups}: give one block "
+                f"count for each (got {sizes})."
+            )
         super().__init__(
             n_layers,
             0,
             n_kv_heads,
             head_dim,
-            num_blocks * block_size,
+            max(sizes) * block_size,
             dtype,
             device,
             v_dim,
             scale,
             windows,
         )
-        self.num_blocks, self.block_size, self.storage = num_blocks, block_size, storage
-        slots = num_blocks * block_size
+        self.groups, self.group_blocks = groups, sizes
+        self.group = [groups.index(w) for w in self.windows]  # each slot's group
+        self.num_blocks, self.block_size, self.storage = sum(sizes), block_size, storage
         self.k = [
-            torch.zeros(slots, n_kv_heads, head_dim, dtype=storage, device=device)
-            for _ in range(n_layers)
+            torch.zeros(sizes[g] * block_size, n_kv_heads, head_dim, dtype=storage, device=device)
+            for g in self.group
         ]
         self.v = (
             [t[..., :v_dim] for t in self.k] if v_dim else [torch.zeros_like(t) for t in self.k]
@@ -75,39 +115,48 @@ class PagedCache(Cache):
         self.step = None
         self.invariant = invariant
 
-    def bind(
-        self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, start: torch.Tensor
-    ) -> None:
-        """The step's layout: ``slots [B, T]`` (pool slot per column, -1: padding), ``tables
-        [B, nb]`` (block ids, padded with 0), ``lens [B]`` (tokens in the cache after this step),
+    def bind(self, slots, tables, lens: torch.Tensor, start: torch.Tensor, first=None) -> None:
+        """The step's layout, per window group ``g`` (a tensor instead of a list: one group):
+        ``slots[g] [B, T]`` (pool slot per column, -1: padding), ``tables[g] [B, nb]`` (block
+        ids of each row's live blocks, padded with 0), ``first[g] [B]`` (the position of each
+        row's first live block; None: 0); ``lens [B]`` (tokens in the cache after this step),
         ``start [B]`` (virtual slot of each row's position 0)."""
+        if torch.is_tensor(slots):
+            slots, tables, first = [slots], [tables], [first]
+        first = first or [None] * len(tables)
         dev, bs = self.device, self.block_size
-        flat = slots.reshape(-1).to(dev)
-        keep = (flat >= 0).nonzero().squeeze(-1)
-        gather = (tables.to(dev)[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(
-            len(tables), -1
-        )
-        j = torch.arange(gather.shape[1], device=dev)
         start, lens = start.to(dev), lens.to(dev)
-        # a key slot past the row's length gets a virtual slot beyond every query: masked as future
-        kpos = torch.where(j < lens[:, None], start[:, None] + j, torch.iinfo(torch.long).max)
-        self.batch = len(tables)
-        self.step = dict(
-            keep=keep,
-            dest=flat[keep],
-            gather=gather,
-            flat=gather.reshape(-1),  # every layer's gather index, made once a step
-            kpos=kpos[:, None],
-            kpos_lens=lens,
-            start=start,
-        )
+        self.batch = len(lens)
+        self.step = dict(start=start, kpos_lens=lens, groups=[])
+        for sl, table, f in zip(slots, tables, first):
+            flat = sl.reshape(-1).to(dev)
+            keep = (flat >= 0).nonzero().squeeze(-1)
+            gather = (table.to(dev)[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(
+                len(table), -1
+            )
+            f = torch.zeros_like(lens) if f is None else f.to(dev)
+            j = torch.arange(gather.shape[1], device=dev)
+            # a key slot past the row's length gets a virtual slot beyond every query: masked
+            kpos = torch.where(
+                j < (lens - f)[:, None], (start + f)[:, None] + j, torch.iinfo(torch.long).max
+            )
+            self.step["groups"].append(
+                dict(
+                    first=f,
+                    keep=keep,
+                    dest=flat[keep],
+                    gather=gather,
+                    flat=gather.reshape(-1),  # every layer's gather index, made once a step
+                    kpos=kpos[:, None],
+                )
+            )
 
     def append(self, layer, k, v, pos=None):
-        s = self.step
-        if s is None:
+        if self.step is None:
             raise CompressError(
                 "the paged KV cache was used without a step layout: call bind() first."
             )
+        s = self.step["groups"][self.group[layer]]
         B, H, T, D = k.shape
         rows = k.transpose(1, 2).reshape(B * T, H, D)[s["keep"]]
         self.k[layer][s["dest"]] = rows.to(self.storage)
@@ -117,7 +166,7 @@ class PagedCache(Cache):
             )
 
     def attend(self, layer, q, pos=None, start=None):
-        s = self.step
+        step, s = self.step, self.step["groups"][self.group[layer]]
         self.check_queries(q)
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
@@ -125,39 +174,60 @@ class PagedCache(Cache):
         if self.invariant:
             from compress.kernels import paged_attn_cpu
 
-            if "hi" not in s:  # the same for every layer of the step
-                s["hi"] = paged_attn_cpu.visible(s["kpos_lens"], pos, s["start"])
+            w = self.windows[layer]
+            if "hi" not in s:  # the same for every layer of the group in the step
+                if w is None:
+                    s["hi"] = paged_attn_cpu.visible(step["kpos_lens"], pos, step["start"])
+                else:
+                    s["hi"] = window_keys(
+                        s["gather"], step["kpos_lens"], s["first"], pos, step["start"], w
+                    )
+            if w is None:
+                out = paged_attn_cpu.attention(
+                    q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+                )
+                return out.to(q.dtype)
+            slots, n = s["hi"]  # every query its own row of keys
+            T, H = q.shape[2], q.shape[1]
             out = paged_attn_cpu.attention(
-                q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+                q.transpose(1, 2).reshape(B * T, H, 1, -1),
+                self.k[layer],
+                self.v[layer],
+                slots,
+                n,
+                self.scale,
             )
-            return out.to(q.dtype)
+            return out.view(B, T, H, -1).transpose(1, 2).to(q.dtype)
         keys = self.k[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         values = self.v[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
         return fused_attention(
             q,
             keys.transpose(1, 2).to(self.dtype),
             values.transpose(1, 2).to(self.dtype),
-            hidden(s["kpos"], pos, s["start"], self.windows[layer]),
+            hidden(s["kpos"], pos, step["start"], self.windows[layer]),
             self.scale,
         )
 
-    def block_bytes(self) -> int:
-        """Bytes of one block over all layers (K and V)."""
+    def block_bytes(self, group: int = 0) -> int:
+        """Bytes of one block of window group ``group`` over its slots (K and V)."""
         width = self.head_dim if self.v_dim else 2 * self.head_dim
-        return self.n_layers * self.block_size * self.n_kv_heads * width * self.k[0].element_size()
+        slots = self.group.count(group)
+        return slots * self.block_size * self.n_kv_heads * width * self.k[0].element_size()
 
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes()
+        return sum(n * self.block_bytes(g) for g, n in enumerate(self.group_blocks))
 
     def reset(self):
         self.step = None
 
 
 def new_paged_cache(
-    model, num_blocks: int, block_size: int = 16, kind: str = "fp16", invariant: bool = False
+    model, num_blocks, block_size: int = 16, kind: str = "fp16", invariant: bool = False
 ) -> PagedCache:
-    """A block pool for the decoder's ``model``; ``kind`` fp16 or full (the compute dtype);
-    ``invariant``: batch-invariant attention (CPU, needs the C++ kernels).
+    """The block pools for the decoder's ``model``: ``num_blocks`` an int for every window group,
+    or one count per group of :func:`window_groups` (``model.kv_layout()["windows"]``); ``kind``
+    fp16 or full (the compute dtype); ``invariant``: batch-invariant attention (CPU, needs the
+    C++ kernels).
 
     Attention computes in fp32 on the CPU and in the model's dtype on a GPU, as ``new_cache``.
     """
@@ -166,7 +236,7 @@ def new_paged_cache(
             f"the paged KV cache stores K and V as {' or '.join(PAGED_KINDS)}, not "
             f"'{kind}'; paged KIVI and PackKV are not implemented."
         )
-    if num_blocks < 1 or block_size < 1:
+    if min([num_blocks] if isinstance(num_blocks, int) else num_blocks) < 1 or block_size < 1:
         raise CompressError(
             f"the paged KV cache needs at least one block of at least one token "
             f"(got {num_blocks} blocks of {block_size})."
@@ -183,12 +253,6 @@ def new_paged_cache(
             )
     dtype = torch.float32 if device.type == "cpu" else model.dtype
     layout = model.kv_layout()
-    if invariant and any(w is not None for w in layout.get("windows") or ()):
-        raise CompressError(
-            "batch-invariant serving's fixed-order attention reads every key up to the query; "
-            "this model has sliding-window layers, which it does not mask: serve it without "
-            "batch invariance."
-        )
     storage = torch.float16 if kind == "fp16" else dtype
     return PagedCache(
         layout["n_layers"],
