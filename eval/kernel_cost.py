@@ -35,7 +35,8 @@ def kernel_figures(
         return {}
     layers = use(model, kernel, every_m=True)  # every window token as a decode step computes it
     try:
-        figures = evaluate(model, windows, reference, desc=f"eval ({kernel})", **eval_kw)
+        desc = f"eval ({kernel})" if prefix == "kernel" else f"eval ({prefix})"
+        figures = evaluate(model, windows, reference, desc=desc, **eval_kw)
     finally:
         use(model, "exact")
     out = {

@@ -12,7 +12,7 @@ from compress.quant.quantizer import fake_quantize
 from tests.conftest import DATA, compose
 
 pytestmark = pytest.mark.slow
-FAST = ["eval.windows=4", "eval.compare_source=false"]
+FAST = ["eval.windows=4", "eval.compare_source=false", "decode.enabled=false"]
 
 
 @pytest.fixture(scope="module")

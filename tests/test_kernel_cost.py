@@ -9,6 +9,7 @@ import pytest
 
 from compress.checkpoint import load_run
 from compress.data import eval_windows, read_text
+from compress.decoder.defaults import FAST_KERNEL
 from compress.eval.perplexity import evaluate
 from compress.kernels.w4a8_cpu import use
 from compress.quant.head import quantize_head
@@ -28,7 +29,7 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     assert report["kernel_kl_vs_source"] > 0
     assert report["decode_config"]["kernel"] == "w4a8"
     assert report["decoder_default"] == dict(
-        dtype="bfloat16", lean=True, compile=True, kernel="w4a8", head="int8"
+        dtype="bfloat16", lean=True, compile=True, kernel=FAST_KERNEL, head="int8"
     )
     assert json.loads((out / "report.json").read_text())["kernel_ppl"] == report["kernel_ppl"]
     assert "w4a8" in (out / "README.md").read_text()

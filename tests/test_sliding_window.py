@@ -5,6 +5,7 @@ masked as transformers masks a window (the query at p sees p - w < k <= p); boun
 import pytest
 import torch
 
+from compress.checkpoint import read_config
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache, new_cache, static_cache
 from compress.decoder.kv.fp16 import FP16Cache
@@ -229,3 +230,24 @@ def test_gemma_like_kv_bytes(tmp_path):
         with torch.no_grad():
             model(torch.randint(1, 64, (1, 300)), cache)
         assert cache.nbytes() == want
+
+
+def test_window_kv_bench_measures_the_bounded_cache(tmp_path):
+    """``bench_window_kv``: the fp16 cache's bytes per token of a windowed model after a prompt
+    past its window match the analytic figure, and the all-global copy's match theirs."""
+    from compress.arch import spec_of
+    from compress.eval.bench import bench_window_kv as bench
+    from tests.family_models import family_model
+
+    folder = tmp_path / "gemma"
+    family_model("gemma3_text").save_pretrained(folder)
+    glob = bench.all_global(folder, tmp_path / "all-global")
+    ids = torch.randint(0, 200, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    local, full = bench.measure(folder, "fp16", ids), bench.measure(glob, "fp16", ids)
+    spec, gspec = (spec_of(read_config(f)[0]) for f in (folder, glob))
+    assert sum(layer.window is not None for layer in spec.layers) == 5
+    assert all(layer.window is None for layer in gspec.layers)
+    a, ag = bench.analytic(spec, len(ids)), bench.analytic(gspec, len(ids))
+    assert a < ag / 2  # five of six layers keep 16 of 96 tokens
+    # the caches hold the prompt plus the new tokens (and a local ring its window + lookahead)
+    assert a <= local < a * 1.15 and ag <= full < ag * 1.15, (a, local, ag, full)

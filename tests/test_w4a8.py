@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from compress.decoder.defaults import FAST_KERNEL
 from compress.errors import CompressError
 from compress.formats import QuantLinear
 from compress.kernels import cpu, native, w4a8_cpu, w4a8_ref
@@ -200,8 +201,9 @@ def test_fast_head_needs_whole_words(tmp_path):
 
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
 def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
-    """A quantized folder's default configuration: W4A8 layers, lean, the compiled step, whose
-    greedy tokens are the eager W4A8 model's; ``--kernel exact`` keeps the exact layers."""
+    """A quantized folder's default configuration (``FAST_KERNEL``, the int8 head, lean, compiled);
+    with ``--kernel w4a8`` W4A8 layers inside the compiled step, whose greedy tokens are the
+    eager W4A8 model's; ``kernel="exact"`` keeps the exact layers."""
     from compress.decoder.__main__ import main
     from compress.decoder.generate import generate
     from compress.decoder.model import load
@@ -215,9 +217,12 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
         quantization_config(4, 32),
     )
     main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json"])
+    conf = json.loads(capsys.readouterr().out)["config"]
+    assert conf["kernel"] == FAST_KERNEL and conf["head"] == "int8" and conf["lean"] and conf["compile"]
+    main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json",
+          "--kernel", "w4a8"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
-    conf = out["config"]
-    assert conf["kernel"] == "w4a8" and conf["head"] == "int8" and conf["lean"] and conf["compile"]
+    assert out["config"]["kernel"] == "w4a8" and out["config"]["compile"]
     model, tok = load(folder, dtype=torch.bfloat16, lean=True, head="int8", kernel="w4a8")
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
@@ -235,7 +240,7 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
 
 
 def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
-    """``--draft AWQ_RUN`` with no other flags: the draft loads bfloat16, lean, W4A8, with the
+    """``--draft AWQ_RUN`` with no other flags: the draft loads bfloat16, lean, ``FAST_KERNEL``, with the
     fast head, and decodes compiled, whatever the (float) target runs; explicit flags win."""
     from compress.decoder.__main__ import configuration, parse_args
     from compress.decoder.speculative.cli import draft_load_kwargs
@@ -256,9 +261,9 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
     conf, kw = kwargs()
     assert conf["dtype"] == "float32" and conf["kernel"] == "exact" and not conf["compile"]
     assert kw == dict(dtype=torch.bfloat16, qdtype=torch.bfloat16, device="cpu", lean=True,
-                      kernel="w4a8", head="int8", compile=True)  # fmt: skip
-    _, kw = kwargs("--no-compile", "--kernel", "exact", "--no-lean")
-    assert not kw["compile"] and kw["kernel"] == "exact" and not kw["lean"]
+                      kernel=FAST_KERNEL, head="int8", compile=True)  # fmt: skip
+    _, kw = kwargs("--no-compile", "--kernel", "w4a8", "--no-lean")
+    assert not kw["compile"] and kw["kernel"] == "w4a8" and not kw["lean"]
     _, kw = kwargs("--dtype", "float32")  # an explicit dtype: the draft runs as the target
     assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and "head" not in kw
 
@@ -266,8 +271,8 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
 def test_quantized_draft_default_is_exact(tmp_path, capsys):
-    """``--draft Q4`` with no other flags: the draft runs W4A8, lean, compiled; the output is the
-    float target's own greedy text."""
+    """``--draft Q4`` with no other flags: the draft runs its fast configuration (lean, compiled);
+    the output is the float target's own greedy text."""
     from compress.decoder.__main__ import main
     from compress.quant.rtn import pack_model, quantization_config
     from tests.test_decoder import save, tiny_hf, tiny_tokenizer
@@ -283,4 +288,4 @@ def test_quantized_draft_default_is_exact(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == plain["text"] and out["acceptance"] > 0
     assert out["draft_config"] == dict(dtype="bfloat16", qdtype="bfloat16", device="cpu",
-                                       lean=True, kernel="w4a8", head="int8", compile=True)  # fmt: skip
+                                       lean=True, kernel=FAST_KERNEL, head="int8", compile=True)  # fmt: skip

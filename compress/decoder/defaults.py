@@ -2,8 +2,8 @@
 folder) runs by default on a group-quantized folder on the CPU.
 
 The quantized layers compute with ``FAST_KERNEL`` and the output head is quantized to
-``FAST_HEAD`` when the folder records none. Both are kept only while their measured cost stays
-within 0.3% ppl of the bfloat16 W4A16 path on 40 windows (``decode.kernel=w4a8`` in a recipe
+``FAST_HEAD`` when the folder records none. Each is the default only while it is faster and its
+measured cost stays within 0.3% ppl of the W4A16 path on 40 windows (``decode.kernel=w4a8`` in a recipe
 reports the kernel's, ``compress.eval.kernel_cost``); ``--kernel exact --head none`` or
 ``--dtype float32`` (the bit-faithful path) turn them off.
 """
@@ -11,7 +11,11 @@ reports the kernel's, ``compress.eval.kernel_cost``); ``--kernel exact --head no
 import json
 from pathlib import Path
 
-FAST_KERNEL = "w4a8"  # int8 activations, integer dot products (compress.kernels.w4a8_cpu)
+# exact: the int4pack weight-only path; W4A8 (int8 activations, integer dot products,
+# compress.kernels.w4a8_cpu) is within the ppl bar but decodes slower on 2 threads
+# (python -m compress.eval.bench.bench_decode --int4 outputs/awq_int4
+# --systems ours-int4-default ours-int4-bf16-lean-head8+compile --threads 2 1), so it stays opt-in
+FAST_KERNEL = "exact"
 FAST_HEAD = "int8"  # the head group-quantized to int8 at load (compress.quant.head)
 
 
