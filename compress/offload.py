@@ -111,8 +111,7 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
             t = t.float()
             _check_finite(t, n)
         _set(module, pname, t)
-    if tied:
-        model.get_submodule(adapter.lm_head).weight = model.get_submodule(adapter.embed).weight
+    _retie(model)
     model.__dict__[_ATTR] = DiskLayers(files=dict(files), spill=spill)
     model.eval().requires_grad_(False)
     return model
@@ -123,15 +122,28 @@ def resident_to(model: nn.Module, device) -> nn.Module:
     tensors outside its decoder layers)."""
     if not is_lazy(model):
         return model.to(device)
+    for _, module, k, t in _resident(model, buffers=True):
+        _set(module, k, t.to(device))
+    return _retie(model)
+
+
+def _resident(model: nn.Module, buffers: bool = False):
+    """``(full name, module, name, tensor)`` of every tensor ``model`` holds outside its decoder
+    layers (parameters, and buffers if asked)."""
     layers = get_adapter(model.config).layers
     for name, module in model.named_modules():
         if name == layers or name.startswith(layers + "."):
             continue
-        for k, t in list(module._parameters.items()) + list(module._buffers.items()):
+        own = list(module._parameters.items()) + (list(module._buffers.items()) if buffers else [])
+        for k, t in own:
             if t is not None and t.device.type != "meta":
-                _set(module, k, t.to(device))
-    adapter = get_adapter(model.config)
+                yield (f"{name}.{k}" if name else k), module, k, t
+
+
+def _retie(model: nn.Module) -> nn.Module:
+    """A tied head points at the embedding again (after either was replaced)."""
     if getattr(model.config, "tie_word_embeddings", False):
+        adapter = get_adapter(model.config)
         model.get_submodule(adapter.lm_head).weight = model.get_submodule(adapter.embed).weight
     return model
 
@@ -141,27 +153,16 @@ def share_unchanged(model: nn.Module, source: nn.Module) -> list[str]:
     equal (same name, shape, dtype and values): a recipe that keeps the embedding and head as
     stored then has them mapped once in the evaluation, not twice (the check reads both once,
     before the evaluation's own peak). Both models disk-backed; returns the names shared."""
-    layers = get_adapter(model.config).layers
-    theirs = {}
-    for name, module in source.named_modules():
-        for k, t in module._parameters.items():
-            if t is not None and t.device.type != "meta":
-                theirs[f"{name}.{k}" if name else k] = t
+    theirs = {full: t for full, _, _, t in _resident(source)}
     shared = []
-    for name, module in model.named_modules():
-        if name == layers or name.startswith(layers + "."):
+    for full, module, k, t in list(_resident(model)):
+        other = theirs.get(full)
+        if other is None or other is t:
             continue
-        for k, t in list(module._parameters.items()):
-            full = f"{name}.{k}" if name else k
-            other = theirs.get(full)
-            if t is None or other is None or t is other or t.device.type == "meta":
-                continue
-            if t.shape == other.shape and t.dtype == other.dtype and torch.equal(t, other):
-                _set(module, k, other.data)
-                shared.append(full)
-    adapter = get_adapter(model.config)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.get_submodule(adapter.lm_head).weight = model.get_submodule(adapter.embed).weight
+        if t.shape == other.shape and t.dtype == other.dtype and torch.equal(t, other):
+            _set(module, k, other.data)
+            shared.append(full)
+    _retie(model)
     return shared
 
 
