@@ -1,16 +1,20 @@
 """The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``,
-``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``): one library, built on first use.
+``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``): one library, built on first use; and the torch
+operators over them (``cpu_ops.cpp``), a second library.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
 kernels use (AVX-512 or AVX2, torch's ``get_cpu_capability()``), else as portable C++ (the W4A8
 kernel compiles its AVX2 and AVX-512 VNNI paths with function target attributes whatever the
 flags, and picks one at run time from the CPU's features), with
-OpenMP threads (``torch.get_num_threads()`` per call) where the compiler has them. The sources
-include no torch header, so a build takes seconds, and the functions are called through
-``ctypes``. Nothing is compiled at install. If the library cannot be built (no C++ compiler, no
+OpenMP threads (``torch.get_num_threads()`` per call) where the compiler has them. The kernels'
+sources include no torch header, so their build takes seconds, and their functions are called
+through ``ctypes`` (:func:`library`). The operators include torch's headers and register with
+its dispatcher (:func:`ops`), so that a compiled decode step calls the kernel with no Python in
+between. Nothing is compiled at install. If the kernels cannot be built (no C++ compiler, no
 ninja, a compile error) :func:`library` warns once with the reason and returns None, and
-``compress.kernels`` runs the PyTorch references.
+``compress.kernels`` runs the PyTorch references; if only the operators cannot, the kernel is
+called through ``ctypes``.
 """
 
 import ctypes
@@ -30,6 +34,10 @@ SOURCES = [
         "w4a8_cpu.cpp",
         "paged_attn_cpu.cpp",
     )
+]
+# torch operators (they include torch's headers), with the kernels they call
+OP_SOURCES = [
+    Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "w4a8_cpu.cpp", "paged_attn_cpu.cpp")
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
@@ -55,9 +63,10 @@ class BuildError(RuntimeError):
     """The library could not be built; the message names the missing piece."""
 
 
-def _build(capability: str | None = None) -> ctypes.CDLL:
-    """Compile (or find compiled) the library for ``capability`` (default: torch's
-    ``get_cpu_capability()``; AVX512, AVX2, or anything else for portable C++) and load it."""
+def _compile(name: str, sources: list[Path], capability: str | None = None) -> str:
+    """Compile (or find compiled) ``sources`` into a shared library for ``capability`` (default:
+    torch's ``get_cpu_capability()``; AVX512, AVX2, or anything else for portable C++); its
+    path."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -75,26 +84,54 @@ def _build(capability: str | None = None) -> ctypes.CDLL:
         [(capability if capability in ISA_FLAGS else None, True), (None, True), (None, False)]
     ):
         flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, []) + ["-fopenmp"] * omp
-        name = "compress_cpu_kernels" + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t")
         try:
-            path = cpp_extension.load(
-                name,
-                [str(s) for s in SOURCES],
+            return cpp_extension.load(
+                name + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t"),
+                [str(s) for s in sources],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"] * omp,
                 is_python_module=False,
             )
-            break
         except Exception as e:
             first = first or e
-    else:
-        raise first
-    lib = ctypes.CDLL(path)
+    raise first
+
+
+def _build(capability: str | None = None) -> ctypes.CDLL:
+    """The kernels' library (:func:`_compile`), loaded, its functions typed."""
+    lib = ctypes.CDLL(_compile("compress_cpu_kernels", SOURCES, capability))
     for fn, args in SIGNATURES.items():
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, None
     for fn, res in RESTYPES.items():
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = [], res
     return lib
+
+
+def _warn(what: str, e: Exception, instead: str) -> None:
+    reason = " ".join(str(e).split())
+    reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+    warnings.warn(
+        f"{what} could not be built ({type(e).__name__}: {reason}); {instead}. "
+        f"Set COMPRESS_KERNELS=ref to skip the build.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def ops() -> bool:
+    """Whether the C++ torch operators (``cpu_ops.cpp``: ``compress::w4a8_linear``,
+    ``compress::cache_attention``) are loaded;
+    built on the first call (their sources include torch's headers, so the first build takes
+    a minute or two), False (after one warning) if they cannot be."""
+    if "ops" not in _LIB:
+        _LIB["ops"] = False
+        if library() is not None:  # a machine that builds nothing warns once, there
+            try:
+                torch.ops.load_library(_compile("compress_cpu_ops", OP_SOURCES))
+                _LIB["ops"] = True
+            except Exception as e:
+                _warn("the C++ torch operators", e, "the W4A8 kernel is called through ctypes")
+    return _LIB["ops"]
 
 
 def library() -> ctypes.CDLL | None:
@@ -104,15 +141,12 @@ def library() -> ctypes.CDLL | None:
             _LIB["lib"] = _build()
         except Exception as e:  # no compiler, no ninja, a compile or load error: never a crash
             _LIB["lib"] = None
-            reason = " ".join(str(e).split())
-            reason = reason if len(reason) <= 400 else reason[:400] + " ..."
-            warnings.warn(
-                f"the C++ CPU kernels could not be built ({type(e).__name__}: "
-                f"{reason}); PackKV and KIVI attention run the PyTorch path instead "
-                f"(it dequantizes the history into scratch each step: slower at long "
-                f"contexts). Set COMPRESS_KERNELS=ref to skip the build.",
-                RuntimeWarning,
-                stacklevel=3,
+            _warn(
+                "the C++ CPU kernels",
+                e,
+                "PackKV and KIVI attention run the PyTorch path instead (it dequantizes the "
+                "history into scratch each step: slower at long contexts), and the quantized "
+                "linears their exact PyTorch paths",
             )
     return _LIB["lib"]
 

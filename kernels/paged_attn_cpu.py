@@ -17,6 +17,8 @@ not change it either. :func:`attention` is the same product in float64 PyTorch f
 row is then the same alone as in any batch.
 """
 
+import os
+
 import torch
 
 import compress.kernels.native as native
@@ -35,6 +37,7 @@ def attention(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:
     B, H, T, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
     q = q.float().contiguous()
+    gather, hi = gather.contiguous(), hi.contiguous()  # held until the call returns
     out = torch.empty(B, H, T, Dv, dtype=torch.float32)
     half = k_pool.dtype == torch.float16
     if k_pool.dtype not in (torch.float16, torch.float32) or v_pool.dtype != k_pool.dtype:
@@ -42,10 +45,44 @@ def attention(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:
     lib.paged_attention(
         q.data_ptr(), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        gather.contiguous().data_ptr(), hi.data_ptr(),
+        gather.data_ptr(), hi.data_ptr(),
         B, H, Hkv, T, gather.shape[1], D, Dv, float(scale), int(half), torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+_FAKE: dict = {}
+
+
+def takes_cache(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`cache_attention` can read this contiguous cache's ``k``/``v``: fp16 or
+    fp32 CPU tensors with unit channel stride, and the C++ operators built (``native.ops()``)."""
+    ok = (
+        k.device.type == "cpu"
+        and k.dtype in (torch.float16, torch.float32)
+        and v.dtype == k.dtype
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and os.environ.get("COMPRESS_KERNELS") not in ("ref", "eager")
+        and native.ops()
+    )
+    if ok and not _FAKE:
+        _FAKE["cache_attention"] = torch.library.register_fake("compress::cache_attention")(
+            lambda q, k, v, lo, hi, scale: q.new_empty(
+                *q.shape[:3], v.shape[-1], dtype=torch.float32
+            )
+        )
+    return ok
+
+
+def cache_attention(q, k, v, lo, hi, scale: float) -> torch.Tensor:
+    """``[B, H, Tq, Dv]`` fp32: the same fixed-order attention over a contiguous cache ``k [B,
+    Hkv, L, D]``, ``v [B, Hkv, L, Dv]`` (fp16 or fp32), query ``(b, t)`` seeing slots ``lo[b, t]
+    .. hi[b, t] - 1`` (``int64 [B, Tq]``), through the C++ operator ``compress::cache_attention``
+    (the static compiled decode step: no fp32 copy of the cache per layer and step)."""
+    if not _FAKE and not takes_cache(k, v):  # loads the operators (and their fake shapes)
+        raise ValueError("cache_attention reads fp16 or fp32 CPU caches once the operators build")
+    return torch.ops.compress.cache_attention(q, k, v, lo, hi, scale)
 
 
 def reference(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:

@@ -318,6 +318,38 @@ void run_tiles(const Args& a, int bits, int path, int64_t t, int nt, int64_t m0,
   for (int i = 0; i < nt; ++i) tile_scalar(a, bits, t + i, m0, mr);
 }
 
+inline float as_f32(float v) { return v; }
+inline float as_f32(uint16_t v) {  // bfloat16 bits
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+void quantize_rows(const T* x, int8_t* xq, float* d, float* xs, int64_t M, int64_t K, int64_t g) {
+  const int64_t KB = K / BLK, bpg = g / BLK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < K / g; ++gi) {
+      float sum = 0.0f;
+      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
+        const T* xb = x + m * K + b * BLK;
+        float xf[BLK], amax = 0.0f;
+        for (int k = 0; k < BLK; ++k) xf[k] = as_f32(xb[k]), amax = std::max(amax, std::fabs(xf[k]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t bsum = 0;
+        for (int k = 0; k < BLK; ++k) {
+          const int32_t v = (int32_t)std::nearbyint(xf[k] * inv);
+          xq[m * K + b * BLK + k] = (int8_t)v;
+          bsum += v;
+        }
+        d[m * KB + b] = amax / 127.0f;
+        sum += d[m * KB + b] * (float)bsum;
+      }
+      xs[m * (K / g) + gi] = sum;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -339,26 +371,13 @@ int w4a8_caps() {
 // absmax) (half to even; 0 for an all-zero block), and xs[m, G] = sum_{b in G} d sum xq.
 void w4a8_quantize(const float* x, int8_t* xq, float* d, float* xs, int64_t M, int64_t K,
                    int64_t g) {
-  const int64_t KB = K / BLK, bpg = g / BLK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t gi = 0; gi < K / g; ++gi) {
-      float sum = 0.0f;
-      for (int64_t b = gi * bpg; b < (gi + 1) * bpg; ++b) {
-        const float* xb = x + m * K + b * BLK;
-        float amax = 0.0f;
-        for (int k = 0; k < BLK; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t bsum = 0;
-        for (int k = 0; k < BLK; ++k) {
-          const int32_t v = (int32_t)std::nearbyint(xb[k] * inv);
-          xq[m * K + b * BLK + k] = (int8_t)v;
-          bsum += v;
-        }
-        d[m * KB + b] = amax / 127.0f;
-        sum += d[m * KB + b] * (float)bsum;
-      }
-      xs[m * (K / g) + gi] = sum;
-    }
+  quantize_rows(x, xq, d, xs, M, K, g);
+}
+
+// The same from bfloat16 x (the high halves of fp32 values).
+void w4a8_quantize_bf16(const uint16_t* x, int8_t* xq, float* d, float* xs, int64_t M,
+                        int64_t K, int64_t g) {
+  quantize_rows(x, xq, d, xs, M, K, g);
 }
 
 // y [M, N] fp32 from the quantized activations and a packed weight (layouts in w4a8_cpu.py).

@@ -159,9 +159,14 @@ def form(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def linear(x: torch.Tensor, packed, s, sz, bits: int, group_size: int, which: str | None = None):
-    """fp32 ``y [M, N]`` of fp32 ``x [M, K]`` through the C++ path ``which`` (default
-    :func:`path`)."""
-    which = which or path()
+    """``y [..., N]`` of ``x [..., K]`` (in ``x``'s dtype) through the C++ path ``which`` (default
+    :func:`path`): the operator :func:`op`."""
+    return op()(x, packed, s, sz, bits, group_size, PATHS[which or path()])
+
+
+def ctypes_linear(x: torch.Tensor, packed, s, sz, bits: int, group_size: int, which: int):
+    """fp32 ``y [M, N]`` of ``x [M, K]`` through C++ path number ``which``, called through
+    ``ctypes`` with per-thread scratch: the operator where its C++ form does not build."""
     lib = native.library()
     x = x.float().contiguous()
     M, K = x.shape
@@ -180,7 +185,7 @@ def linear(x: torch.Tensor, packed, s, sz, bits: int, group_size: int, which: st
     lib.w4a8_linear(
         x.data_ptr(), xq.data_ptr(), d.data_ptr(), xs.data_ptr(),
         packed.data_ptr(), s.data_ptr(), sz.data_ptr(), y.data_ptr(),
-        M, K, N, group_size, bits, PATHS[which], torch.get_num_threads(),
+        M, K, N, group_size, bits, which, torch.get_num_threads(),
     )  # fmt: skip
     return y
 
@@ -191,8 +196,7 @@ def w4a8_mm(x: torch.Tensor, layer) -> torch.Tensor:
     which = path()
     if which == "ref":
         return ref_matmul(x, layer, torch.float32).to(x.dtype)
-    packed, s, sz = form(layer)
-    return linear(x, packed, s, sz, layer.bits, layer.group_size, which).to(x.dtype)
+    return linear(x, *form(layer), layer.bits, layer.group_size, which)
 
 
 def use(model: torch.nn.Module, kernel: str = "w4a8", every_m: bool = False) -> int:
@@ -217,24 +221,34 @@ def use(model: torch.nn.Module, kernel: str = "w4a8", every_m: bool = False) -> 
 KERNELS = ("exact", "w4a8")
 
 
-# ---- the same product as a torch op, for the compiled decode step -----------------------------
+# ---- the product as a torch op: in C++ (``cpu_ops.cpp``), else through ctypes ---------------
 
-_lib = torch.library.Library("compress", "FRAGMENT")
-_lib.define("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g) -> Tensor")
-
-
-def _op(x, packed, s, sz, bits, g):
-    return linear(x.reshape(-1, x.shape[-1]), packed, s, sz, bits, g).to(x.dtype).reshape(
-        *x.shape[:-1], s.shape[1]
-    )
+SCHEMA = "w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) -> Tensor"
+_OP: dict = {}
 
 
-_lib.impl("w4a8_linear", _op, "CPU")
+def _ctypes_op(x, packed, s, sz, bits, g, which):
+    y = ctypes_linear(x.reshape(-1, x.shape[-1]), packed, s, sz, bits, g, which)
+    return y.to(x.dtype).reshape(*x.shape[:-1], s.shape[1])
 
 
-@torch.library.register_fake("compress::w4a8_linear")
-def _fake(x, packed, s, sz, bits, g):
+def _fake(x, packed, s, sz, bits, g, which):
     return x.new_empty(*x.shape[:-1], s.shape[1])
+
+
+def op():
+    """``torch.ops.compress.w4a8_linear`` (``SCHEMA``), defined on the first call: the C++
+    operator where ``native.ops()`` builds it (no Python between the dispatcher and the kernel:
+    ``bench_linear --alternatives`` measures the difference), else the same product through
+    :func:`ctypes_linear`; an opaque op inside a ``torch.compile`` graph either way."""
+    if "op" not in _OP:
+        if not native.ops():
+            _OP["lib"] = lib = torch.library.Library("compress", "FRAGMENT")
+            lib.define(SCHEMA)
+            lib.impl("w4a8_linear", _ctypes_op, "CPU")
+        torch.library.register_fake("compress::w4a8_linear")(_fake)
+        _OP["op"] = torch.ops.compress.w4a8_linear
+    return _OP["op"]
 
 
 class W4A8Linear(torch.nn.Module):
@@ -248,9 +262,8 @@ class W4A8Linear(torch.nn.Module):
         self.register_buffer("s", s)
         self.register_buffer("sz", sz)
         self.bits, self.group_size, self.bias = layer.bits, layer.group_size, layer.bias
+        self.path, self.op = PATHS[path()], op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.compress.w4a8_linear(
-            x, self.packed, self.s, self.sz, self.bits, self.group_size
-        )
+        y = self.op(x, self.packed, self.s, self.sz, self.bits, self.group_size, self.path)
         return y if self.bias is None else y + self.bias.to(y.dtype)

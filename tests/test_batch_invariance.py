@@ -65,6 +65,46 @@ def test_a_row_is_the_same_bits_in_any_batch():
     assert torch.equal(batched[:1, :, 2:], alone)
 
 
+@pytest.mark.skipif(not native.ops(), reason="the C++ torch operators did not build")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 256, 64), (3, 4, 2, 2, 40, 16), (2, 2, 1, 1, 33, 12)])
+def test_cache_attention_matches_float64(dtype, shape):
+    """``compress::cache_attention`` (the static decode step's attention over a contiguous cache
+    read as stored): query (b, t) over slots lo..hi-1 (left padding, a window) against float64;
+    and the same bits as the paged kernel over the same keys gathered."""
+    B, H, Hkv, T, L, D = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    q = torch.randn(B, H, T, D, generator=g).bfloat16()
+    hi = torch.randint(L // 2, L + 1, (B, T), generator=g)
+    lo = torch.minimum(torch.randint(0, 6, (B, T), generator=g), hi - 1)
+    lo[-1] = torch.maximum(lo[-1], hi[-1] - 7)  # a sliding window of 7 on the last row
+    for vv in (v, k[..., : D // 2]):  # and a latent-attention view: V is K's first channels
+        out = paged_attn_cpu.cache_attention(q, k, vv, lo, hi, 0.3)
+        assert out.dtype == torch.float32 and out.shape == (B, H, T, vv.shape[-1])
+        ref = torch.zeros(out.shape, dtype=torch.float64)
+        for b in range(B):
+            for h in range(H):
+                for t in range(T):
+                    keys = slice(int(lo[b, t]), int(hi[b, t]))
+                    kh, vh = k[b, h // (H // Hkv), keys].double(), vv[b, h // (H // Hkv), keys].double()
+                    s = kh @ q[b, h, t].double() * 0.3
+                    ref[b, h, t] = torch.softmax(s, 0) @ vh
+        assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
+    for t in range(T):  # one query column at a time: the paged kernel over the gathered slots
+        width = int((hi[:, t] - lo[:, t]).max())
+        idx = (lo[:, t, None] + torch.arange(width)).clamp(max=L - 1)
+        gather = (torch.arange(B)[:, None] * L + idx).contiguous()
+        pool_k = k.transpose(1, 2).reshape(B * L, Hkv, D)
+        pool_v = v.transpose(1, 2).reshape(B * L, Hkv, D)
+        paged = paged_attn_cpu.attention(
+            q[:, :, t : t + 1], pool_k, pool_v, gather, (hi - lo)[:, t : t + 1], 0.3
+        )
+        assert torch.equal(paged, paged_attn_cpu.cache_attention(
+            q[:, :, t : t + 1], k, v, lo[:, t : t + 1], hi[:, t : t + 1], 0.3))  # fmt: skip
+
+
 def quantized_folder(tmp_path):
     from compress.quant.rtn import pack_model, quantization_config
 

@@ -114,6 +114,70 @@ def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
         assert out.dtype == torch.bfloat16 and rel(out, x_hat64(x.bfloat16().float(), g) @ w64.t()) < 4e-3
 
 
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_operator_matches_float64_reference_in_every_dtype(path, bits):
+    """``compress::w4a8_linear`` (the C++ operator the compiled step calls) on every path: fp32,
+    bf16 (read as it is) and fp16 (converted) inputs of any leading shape, against the float64
+    reference of the same arithmetic, and bit for bit what the ctypes call computes."""
+    K, N, g = 192, 96, 64  # 6 tiles
+    layer = random_layer(bits, K, N, g, seed=bits + 11)
+    packed, s, sz = w4a8_cpu.form(layer)
+    w64 = layer.dequantize(torch.float64)
+    for M in (1, 3, 6):
+        gen = torch.Generator().manual_seed(100 + M)
+        x = torch.randn(M, K, generator=gen) * (1 + 3 * torch.rand(M, K, generator=gen))
+        for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3), (torch.float16, 2e-3)):
+            xt = x.to(dtype)
+            y = w4a8_cpu.linear(xt.reshape(M, 1, K), packed, s, sz, bits, g, path)
+            assert y.dtype == dtype and y.shape == (M, 1, N) and torch.isfinite(y).all()
+            y = y.reshape(M, N)
+            assert rel(y, x_hat64(xt.float(), g) @ w64.t()) < tol, (dtype, M)
+            via_ctypes = w4a8_cpu.ctypes_linear(xt, packed, s, sz, bits, g, w4a8_cpu.PATHS[path])
+            assert torch.equal(y, via_ctypes.to(dtype)), (dtype, M)
+
+
+def test_operator_falls_back_to_ctypes_where_it_does_not_build(tmp_path):
+    """Where the C++ operator does not build (but the kernels do): one warning, and the same
+    op, defined in Python over the ctypes call, computes the same numbers (a fresh process)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fallback.py"
+    script.write_text(
+        """
+import warnings, torch
+import compress.kernels.native as native
+from compress.kernels import w4a8_cpu
+real = native._compile
+def broken(name, sources, capability=None):
+    if name == "compress_cpu_ops":
+        raise native.BuildError("simulated: the operator's sources do not compile")
+    return real(name, sources, capability)
+native._compile = broken
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    op = w4a8_cpu.op()
+    w4a8_cpu.op()
+msgs = [str(w.message) for w in caught if "operators" in str(w.message)]
+assert len(msgs) == 1 and "simulated" in msgs[0] and "ctypes" in msgs[0], msgs
+gen = torch.Generator().manual_seed(0)
+q = torch.randint(0, 16, (128, 64), generator=gen, dtype=torch.int32)
+packed = w4a8_cpu.pack(q, 4)
+s = torch.rand(2, 64, generator=gen) * 0.02
+sz = s * torch.randint(0, 16, (2, 64), generator=gen)
+x = torch.randn(3, 128, generator=gen)
+y = op(x.bfloat16(), packed, s, sz, 4, 64, 2 if "vnni" in w4a8_cpu.available() else 0)
+ref = w4a8_cpu.ctypes_linear(x.bfloat16(), packed, s, sz, 4, 64, 2 if "vnni" in w4a8_cpu.available() else 0)
+assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+print("fallback ok")
+"""
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "fallback ok" in out.stdout, out.stderr[-2000:]
+
+
 def test_layer_dispatch_and_the_pytorch_path(monkeypatch):
     """``kernel="w4a8"`` sends small M through the kernel, large M through the exact path;
     ``COMPRESS_W4A8=ref`` runs the PyTorch arithmetic; an unknown path is refused."""

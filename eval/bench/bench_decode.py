@@ -22,7 +22,8 @@ Systems (``--systems`` picks some):
     ours-fp32       compress.decoder on the fp32 model (default: the default model's folder)
     ours-bf16       the same, weights and activations in bfloat16
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
-    llama.cpp       llama-cpp-python on the default model's own GGUF Q4_1, n_threads = --threads (2)
+    llama.cpp       llama-cpp-python on the embedded model's own GGUF (``--model``: the default
+                    model's Q4_1, or Gemma 3 270M's Q4_K_M), n_threads = --threads (2)
     NAME[KV]        compress.decoder (fp32, eager) on ``--folders NAME=PATH`` with each ``--kvs`` cache:
                     any run folder, attention-converted ones too, beside the default model's.
                     KV is a cache kind with options, ``kivi:bits=4`` (``compress.decoder.kv``)
@@ -80,6 +81,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from compress.source import DEFAULT_MODEL
 
 OURS = (
     "ours-int4",
@@ -398,9 +401,9 @@ def make_system(name, args):
         )
     if name == "hf-fp32":
         return HF(args.fp)
-    from compress.source import default_gguf
+    from compress.source import embedded_gguf
 
-    return LlamaCpp(default_gguf(), args.threads[0])
+    return LlamaCpp(embedded_gguf(args.model), args.threads[0])
 
 
 def worker(spec: str, args) -> None:
@@ -488,9 +491,9 @@ class Worker:
 def disk_bytes(name: str, args) -> int:
     """The weights as stored: the run folder's safetensors files, or the GGUF file."""
     if name == "llama.cpp":
-        from compress.source import default_gguf
+        from compress.source import embedded_gguf
 
-        return default_gguf().stat().st_size
+        return embedded_gguf(args.model).stat().st_size
     named = folder_system(name, args)
     folder = named[0] if named else {"ours-int4": args.int4, "ours-int3": args.int3}.get(name[:9])
     folder = Path(folder or args.fp)
@@ -658,7 +661,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4", help="int4 run folder (awq_int4 or rtn_int4)")
     p.add_argument("--int3", help="int3 run folder (awq_int3) for the ours-int3 rows")
-    p.add_argument("--fp", help="fp32 HF folder (default: the default model's)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the embedded model whose GGUF llama.cpp decodes and whose converted folder is "
+        "--fp's default (compress.embedded: smollm2-135m, gemma3-270m)",
+    )
+    p.add_argument("--fp", help="fp32 HF folder (default: --model's, converted)")
     p.add_argument(
         "--systems",
         nargs="*",
@@ -710,9 +719,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.fp is None:
-        from compress.source import convert_default_model
+        from compress.source import convert_embedded
 
-        args.fp = str(convert_default_model())
+        args.fp = str(convert_embedded(args.model))
     if args.worker:
         return worker(args.worker, args)
     if args.systems is None:

@@ -128,6 +128,19 @@ def forced_w4a8(which: str):
     return run
 
 
+def ctypes_w4a8(which: str):
+    """The same C++ path called through ``ctypes`` (the operator's fallback), bf16 in and out."""
+
+    def run(x, layer):
+        packed, s, sz = w4a8_cpu.form(layer)
+        y = w4a8_cpu.ctypes_linear(
+            x, packed, s, sz, layer.bits, layer.group_size, w4a8_cpu.PATHS[which]
+        )
+        return y.to(x.dtype)
+
+    return run
+
+
 def alt_paths(x: torch.Tensor, layer) -> list[str]:
     """Every CPU path that can take ``x`` (the slow ones only where they stay affordable)."""
     m = x.shape[0]
@@ -172,6 +185,9 @@ def cpu_variants(
                 fn = forced_w4a8(which)
                 out.append((f"INT{bits} w4a8:{which}", f"w4a8:{which}",
                             *rotating(quantized(a8, x16, fn), working_set)))  # fmt: skip
+            which = w4a8_cpu.path()
+            out.append((f"INT{bits} w4a8:{which} ctypes", f"w4a8:{which}",
+                        *rotating(quantized(a8, x16, ctypes_w4a8(which)), working_set)))  # fmt: skip
     return out
 
 

@@ -1,7 +1,7 @@
 """Where one decode step's time goes: torch.profiler's ``key_averages`` table over N steps.
 
     python -m compress.eval.bench.profile_step RUN [--steps 32] [--threads 1] [--dtype bfloat16]
-        [--no-lean] [--no-compile] [--head none|int8|int4] [--prompt-len 32] [--rows 30]
+        [--no-lean] [--no-compile] [--head none|int8|int4] [--kernel exact|w4a8] [--prompt-len 32] [--rows 30]
         [--sort self_cpu_time_total] [--trace OUT.json]
 
 Loads the run folder as ``python -m compress.decoder`` would (default: the fast configuration,
@@ -31,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--head", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--kernel", default="exact", choices=("exact", "w4a8"))
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--sort", default="self_cpu_time_total")
@@ -49,7 +50,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     qdtype = getattr(torch, args.qdtype) if args.qdtype else dtype
-    model, tok = load(args.run, dtype=dtype, qdtype=qdtype, lean=args.lean, head=args.head)
+    model, tok = load(
+        args.run, dtype=dtype, qdtype=qdtype, lean=args.lean, head=args.head, kernel=args.kernel
+    )
     ids = torch.tensor([prompt_ids(tok, args.prompt_len)])
     max_len = args.prompt_len + args.warmup + 2 * args.steps + 2
     with torch.no_grad():
@@ -76,7 +79,7 @@ def main(argv=None) -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     conf = (
-        f"dtype {args.dtype}, qdtype {qdtype}, head {args.head}"
+        f"dtype {args.dtype}, qdtype {qdtype}, head {args.head}, kernel {args.kernel}"
         f"{', lean' if args.lean else ''}{', compiled' if args.compile else ''}"
     )
     print(

@@ -18,12 +18,14 @@ attend over both (:meth:`FP16Cache.attend_chunk`). Rolling back r tokens needs
 import torch
 
 from compress.decoder.kv.base import Cache, hidden, masked_softmax, sees_everything
+from compress.kernels.paged_attn_cpu import cache_attention, takes_cache
 from compress.errors import CompressError
 
 
 class FP16Cache(Cache):
     storage = torch.float16
     static = False
+    read_as_stored = ()  # static layers whose decode attention reads K/V as stored (C++)
     # a long prompt attends in blocks of this many queries, each over the keys up to its last
     # query: an 8,000-token prefill in one forward took 102 s against 235 s over [T, T] scores
     # (python -m compress.eval.bench.bench_serve --folder fp32=MODEL --batch --ttft 8000 --chunk 0)
@@ -117,6 +119,8 @@ class FP16Cache(Cache):
             return self.attend_chunk(layer, q, pos, start)
         if self.ring(layer):
             return self.attend_ring(layer, q, pos, start)
+        if self.static and tq == 1 and layer in self.read_as_stored:
+            return self.attend_static(layer, q, pos, start)
         if self.windows[layer] is not None and not self.static:
             return self.attend_window(layer, q, pos, start)
         if tq <= block or self.static:
@@ -126,6 +130,19 @@ class FP16Cache(Cache):
             qb, pb = q[:, :, i : i + block], pos[i : i + block]
             out.append(self.heads(self.mix(layer, self.weights(layer, qb, pb, start, upto=pb)), qb))
         return torch.cat(out, dim=2)
+
+    def attend_static(self, layer, q, pos=None, start=None):
+        """One query per row of the static cache (the compiled decode step) over the slots it
+        sees, ``max(start, pos - w + 1) .. pos``, read as stored (``paged_attn_cpu``'s C++
+        kernel): the masked path's product without its fp32 copy of every slot."""
+        pos = self.slots(layer, 1, pos, after=False)
+        B = q.shape[0]
+        hi = (pos.view(1, 1) + 1).expand(B, 1)
+        lo = torch.zeros_like(hi) if start is None else start.view(B, 1).to(hi.dtype)
+        if self.windows[layer] is not None:
+            lo = torch.maximum(lo, hi - self.windows[layer])
+        lo = torch.minimum(lo, hi)
+        return cache_attention(q, self.k[layer], self.v[layer], lo, hi, self.scale).to(q.dtype)
 
     def weights(self, layer, q, pos=None, start=None, upto=None) -> torch.Tensor:
         """The attention weights ``softmax(q K^T * scale + mask)`` ``[B, Hkv, g*Tq, L]`` of
@@ -235,4 +252,8 @@ def static_cache(cache: FP16Cache) -> FP16Cache:
             f"the compiled decode step needs an fp16 or full cache, not {type(cache).__name__}."
         )
     cache.static = True
+    # decided here, not while a compiled step traces attend (the check may build the operators)
+    cache.read_as_stored = frozenset(
+        i for i in range(cache.n_layers) if takes_cache(cache.k[i], cache.v[i])
+    )
     return cache

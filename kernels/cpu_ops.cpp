@@ -1,0 +1,124 @@
+// The CPU kernels as torch operators, called from the dispatcher with no Python between a
+// compiled decode step and the kernel (native.ops() builds them; the fake shapes are in Python).
+//
+//   w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) -> Tensor
+//     w4a8_cpu.cpp's product (w4a8_cpu.py): float32 or bfloat16 x [..., K] read as it is (other
+//     dtypes converted to float32), the int8 activations in per-thread scratch, y [..., N] in x's
+//     dtype. packed: uint8 [N / 16, K / 32, bytes] (w4a8_cpu.pack), s and sz: float32 [K / g, N];
+//     path: 2 AVX-512 VNNI, 1 AVX2, 0 portable (w4a8_caps() says which this CPU runs).
+//
+//   cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) -> Tensor
+//     paged_attn_cpu.cpp's fixed-order attention over a contiguous cache (paged_attn_cpu.py):
+//     q [B, H, Tq, D], k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (fp16 or fp32, unit stride along
+//     channels), query (b, t) sees slots lo[b, t] .. hi[b, t] - 1 (int64 [B, Tq]); fp32 out
+//     [B, H, Tq, Dv].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <vector>
+
+extern "C" {
+void w4a8_quantize(const float* x, int8_t* xq, float* d, float* xs, int64_t M, int64_t K,
+                   int64_t g);
+void w4a8_quantize_bf16(const uint16_t* x, int8_t* xq, float* d, float* xs, int64_t M,
+                        int64_t K, int64_t g);
+void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
+               const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t g, int bits, int path, int nthreads);
+void range_attention(const float* q, float* out, const void* k, const void* v, int64_t kb,
+                     int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs,
+                     const int64_t* lo, const int64_t* hi, int64_t B, int64_t H, int64_t Hkv,
+                     int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale, int half,
+                     int nthreads);
+}
+
+namespace {
+
+struct Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xs, y;
+};
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s,
+                       const at::Tensor& sz, int64_t bits, int64_t g, int64_t path) {
+  const int64_t K = x.size(-1), N = s.size(1);
+  TORCH_CHECK(K % 32 == 0 && g % 32 == 0 && K % g == 0 && N % 16 == 0,
+              "compress::w4a8_linear: K = ", K, ", g = ", g, ", N = ", N,
+              " do not fit the kernel (K and g multiples of 32, N of 16)");
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "compress::w4a8_linear: bits = ", bits);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                  sz.scalar_type() == at::kFloat && sz.is_contiguous() && s.size(0) == K / g,
+              "compress::w4a8_linear: packed must be contiguous uint8, s and sz contiguous "
+              "float32 [K / g, N]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xc = (bf16 || x.scalar_type() == at::kFloat) ? x.contiguous()
+                                                          : x.to(at::kFloat).contiguous();
+  const int64_t M = xc.numel() / K;
+  thread_local Scratch t;
+  t.xq.resize(M * K), t.d.resize(M * (K / 32)), t.xs.resize(M * (K / g));
+  if (bf16)
+    w4a8_quantize_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr()), t.xq.data(),
+                       t.d.data(), t.xs.data(), M, K, g);
+  else
+    w4a8_quantize(xc.data_ptr<float>(), t.xq.data(), t.d.data(), t.xs.data(), M, K, g);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const bool direct = y.scalar_type() == at::kFloat;
+  if (!direct) t.y.resize(M * N);
+  float* yf = direct ? y.data_ptr<float>() : t.y.data();
+  w4a8_gemm(t.xq.data(), t.d.data(), t.xs.data(), packed.data_ptr<uint8_t>(),
+            s.data_ptr<float>(), sz.data_ptr<float>(), yf, M, K, N, g, (int)bits, (int)path,
+            at::get_num_threads());
+  if (y.scalar_type() == at::kBFloat16) {
+    auto* out = y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) out[i] = c10::BFloat16(yf[i]);
+  } else if (!direct) {
+    y.copy_(at::from_blob(yf, shape, at::kFloat));
+  }
+  return y;
+}
+
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& lo, const at::Tensor& hi, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "compress::cache_attention: q, k "
+              "and v are [B, H, Tq, D], [B, Hkv, L, D] and [B, Hkv, L, Dv]");
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L &&
+                  k.size(3) == D && Hkv > 0 && H % Hkv == 0,
+              "compress::cache_attention: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ",
+              v.sizes(), " do not match");
+  const bool half = k.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type() &&
+                  k.stride(3) == 1 && v.stride(3) == 1,
+              "compress::cache_attention: k and v are fp16 or fp32 with unit channel stride");
+  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong &&
+                  lo.numel() == B * Tq && hi.numel() == B * Tq,
+              "compress::cache_attention: lo and hi are int64 [B, Tq]");
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), l = lo.contiguous(), h = hi.contiguous();
+  at::Tensor out = at::empty({B, H, Tq, Dv}, q.options().dtype(at::kFloat));
+  range_attention(qf.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
+                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                  l.data_ptr<int64_t>(), h.data_ptr<int64_t>(), B, H, Hkv, Tq, L, D, Dv,
+                  (float)scale, half ? 1 : 0, at::get_num_threads());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(compress, m) {
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) "
+        "-> Tensor");
+  m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(compress, CPU, m) {
+  m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("cache_attention", &cache_attention);
+}
