@@ -120,9 +120,9 @@ def _warn(what: str, e: Exception, instead: str) -> None:
 
 def ops() -> bool:
     """Whether the C++ torch operators (``cpu_ops.cpp``: ``compress::w4a8_linear``,
-    ``compress::cache_attention``) are loaded;
-    built on the first call (their sources include torch's headers, so the first build takes
-    a minute or two), False (after one warning) if they cannot be."""
+    ``compress::cache_attention``) are loaded; built on the first call (their sources include
+    torch's headers: about 20 s on a 2-core machine), False (after one warning) if they cannot
+    be."""
     if "ops" not in _LIB:
         _LIB["ops"] = False
         if library() is not None:  # a machine that builds nothing warns once, there
@@ -130,7 +130,12 @@ def ops() -> bool:
                 torch.ops.load_library(_compile("compress_cpu_ops", OP_SOURCES))
                 _LIB["ops"] = True
             except Exception as e:
-                _warn("the C++ torch operators", e, "the W4A8 kernel is called through ctypes")
+                _warn(
+                    "the C++ torch operators",
+                    e,
+                    "the W4A8 kernel is called through ctypes, and the compiled step's "
+                    "attention converts its cache to fp32",
+                )
     return _LIB["ops"]
 
 

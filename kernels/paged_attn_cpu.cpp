@@ -45,7 +45,7 @@ void attend(const float* q, float* out, const T* kp, const T* vp, int64_t kb, in
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H, hk = h / group;
-    std::vector<float> s(L), kf(D);
+    std::vector<float> s(L);
     for (int64_t t = 0; t < Tq; ++t) {
       const float* qq = q + (bh * Tq + t) * D;
       float* o = out + (bh * Tq + t) * Dv;
@@ -79,6 +79,20 @@ void attend(const float* q, float* out, const T* kp, const T* vp, int64_t kb, in
   }
 }
 
+// attend() over K/V stored as fp16 (half = 1) or fp32.
+template <class Key, class Count>
+void attend_stored(int half, const float* q, float* out, const void* k, const void* v,
+                   int64_t kb, int64_t ks, int64_t kh, int64_t vb, int64_t vs, int64_t vh,
+                   Key key, Count count, int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t L,
+                   int64_t D, int64_t Dv, float scale, int nthreads) {
+  if (half)
+    attend<uint16_t>(q, out, (const uint16_t*)k, (const uint16_t*)v, kb, ks, kh, vb, vs, vh, key,
+                     count, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+  else
+    attend<float>(q, out, (const float*)k, (const float*)v, kb, ks, kh, vb, vs, vh, key, count,
+                  B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -92,12 +106,8 @@ void paged_attention(const float* q, float* out, const void* kpool, const void* 
                      int64_t D, int64_t Dv, float scale, int half, int nthreads) {
   auto key = [=](int64_t b, int64_t, int64_t j) { return gather[b * L + j]; };
   auto count = [=](int64_t b, int64_t t) { return hi[b * Tq + t]; };
-  if (half)
-    attend<uint16_t>(q, out, (const uint16_t*)kpool, (const uint16_t*)vpool, 0, ks, kh, 0, vs,
-                     vh, key, count, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
-  else
-    attend<float>(q, out, (const float*)kpool, (const float*)vpool, 0, ks, kh, 0, vs, vh, key,
-                  count, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+  attend_stored(half, q, out, kpool, vpool, 0, ks, kh, 0, vs, vh, key, count, B, H, Hkv, Tq, L,
+                D, Dv, scale, nthreads);
 }
 
 // The same over a contiguous cache: row b's keys K[b, :, lo[b, t] .. hi[b, t] - 1] (strides kb,
@@ -109,12 +119,8 @@ void range_attention(const float* q, float* out, const void* k, const void* v, i
                      int nthreads) {
   auto key = [=](int64_t b, int64_t t, int64_t j) { return lo[b * Tq + t] + j; };
   auto count = [=](int64_t b, int64_t t) { return hi[b * Tq + t] - lo[b * Tq + t]; };
-  if (half)
-    attend<uint16_t>(q, out, (const uint16_t*)k, (const uint16_t*)v, kb, ks, kh, vb, vs, vh, key,
-                     count, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
-  else
-    attend<float>(q, out, (const float*)k, (const float*)v, kb, ks, kh, vb, vs, vh, key, count,
-                  B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+  attend_stored(half, q, out, k, v, kb, ks, kh, vb, vs, vh, key, count, B, H, Hkv, Tq, L, D, Dv,
+                scale, nthreads);
 }
 
 }  // extern "C"
