@@ -236,6 +236,40 @@ def test_quantized_folder_agrees_with_transformers(family, recipe, family_dirs, 
     assert rel_err(decoder_logits(out, ids), hf_logits(hf, ids)) < 1e-3
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
+    """transformers' own AWQ loader (``quant_method: awq``, through gptqmodel's kernels) reads the
+    INT4 folder with no flags: every quantized linear becomes its AWQ module, dequantizing to our
+    weights bit for bit in the config's float16, and its logits agree with our decoder's."""
+    pytest.importorskip("gptqmodel", reason="README's install command installs it (--no-deps)")
+    from transformers import AutoModelForCausalLM
+
+    from compress.checkpoint import load_run
+    from compress.formats.quant_linear import QuantLinear
+
+    out = tmp_path / "run"
+    run_on("awq_int4", family_dirs[family], out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()  # no flags
+    assert hf.dtype == torch.float16  # AutoAWQ's convention, from config.json
+    ours, _ = load_run(out)
+    quantized = {n: m for n, m in ours.named_modules() if isinstance(m, QuantLinear)}
+    assert quantized
+    for name, layer in quantized.items():
+        theirs = hf.get_submodule(name)
+        assert "Awq" in type(theirs).__name__, (name, type(theirs))
+        # (q - z) * s is exact in float32 from float16 scales: one rounding to float16 either way
+        assert torch.equal(theirs.dequantize_weight().t(), layer.dequantize().half())
+    ids = tokens()
+    reference = decoder_logits(out, ids)
+    # in float32 gptqmodel still dequantizes with the float16 scales, in float16 (4e-4 here)
+    fp32 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert rel_err(hf_logits(fp32, ids), reference) < 1e-3
+    # the no-flag float16 model: float16 activations cost Gemma's 6 random layers about 2e-3
+    # (the same folder in float16 against float32 transformers), the others under 1e-3
+    fp16_cost = rel_err(hf_logits(hf, ids), hf_logits(fp32, ids))
+    assert rel_err(hf_logits(hf, ids), reference) < max(1e-3, 1.5 * fp16_cost)
+
+
 @pytest.mark.parametrize(
     "family",
     [
