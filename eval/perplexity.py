@@ -66,8 +66,10 @@ def _windows_at_once(seqlen: int, hidden: int, budget: int = 2**28) -> int:
     return max(1, budget // (seqlen * hidden * 4))
 
 
-def _chunk_tokens(vocab: int, budget: int = 2**25) -> int:
-    """Tokens of ``[tokens, vocab]`` float32 log-probs within ``budget`` bytes."""
+def _chunk_tokens(vocab: int, budget: int = 2**27) -> int:
+    """Tokens of ``[tokens, vocab]`` float32 log-probs within ``budget`` bytes; each chunk reads
+    the whole head, so Gemma 3's 262k vocabulary at 32 tokens (2**25 bytes) evaluated a
+    disk-backed window 2.4x slower than at 128 (``offload=disk`` against ``offload=host``)."""
     return max(16, budget // (vocab * 4))
 
 

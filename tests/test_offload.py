@@ -196,3 +196,18 @@ def test_accelerate_launch_refuses_single_process_stages(tiny_dir, monkeypatch):
     with pytest.raises(CompressError, match="started 2 processes.*\\['awq'\\].*python -m compress"):
         validate(compose("awq_int4", [f"model.path={tiny_dir}"]))
     assert check_distributed(compose("minitron_width", [f"model.path={tiny_dir}"])) == 2
+
+
+def test_head_log_probs_match_float64_and_name_a_bad_head():
+    """The chunked head (vocabulary slices of 7 rows) is log_softmax(h W^T) of float64; a NaN in
+    the head is reported by the head's name, not by a NaN perplexity."""
+    model = make_tiny_model(tie_word_embeddings=False)
+    h = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    w = model.lm_head.weight.detach()
+    reference = torch.log_softmax(h.double() @ w.double().t(), dim=-1)
+    got = offload.head_log_probs(model, h, vocab_chunk=7)
+    assert ((got.double() - reference).norm() / reference.norm()).item() < 1e-6
+    with torch.no_grad():
+        model.lm_head.weight[11, 2] = float("nan")
+    with pytest.raises(CompressError, match=r"lm_head.weight' contains NaN"):
+        offload.head_log_probs(model, h, vocab_chunk=7)
