@@ -341,8 +341,8 @@ def final_hidden(model: nn.Module, tokens: torch.Tensor, device="cpu", batch: in
 def head_log_probs(model: nn.Module, h: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
     """``log_softmax(head(h))`` in float32 for ``h [t, hidden]``, on ``h``'s device; a linear
     head is widened ``vocab_chunk`` rows at a time (never a float32 copy of the whole head).
-    The head's weight is scanned for NaN/inf only when the logits are not finite (a scan of
-    every chunk cost Gemma 3 270M's 262k-row head 3x the evaluation's time)."""
+    The head's weight is scanned for NaN/inf only when the logits are not finite (scanning every
+    chunk cost Gemma 3 270M's disk-backed evaluation 44 s a window against 31 s without)."""
     name = get_adapter(model.config).lm_head
     head = model.get_submodule(name)
     if isinstance(head, nn.Linear):
