@@ -13,6 +13,8 @@
                                  order of a block          (also on CUDA)
     kivi_qk(q, codes, z, s, ..)  KIVI's two attention      kivi_cpu.py (C++, built on first
     kivi_pv(p, codes, z, s, ..)  products                  use), kivi_ref.py (also on CUDA)
+    linear(x, weight, bias)      a dense fp32 linear of a   skinny_cpu.py (C++, 2-8 rows),
+                                 few rows (verification)    reference: F.linear
 
 Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_KERNELS=ref``
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
@@ -25,6 +27,7 @@ and import no method package.
 import os
 
 import torch
+import torch.nn.functional as F
 
 from compress.kernels.layout import check_inputs
 
@@ -59,6 +62,17 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     from compress.kernels.cpu import cpu_quant_matmul
 
     return cpu_quant_matmul(x, layer)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``; fp32 CPU products of 2 to 8 rows through the skinny kernel
+    (``skinny_cpu.takes``), which reads the weight once for all rows."""
+    if backend(x) == "cpu":
+        from compress.kernels import skinny_cpu
+
+        if skinny_cpu.takes(x, weight):
+            return skinny_cpu.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def int8_matmul(

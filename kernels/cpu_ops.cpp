@@ -7,6 +7,11 @@
 //     dtype. packed: uint8 [N / 16, K / 32, bytes] (w4a8_cpu.pack), s and sz: float32 [K / g, N];
 //     path: 2 AVX-512 VNNI, 1 AVX2, 0 portable (w4a8_caps() says which this CPU runs).
 //
+//   skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor
+//     skinny_cpu.cpp's fp32 product x [..., K] w [N, K]^T + b for a few rows (skinny_cpu.py):
+//     float32 x, contiguous float32 w (nn.Linear's layout) and bias; path: 2 AVX-512, 1 AVX2,
+//     0 portable (skinny_caps()).
+//
 //   cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) -> Tensor
 //     paged_attn_cpu.cpp's fixed-order attention over a contiguous cache (paged_attn_cpu.py):
 //     q [B, H, Tq, D], k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (fp16 or fp32, unit stride along
@@ -28,6 +33,8 @@ void w4a8_quantize_bf16(const uint16_t* x, int8_t* xq, float* d, float* xs, int6
 void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
                const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
                int64_t g, int bits, int path, int nthreads);
+void skinny_linear(const float* x, const float* w, const float* b, float* y, int64_t M,
+                   int64_t K, int64_t N, int path, int nthreads);
 void range_attention(const float* q, float* out, const void* k, const void* v, int64_t kb,
                      int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs,
                      const int64_t* lo, const int64_t* hi, int64_t B, int64_t H, int64_t Hkv,
@@ -36,6 +43,26 @@ void range_attention(const float* q, float* out, const void* k, const void* v, i
 }
 
 namespace {
+
+at::Tensor skinny_linear_op(const at::Tensor& x, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& b, int64_t path) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2 &&
+                  w.size(1) == K && w.is_contiguous(),
+              "compress::skinny_linear: x [..., K] and a contiguous w [N, K], both float32; got x ",
+              x.sizes(), " ", x.scalar_type(), ", w ", w.sizes(), " ", w.scalar_type());
+  const bool has_b = b.has_value() && b->defined();
+  TORCH_CHECK(!has_b || (b->scalar_type() == at::kFloat && b->numel() == N && b->is_contiguous()),
+              "compress::skinny_linear: the bias is a contiguous float32 [N]");
+  const at::Tensor xc = x.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  skinny_linear(xc.data_ptr<float>(), w.data_ptr<float>(), has_b ? b->data_ptr<float>() : nullptr,
+                y.data_ptr<float>(), xc.numel() / std::max<int64_t>(K, 1), K, N, (int)path,
+                at::get_num_threads());
+  return y;
+}
 
 struct Scratch {
   std::vector<int8_t> xq;
@@ -114,6 +141,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY_FRAGMENT(compress, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) "
         "-> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) "
         "-> Tensor");
 }
@@ -121,4 +149,5 @@ TORCH_LIBRARY_FRAGMENT(compress, m) {
 TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("cache_attention", &cache_attention);
+  m.impl("skinny_linear", &skinny_linear_op);
 }

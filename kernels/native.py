@@ -1,12 +1,12 @@
 """The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``,
-``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``): one library, built on first use; and the torch
+``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``, ``skinny_cpu.cpp``): one library, built on first use; and the torch
 operators over them (``cpu_ops.cpp``), a second library.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
 kernels use (AVX-512 or AVX2, torch's ``get_cpu_capability()``), else as portable C++ (the W4A8
-kernel compiles its AVX2 and AVX-512 VNNI paths with function target attributes whatever the
-flags, and picks one at run time from the CPU's features), with
+and skinny kernels compile their AVX2 and AVX-512 paths with function target attributes whatever
+the flags, and pick one at run time from the CPU's features), with
 OpenMP threads (``torch.get_num_threads()`` per call) where the compiler has them. The kernels'
 sources include no torch header, so their build takes seconds, and their functions are called
 through ``ctypes`` (:func:`library`). The operators include torch's headers and register with
@@ -33,11 +33,13 @@ SOURCES = [
         "kivi_cpu.cpp",
         "w4a8_cpu.cpp",
         "paged_attn_cpu.cpp",
+        "skinny_cpu.cpp",
     )
 ]
 # torch operators (they include torch's headers), with the kernels they call
 OP_SOURCES = [
-    Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "w4a8_cpu.cpp", "paged_attn_cpu.cpp")
+    Path(__file__).with_name(f)
+    for f in ("cpu_ops.cpp", "w4a8_cpu.cpp", "paged_attn_cpu.cpp", "skinny_cpu.cpp")
 ]
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma", "-mf16c"],
@@ -54,8 +56,9 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
     "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
     "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, INT, INT],
+    "skinny_linear": [P, P, P, P, I64, I64, I64, INT, INT],
 }
-RESTYPES = {"w4a8_caps": INT}  # functions returning a value (the others return void)
+RESTYPES = {"w4a8_caps": INT, "skinny_caps": INT}  # functions returning a value (the others return void)
 _LIB: dict = {}  # "lib": the loaded library, or None once a build failed
 
 
@@ -120,9 +123,9 @@ def _warn(what: str, e: Exception, instead: str) -> None:
 
 def ops() -> bool:
     """Whether the C++ torch operators (``cpu_ops.cpp``: ``compress::w4a8_linear``,
-    ``compress::cache_attention``) are loaded; built on the first call (their sources include
-    torch's headers: about 20 s on a 2-core machine), False (after one warning) if they cannot
-    be."""
+    ``compress::skinny_linear``, ``compress::cache_attention``) are loaded; built on the first
+    call (their sources include torch's headers: about 20 s on a 2-core machine), False (after
+    one warning) if they cannot be."""
     if "ops" not in _LIB:
         _LIB["ops"] = False
         if library() is not None:  # a machine that builds nothing warns once, there
@@ -137,6 +140,25 @@ def ops() -> bool:
                     "attention converts its cache to fp32",
                 )
     return _LIB["ops"]
+
+
+_OPS: dict = {}  # name -> the operator (torch.ops.compress.NAME), once defined
+_FALLBACK: list = []  # the Python library of the ctypes fallbacks, kept alive
+
+
+def operator(name: str, schema: str, ctypes_impl, fake):
+    """``torch.ops.compress.NAME`` (``schema``), defined on the first call: the C++ operator where
+    :func:`ops` builds it, else ``ctypes_impl`` registered under the same schema; ``fake`` gives
+    its output's shape, so it is an opaque op inside a ``torch.compile`` graph either way."""
+    if name not in _OPS:
+        if not ops():
+            if not _FALLBACK:
+                _FALLBACK.append(torch.library.Library("compress", "FRAGMENT"))
+            _FALLBACK[0].define(schema)
+            _FALLBACK[0].impl(name, ctypes_impl, "CPU")
+        torch.library.register_fake(f"compress::{name}")(fake)
+        _OPS[name] = getattr(torch.ops.compress, name)
+    return _OPS[name]
 
 
 def library() -> ctypes.CDLL | None:

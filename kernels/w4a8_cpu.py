@@ -224,7 +224,6 @@ KERNELS = ("exact", "w4a8")
 # ---- the product as a torch op: in C++ (``cpu_ops.cpp``), else through ctypes ---------------
 
 SCHEMA = "w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) -> Tensor"
-_OP: dict = {}
 
 
 def _ctypes_op(x, packed, s, sz, bits, g, which):
@@ -237,18 +236,11 @@ def _fake(x, packed, s, sz, bits, g, which):
 
 
 def op():
-    """``torch.ops.compress.w4a8_linear`` (``SCHEMA``), defined on the first call: the C++
-    operator where ``native.ops()`` builds it (no Python between the dispatcher and the kernel:
-    ``bench_linear --alternatives`` measures the difference), else the same product through
-    :func:`ctypes_linear`; an opaque op inside a ``torch.compile`` graph either way."""
-    if "op" not in _OP:
-        if not native.ops():
-            _OP["lib"] = lib = torch.library.Library("compress", "FRAGMENT")
-            lib.define(SCHEMA)
-            lib.impl("w4a8_linear", _ctypes_op, "CPU")
-        torch.library.register_fake("compress::w4a8_linear")(_fake)
-        _OP["op"] = torch.ops.compress.w4a8_linear
-    return _OP["op"]
+    """``torch.ops.compress.w4a8_linear`` (``SCHEMA``, ``native.operator``): the C++ operator
+    where it builds (no Python between the dispatcher and the kernel: ``bench_linear
+    --alternatives`` measures the difference), else the same product through
+    :func:`ctypes_linear`."""
+    return native.operator("w4a8_linear", SCHEMA, _ctypes_op, _fake)
 
 
 class W4A8Linear(torch.nn.Module):

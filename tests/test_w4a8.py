@@ -171,6 +171,11 @@ x = torch.randn(3, 128, generator=gen)
 y = op(x.bfloat16(), packed, s, sz, 4, 64, 2 if "vnni" in w4a8_cpu.available() else 0)
 ref = w4a8_cpu.ctypes_linear(x.bfloat16(), packed, s, sz, 4, 64, 2 if "vnni" in w4a8_cpu.available() else 0)
 assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+from compress.kernels import skinny_cpu  # the skinny kernel's op falls back the same way
+if skinny_cpu.path() != "ref":
+    x2, w2 = torch.randn(3, 64, generator=gen), torch.randn(20, 64, generator=gen)
+    y2 = skinny_cpu.linear(x2, w2, None)
+    assert torch.equal(y2, skinny_cpu._ctypes_op(x2, w2, None, skinny_cpu.PATHS[skinny_cpu.path()]))
 print("fallback ok")
 """
     )

@@ -15,10 +15,18 @@ the exact path), and with ``--alternatives`` each of its C++ paths forced at eve
 (``w4a8:vnni``, ``w4a8:avx2``, ``w4a8:portable``: where they beat the exact paths at large M
 decides ``W4A8_MAX_M``). ``--head`` adds SmolLM2's output head (576 -> 49152).
 
+``--skinny``: fp32 products of M = 1..8 rows (speculative verification) over the whole of
+SmolLM2-135M's fp32 linears as the decoder runs them (30 x (qkv 576 -> 960, o 576 -> 576,
+gate_up 576 -> 3072, down 1536 -> 576) and the head 576 -> 49152: 540 MB, one sweep per
+measurement, so the weights come from memory), ATen's ``F.linear`` beside each path of the skinny
+kernel (``compress.kernels.skinny_cpu``; ``--alternatives`` adds the portable C++ path): the
+measurement behind the kernel's range of M.
+
 CUDA (when present): the Triton kernels against torch's bf16 matmul.
 
     python -m compress.eval.bench.bench_linear [--quick] [--alternatives] [--head]
         [--threads 2] [--m 1 4 16 512]
+    python -m compress.eval.bench.bench_linear --skinny [--m 1 2 3 4 6 8]
 """
 
 import argparse
@@ -31,11 +39,13 @@ import time
 import torch
 
 from compress.formats import QuantLinear
-from compress.kernels import cpu, quant_matmul, w4a8_cpu
+from compress.kernels import cpu, quant_matmul, skinny_cpu, w4a8_cpu
 from compress.quant.quantizer import quantize
 
 SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down
 HEAD = [(576, 49152)]  # SmolLM2-135M's output head
+# SmolLM2-135M's fp32 linears as the decoder fuses them (qkv, o, gate_up, down) x 30, and the head
+MODEL = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + HEAD
 LARGE = [(4096, 4096), (4096, 11008), (11008, 4096)]  # 7B: attention, gate/up, down
 BITS = (8, 4, 3)
 MAX_COPIES = 512
@@ -227,6 +237,38 @@ def bench_cpu(shapes, ms, reps: int, alternatives: bool, threads: int, working_s
     )
 
 
+def bench_skinny(ms, reps: int, alternatives: bool, threads: int) -> None:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, k, generator=gen) * 0.02 for k, n in MODEL]
+    nbytes = sum(w.nbytes for w in ws)
+    paths = [p for p in skinny_cpu.available() if p != "ref" and (alternatives or p != "portable")]
+    bw = copy_gbps()
+    print(
+        f"CPU, {torch.get_num_threads()} threads, copy bandwidth {bw:.1f} GB/s; SmolLM2-135M's "
+        f"fp32 linears and head, {nbytes / 1e6:.0f} MB a sweep"
+    )
+    print("| M | variant | ms a sweep | min ms | GB/s | x F.linear |")
+    print("|---|---|---|---|---|---|")
+    for m in ms:
+        xs = {k: torch.randn(m, k, generator=gen) for k in {k for k, _ in MODEL}}
+
+        def sweep(fn):
+            return lambda: [fn(xs[w.shape[1]], w) for w in ws]
+
+        fns = {"F.linear": sweep(torch.nn.functional.linear)}
+        for p in paths:
+            fns[f"skinny:{p}"] = sweep(lambda x, w, p=p: skinny_cpu.linear(x, w, None, p))
+        runs = times_ms(fns, reps)
+        t = {name: statistics.median(ts) for name, ts in runs.items()}
+        for name in fns:
+            print(
+                f"| {m} | {name} | {t[name]:.2f} | {min(runs[name]):.2f} | "
+                f"{nbytes / t[name] / 1e6:.1f} | {t['F.linear'] / t[name]:.2f} |",
+                flush=True,
+            )
+
+
 def bench_cuda(shapes, ms) -> None:
     import triton.testing
 
@@ -290,7 +332,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows of x (default 1 512)")
     ap.add_argument("--head", action="store_true", help="also SmolLM2's output head, 576 -> 49152")
     ap.add_argument("--shapes", nargs="+", metavar="INxOUT", help="only these shapes, e.g. 576x1536")
+    ap.add_argument(
+        "--skinny", action="store_true", help="fp32 products of a few rows over SmolLM2's linears"
+    )
     args = ap.parse_args()
+    if args.skinny:
+        ms = args.m if args.m != [1, 512] else [1, 2, 3, 4, 6, 8]
+        return bench_skinny(ms, args.reps or 7, args.alternatives, args.threads)
     shapes = SMALL + (LARGE[:1] if args.quick else LARGE) + (HEAD if args.head else [])
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
