@@ -45,11 +45,12 @@ void range_attention(const float* q, float* out, const void* k, const void* v, i
 namespace {
 
 at::Tensor skinny_linear_op(const at::Tensor& x, const at::Tensor& w,
-                         const c10::optional<at::Tensor>& b, int64_t path) {
+                            const c10::optional<at::Tensor>& b, int64_t path) {
   const int64_t K = x.size(-1), N = w.size(0);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2 &&
                   w.size(1) == K && w.is_contiguous(),
-              "compress::skinny_linear: x [..., K] and a contiguous w [N, K], both float32; got x ",
+              "compress::skinny_linear: x [..., K] and a contiguous w [N, K], both float32; "
+              "got x ",
               x.sizes(), " ", x.scalar_type(), ", w ", w.sizes(), " ", w.scalar_type());
   const bool has_b = b.has_value() && b->defined();
   TORCH_CHECK(!has_b || (b->scalar_type() == at::kFloat && b->numel() == N && b->is_contiguous()),
@@ -58,9 +59,9 @@ at::Tensor skinny_linear_op(const at::Tensor& x, const at::Tensor& w,
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
-  skinny_linear(xc.data_ptr<float>(), w.data_ptr<float>(), has_b ? b->data_ptr<float>() : nullptr,
-                y.data_ptr<float>(), xc.numel() / std::max<int64_t>(K, 1), K, N, (int)path,
-                at::get_num_threads());
+  skinny_linear(xc.data_ptr<float>(), w.data_ptr<float>(),
+                has_b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                xc.numel() / std::max<int64_t>(K, 1), K, N, (int)path, at::get_num_threads());
   return y;
 }
 

@@ -1,6 +1,6 @@
 """The C++ CPU kernels (``packkv_cpu.cpp``, ``packkv_order.cpp``, ``kivi_cpu.cpp``,
-``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``, ``skinny_cpu.cpp``): one library, built on first use; and the torch
-operators over them (``cpu_ops.cpp``), a second library.
+``w4a8_cpu.cpp``, ``paged_attn_cpu.cpp``, ``skinny_cpu.cpp``): one library, built on first use;
+and the torch operators over them (``cpu_ops.cpp``), a second library.
 
 ``torch.utils.cpp_extension.load`` compiles them into torch's extension directory, where later
 processes find the library built; it is built for the CPU's widest instruction set that the
@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from compress.errors import CompressError
 
 SOURCES = [
     Path(__file__).with_name(f)
@@ -58,7 +60,7 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, INT, INT],
     "skinny_linear": [P, P, P, P, I64, I64, I64, INT, INT],
 }
-RESTYPES = {"w4a8_caps": INT, "skinny_caps": INT}  # functions returning a value (the others return void)
+RESTYPES = {"w4a8_caps": INT, "skinny_caps": INT}  # functions returning a value (others: void)
 _LIB: dict = {}  # "lib": the loaded library, or None once a build failed
 
 
@@ -140,6 +142,32 @@ def ops() -> bool:
                     "attention converts its cache to fp32",
                 )
     return _LIB["ops"]
+
+
+_CAPS: dict = {}  # (id of the loaded library, caps function) -> its value
+
+
+def runnable(caps_fn: str, caps: dict[str, int]) -> list[str]:
+    """A kernel's paths this machine runs: each name of ``caps`` (fastest first) whose bit is set
+    in the library's ``caps_fn()``, then ``ref`` (the PyTorch path, always)."""
+    lib = library()
+    if lib is None:
+        bits = 0
+    elif (bits := _CAPS.get((id(lib), caps_fn))) is None:
+        bits = _CAPS[id(lib), caps_fn] = getattr(lib, caps_fn)()
+    return [p for p, bit in caps.items() if bits & bit] + ["ref"]
+
+
+def chosen(variable: str, have: list[str], what: str) -> str:
+    """The path calls take: environment ``variable`` if set (one of ``have``, else a
+    ``CompressError`` naming them), else the fastest, ``have[0]``."""
+    forced = os.environ.get(variable)
+    if forced and forced not in have:
+        raise CompressError(
+            f"{variable}={forced}: this machine runs the {what} paths {', '.join(have)}; "
+            f"set one of them, or unset it for the fastest."
+        )
+    return forced or have[0]
 
 
 _OPS: dict = {}  # name -> the operator (torch.ops.compress.NAME), once defined

@@ -15,9 +15,9 @@ portable|ref`` forces one.
 :func:`takes` routes fp32 CPU products of 2 to ``MAX_M`` rows here when a SIMD path runs (not
 while tracing for ``torch.compile``, nor with autograd); one row, and more than ``MAX_M``, stay
 with ATen's ``F.linear``, which reads the weight once at M = 1 too and blocks large M better.
-ATen's fp32 small-M GEMM rereads the weight as M grows (over SmolLM2-135M's layers and head, 2
-threads, weights from memory: 40 ms at M = 6 against 21 ms at M = 1; this kernel 30 ms:
-``python -m compress.eval.bench.bench_linear --skinny``).
+Over SmolLM2-135M's fp32 linears and head (2 threads, weights from memory), ATen takes 42 ms at
+M = 6 against 22 ms at M = 1, this kernel 31 ms (``python -m compress.eval.bench.bench_linear
+--skinny``).
 """
 
 import os
@@ -26,36 +26,20 @@ import torch
 import torch.nn.functional as F
 
 import compress.kernels.native as native
-from compress.errors import CompressError
 
 MAX_M = 8
 PATHS = {"portable": 0, "avx2": 1, "avx512": 2}  # the C++ paths, by their code in skinny_cpu.cpp
-CAPS = {"portable": 1, "avx2": 2, "avx512": 4}  # their bit in skinny_caps()
-_CAPS: dict = {}  # id of the loaded library -> its skinny_caps()
+CAPS = {"avx512": 4, "avx2": 2, "portable": 1}  # their bit in skinny_caps(), fastest first
 
 
 def available() -> list[str]:
     """The paths this machine runs, fastest first (``ref`` always)."""
-    lib = native.library()
-    if lib is None:
-        caps = 0
-    elif (caps := _CAPS.get(id(lib))) is None:
-        caps = _CAPS[id(lib)] = lib.skinny_caps()
-    return [p for p in ("avx512", "avx2", "portable") if caps & CAPS[p]] + ["ref"]
+    return native.runnable("skinny_caps", CAPS)
 
 
 def path() -> str:
     """The path calls take: ``COMPRESS_SKINNY`` if set (one this CPU runs), else the fastest."""
-    forced = os.environ.get("COMPRESS_SKINNY")
-    have = available()
-    if forced:
-        if forced not in have:
-            raise CompressError(
-                f"COMPRESS_SKINNY={forced}: this machine runs the skinny matmul paths "
-                f"{', '.join(have)}; set one of them, or unset it for the fastest."
-            )
-        return forced
-    return have[0]
+    return native.chosen("COMPRESS_SKINNY", available(), "skinny matmul")
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

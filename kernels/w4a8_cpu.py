@@ -34,7 +34,6 @@ It needs ``K % 32 == 0``, ``g % 32 == 0`` and ``N % 16 == 0`` (:func:`fits`); ot
 machines where the library does not build (one warning, from ``native``), keep the exact path.
 """
 
-import os
 import threading
 
 import torch
@@ -48,7 +47,7 @@ from compress.kernels.w4a8_ref import BLOCK, matmul as ref_matmul
 TILE = 16
 BITS = (3, 4, 8)
 PATHS = {"portable": 0, "avx2": 1, "vnni": 2}  # the C++ paths, by their code in w4a8_cpu.cpp
-CAPS = {"portable": 1, "avx2": 2, "vnni": 4}  # their bit in w4a8_caps()
+CAPS = {"vnni": 4, "avx2": 2, "portable": 1}  # their bit in w4a8_caps(), fastest first
 
 
 def fits(layer) -> bool:
@@ -61,33 +60,18 @@ def fits(layer) -> bool:
     )
 
 
-_CAPS: dict = {}  # id of the loaded library -> its w4a8_caps()
 _LOCAL = threading.local()  # per thread: (M, K, G) -> (xq, d, xs), the activations' buffers
 
 
 def available() -> list[str]:
     """The paths this machine runs, fastest first (``ref`` always)."""
-    lib = native.library()
-    if lib is None:
-        caps = 0
-    elif (caps := _CAPS.get(id(lib))) is None:
-        caps = _CAPS[id(lib)] = lib.w4a8_caps()
-    return [p for p in ("vnni", "avx2", "portable") if caps & CAPS[p]] + ["ref"]
+    return native.runnable("w4a8_caps", CAPS)
 
 
 def path() -> str:
     """The path calls take: ``COMPRESS_W4A8`` if set (it must be one this CPU runs), else the
     fastest."""
-    forced = os.environ.get("COMPRESS_W4A8")
-    have = available()
-    if forced:
-        if forced not in have:
-            raise CompressError(
-                f"COMPRESS_W4A8={forced}: this machine runs the W4A8 paths {', '.join(have)}; "
-                f"set one of them, or unset it for the fastest."
-            )
-        return forced
-    return have[0]
+    return native.chosen("COMPRESS_W4A8", available(), "W4A8")
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:

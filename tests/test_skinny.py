@@ -59,7 +59,8 @@ def test_operator_matches_float64_and_the_ctypes_call(path):
         y = skinny_cpu.linear(x.reshape(M, 1, 192), w, b, path)
         assert y.shape == (M, 1, 72) and y.dtype == torch.float32
         assert rel(y.reshape(M, 72), ref) < 2e-6
-        assert torch.equal(y, skinny_cpu._ctypes_op(x.reshape(M, 1, 192), w, b, skinny_cpu.PATHS[path]))
+        via_ctypes = skinny_cpu._ctypes_op(x.reshape(M, 1, 192), w, b, skinny_cpu.PATHS[path])
+        assert torch.equal(y, via_ctypes)
 
 
 def test_dispatch(monkeypatch):
@@ -67,7 +68,9 @@ def test_dispatch(monkeypatch):
     autograd and ``COMPRESS_KERNELS=ref`` stay with ``F.linear``; an unknown path is refused."""
     calls = []
     real = skinny_cpu.linear
-    monkeypatch.setattr(skinny_cpu, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(
+        skinny_cpu, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    )
     w, b = torch.randn(64, 32), torch.randn(64)
     for M in (1, 2, 8, 9):
         x = torch.randn(1, M, 32)
@@ -99,7 +102,8 @@ def test_decoder_fp32_linears_use_it(tiny_dir):
     model, _ = load(tiny_dir)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is Linear for m in linears)
-    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=gen)
 
     def logits():
         cache = new_cache(model, "fp16", 1, 16)
@@ -114,7 +118,8 @@ def test_decoder_fp32_linears_use_it(tiny_dir):
     lin = linears[0]
     compiled = torch.compile(lin, fullgraph=True)
     x = torch.randn(3, lin.in_features)
-    assert rel(compiled(x), F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())) < 2e-6
+    bias = None if lin.bias is None else lin.bias.double()
+    assert rel(compiled(x), F.linear(x.double(), lin.weight.double(), bias)) < 2e-6
 
 
 def test_no_compiler_keeps_f_linear(monkeypatch):
