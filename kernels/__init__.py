@@ -15,6 +15,8 @@
     kivi_pv(p, codes, z, s, ..)  products                  use), kivi_ref.py (also on CUDA)
     linear(x, weight, bias)      a dense fp32 linear of a   skinny_cpu.py (C++, 2-8 rows),
                                  few rows (verification)    reference: F.linear
+    rms_norm(x, w, eps, offset)  the decoder's RMSNorm      cpu_ops.cpp (one pass a row, a
+                                                            fixed order), rms_norm_ref.py
 
 Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_KERNELS=ref``
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
@@ -73,6 +75,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if skinny_cpu.takes(x, weight):
             return skinny_cpu.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
+    """RMSNorm of ``x [..., D]`` (``rms_norm_ref``'s formula): on the CPU the C++ operator
+    ``compress::rms_norm`` where it builds (one pass over each row instead of ~8 eager ops),
+    else, and under autograd or ``torch.compile``, the PyTorch reference."""
+    from compress.kernels.rms_norm_ref import rms_norm as reference
+
+    if (
+        backend(x) == "cpu"
+        and x.dtype == weight.dtype
+        and os.environ.get("COMPRESS_KERNELS") != "eager"
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        from compress.kernels import native
+
+        if native.ops():
+            return torch.ops.compress.rms_norm(x, weight, eps, offset)
+    return reference(x, weight, eps, offset)
 
 
 def int8_matmul(

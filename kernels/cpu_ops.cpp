@@ -20,7 +20,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
 #include <torch/library.h>
 
 #include <vector>
@@ -62,6 +66,56 @@ at::Tensor skinny_linear_op(const at::Tensor& x, const at::Tensor& w,
   skinny_linear(xc.data_ptr<float>(), w.data_ptr<float>(),
                 has_b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(),
                 xc.numel() / std::max<int64_t>(K, 1), K, N, (int)path, at::get_num_threads());
+  return y;
+}
+
+// y = w * round(x / sqrt(mean(x^2) + eps)) (offset 0, Llama's order), or round(x / sqrt(...) *
+// (offset + w)) (Gemma's), per row of x [..., D] in fp32: the squares summed in 8 lanes over
+// the channels, then a fixed tree, so a row's bits do not depend on the other rows.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps,
+                   float offset) {
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      T* yr = y + r * D;
+      float acc[8] = {};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; ++j) {
+          const float v = static_cast<float>(xr[d + j]);
+          acc[j] += v * v;
+        }
+      for (int j = 0; d < D; ++d, ++j) {
+        const float v = static_cast<float>(xr[d]);
+        acc[j] += v * v;
+      }
+      const float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+      if (offset == 0.0f)
+        for (int64_t k = 0; k < D; ++k)
+          yr[k] = static_cast<T>(static_cast<float>(w[k]) *
+                                 static_cast<float>(static_cast<T>(static_cast<float>(xr[k]) * inv)));
+      else
+        for (int64_t k = 0; k < D; ++k)
+          yr[k] = static_cast<T>(static_cast<float>(xr[k]) * inv * (offset + static_cast<float>(w[k])));
+    }
+  });
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == D &&
+                  w.is_contiguous(),
+              "compress::rms_norm: w is a contiguous [D] of x's dtype; got x ", x.sizes(), " ",
+              x.scalar_type(), ", w ", w.sizes(), " ", w.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = D ? xc.numel() / D : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            y.data_ptr<scalar_t>(), rows, D, (float)eps, (float)offset);
+  });
   return y;
 }
 
@@ -143,6 +197,7 @@ TORCH_LIBRARY_FRAGMENT(compress, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) "
         "-> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) "
         "-> Tensor");
 }
@@ -151,4 +206,5 @@ TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("cache_attention", &cache_attention);
   m.impl("skinny_linear", &skinny_linear_op);
+  m.impl("rms_norm", &rms_norm_op);
 }

@@ -49,7 +49,7 @@ from compress.checkpoint import (
     swap_quantized,
 )
 from compress.errors import CompressError
-from compress.kernels import linear
+from compress.kernels import linear, rms_norm
 from compress.quant.head import quantize_head
 
 
@@ -101,10 +101,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xhat = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        if self.offset:
-            return (xhat * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xhat.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def norm(spec: ArchSpec, dim: int | None = None) -> RMSNorm:
