@@ -12,6 +12,10 @@
 //     float32 x, contiguous float32 w (nn.Linear's layout) and bias; path: 2 AVX-512, 1 AVX2,
 //     0 portable (skinny_caps()).
 //
+//   rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor
+//     the decoder's RMSNorm (rms_norm_ref.py) over the last dim of x (fp32, bf16 or fp16), w of
+//     x's dtype; one pass a row, the squares summed in a fixed order.
+//
 //   cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) -> Tensor
 //     paged_attn_cpu.cpp's fixed-order attention over a contiguous cache (paged_attn_cpu.py):
 //     q [B, H, Tq, D], k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (fp16 or fp32, unit stride along
@@ -90,15 +94,14 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float 
         const float v = static_cast<float>(xr[d]);
         acc[j] += v * v;
       }
-      const float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      const float sum =
+          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-      if (offset == 0.0f)
-        for (int64_t k = 0; k < D; ++k)
-          yr[k] = static_cast<T>(static_cast<float>(w[k]) *
-                                 static_cast<float>(static_cast<T>(static_cast<float>(xr[k]) * inv)));
-      else
-        for (int64_t k = 0; k < D; ++k)
-          yr[k] = static_cast<T>(static_cast<float>(xr[k]) * inv * (offset + static_cast<float>(w[k])));
+      for (int64_t k = 0; k < D; ++k) {
+        const float xhat = static_cast<float>(xr[k]) * inv, wk = static_cast<float>(w[k]);
+        yr[k] = offset == 0.0f ? static_cast<T>(wk * static_cast<float>(static_cast<T>(xhat)))
+                               : static_cast<T>(xhat * (offset + wk));
+      }
     }
   });
 }

@@ -24,7 +24,8 @@ def float64(x, w, eps, offset):
 @pytest.mark.parametrize("D", [576, 70, 5])
 def test_operator_matches_float64(dtype, offset, D):
     gen = torch.Generator().manual_seed(D + int(offset))
-    x = (torch.randn(3, 7, D, generator=gen) * (1 + 4 * torch.rand(3, 7, D, generator=gen))).to(dtype)
+    x = torch.randn(3, 7, D, generator=gen) * (1 + 4 * torch.rand(3, 7, D, generator=gen))
+    x = x.to(dtype)
     w = (torch.randn(D, generator=gen) * 0.3 + (0 if offset else 1)).to(dtype)
     y = torch.ops.compress.rms_norm(x, w, 1e-6, offset)
     assert y.dtype == dtype and y.shape == x.shape and torch.isfinite(y).all()
