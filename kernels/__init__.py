@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.kernels.layout import check_inputs
+from compress.kernels.rms_norm_ref import rms_norm as rms_norm_reference
 
 
 def backend(x: torch.Tensor) -> str:
@@ -68,12 +69,12 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear(x, weight, bias)``; fp32 CPU products of 2 to 8 rows through the skinny kernel
-    (``skinny_cpu.takes``), which reads the weight once for all rows."""
+    (``skinny_cpu.chosen_path``), which reads the weight once for all rows."""
     if backend(x) == "cpu":
         from compress.kernels import skinny_cpu
 
-        if skinny_cpu.takes(x, weight):
-            return skinny_cpu.linear(x, weight, bias)
+        if which := skinny_cpu.chosen_path(x, weight):
+            return skinny_cpu.linear(x, weight, bias, which)
     return F.linear(x, weight, bias)
 
 
@@ -81,8 +82,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     """RMSNorm of ``x [..., D]`` (``rms_norm_ref``'s formula): on the CPU the C++ operator
     ``compress::rms_norm`` where it builds (one pass over each row instead of ~8 eager ops),
     else, and under autograd or ``torch.compile``, the PyTorch reference."""
-    from compress.kernels.rms_norm_ref import rms_norm as reference
-
     if (
         backend(x) == "cpu"
         and x.dtype == weight.dtype
@@ -94,7 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
         if native.ops():
             return torch.ops.compress.rms_norm(x, weight, eps, offset)
-    return reference(x, weight, eps, offset)
+    return rms_norm_reference(x, weight, eps, offset)
 
 
 def int8_matmul(

@@ -141,12 +141,22 @@ void rows(const Args& a, int path, int64_t n0, int64_t n1) {
 void rows(const Args& a, int, int64_t n0, int64_t n1) { rows_scalar(a, n0, n1); }
 #endif
 
+// Weight rows per unit of work: a multiple of every rows_for(M).
+constexpr int64_t BLOCK = 48;
+
+// y [M, N] = x [M, K] w [N, K]^T + b (b may be null) for the weight rows n0 .. n1 - 1, on the
+// calling thread; M > 8 in chunks of 8.
+void rows_all_m(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K,
+                int64_t N, int path, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += M_MAX) {
+    const Args a{x + m0 * K, w, b, y + m0 * N, std::min<int64_t>(M_MAX, M - m0), K, N};
+    rows(a, path, n0, n1);
+  }
+}
+
 }  // namespace
 
 extern "C" {
-
-// Weight rows per unit of work: a multiple of every rows_for(M).
-constexpr int64_t SKINNY_BLOCK = 48;
 
 // Bit 0: the portable path (always), bit 1: AVX2 + FMA, bit 2: AVX-512F, as this CPU runs them.
 int skinny_caps() {
@@ -159,24 +169,14 @@ int skinny_caps() {
   return caps;
 }
 
-// y [M, N] = x [M, K] w [N, K]^T + b (b may be null) for the weight rows n0 .. n1 - 1, on the
-// calling thread; M > 8 in chunks of 8.
-void skinny_rows(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K,
-                 int64_t N, int path, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < M; m0 += M_MAX) {
-    const Args a{x + m0 * K, w, b, y + m0 * N, std::min<int64_t>(M_MAX, M - m0), K, N};
-    rows(a, path, n0, n1);
-  }
-}
-
-// All N rows, spread over `nthreads` OpenMP threads in blocks of SKINNY_BLOCK rows.
+// y [M, N] = x [M, K] w [N, K]^T + b (b may be null): the weight rows spread over `nthreads`
+// OpenMP threads in blocks of BLOCK rows.
 void skinny_linear(const float* x, const float* w, const float* b, float* y, int64_t M,
                    int64_t K, int64_t N, int path, int nthreads) {
-  const int64_t blocks = (N + SKINNY_BLOCK - 1) / SKINNY_BLOCK;
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t u = 0; u < blocks; ++u)
-    skinny_rows(x, w, b, y, M, K, N, path, u * SKINNY_BLOCK,
-                std::min<int64_t>(N, (u + 1) * SKINNY_BLOCK));
+    rows_all_m(x, w, b, y, M, K, N, path, u * BLOCK, std::min<int64_t>(N, (u + 1) * BLOCK));
 }
 
 }  // extern "C"

@@ -12,7 +12,7 @@ each row); each accumulator is summed across its lanes at the end. Weight rows a
 (``F.linear``). The fastest the CPU runs is chosen at run time; ``COMPRESS_SKINNY=avx512|avx2|
 portable|ref`` forces one.
 
-:func:`takes` routes fp32 CPU products of 2 to ``MAX_M`` rows here when a SIMD path runs (not
+:func:`chosen_path` routes fp32 CPU products of 2 to ``MAX_M`` rows here when a SIMD path runs (not
 while tracing for ``torch.compile``, nor with autograd); one row, and more than ``MAX_M``, stay
 with ATen's ``F.linear``, which reads the weight once at M = 1 too and blocks large M better.
 Over SmolLM2-135M's fp32 linears and head (2 threads, weights from memory), ATen takes 42 ms at
@@ -42,8 +42,9 @@ def path() -> str:
     return native.chosen("COMPRESS_SKINNY", available(), "skinny matmul")
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight^T`` goes through this kernel (module docstring)."""
+def chosen_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """The SIMD path ``x @ weight^T`` takes through this kernel, or None where it stays with
+    ``F.linear`` (module docstring)."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.float32
@@ -53,8 +54,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         or os.environ.get("COMPRESS_KERNELS") in ("ref", "eager")
     ):
-        return False
-    return path() in ("avx512", "avx2")
+        return None
+    which = path()
+    return which if which in ("avx512", "avx2") else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, which: str | None = None):
