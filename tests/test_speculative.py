@@ -10,7 +10,13 @@ import torch
 
 from compress.decoder.__main__ import main as cli
 from compress.decoder.speculative.bandit import UCB1, Unimodal, self_bandit
-from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
+from compress.decoder.speculative.drafts import (
+    LayerSkipDraft,
+    ModelDraft,
+    confidence,
+    load_draft,
+    run_drafts,
+)
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache
 from compress.decoder.speculative.layer_skip import (
@@ -397,6 +403,48 @@ def test_bad_input(pair, tmp_path):
     assert isinstance(Fixed(ModelDraft(draft), 2).next()[0], ModelDraft)
 
 
+def test_confidence_stops_a_round_early():
+    """A round stops after the first draft whose own probability is below the threshold."""
+    gen = torch.Generator().manual_seed(0)
+    V, gamma = 50, 6
+    rows = torch.randn(gamma, V, generator=gen, dtype=torch.float64) * 0.5
+    rows[:, 7] += 20.0  # confident rows: token 7 holds nearly all the mass
+    rows[2, 7] -= 20.0 - float(torch.log(torch.tensor(0.3 * (V - 1) / 0.7)))  # row 2: p(7) ~ 0.3
+    calls = []
+
+    def forward(ids, pos):
+        calls.append(pos.tolist())
+        return rows[len(calls) - 1].float()[None, None]
+
+    p7 = [float(torch.softmax(r, 0)[r.argmax()]) for r in rows]  # float64 reference
+    assert p7[2] < 0.45 and min(p7[:2] + p7[3:]) > 0.99
+    for stop_below, n in ((0.0, gamma), (0.2, gamma), (p7[2] + 1e-3, 3)):
+        calls.clear()
+        tokens, probs = run_drafts(forward, [1, 2], 10, gamma, Sampling(), None, "cpu", stop_below)
+        assert len(tokens) == n and probs is None
+        assert tokens == [int(r.argmax()) for r in rows[:n]]
+        assert calls == [[10, 11]] + [[11 + i] for i in range(1, n)]
+    # sampled: the drawn token's probability under the draft's distribution
+    probs = torch.softmax(rows[0].float(), 0)
+    assert confidence(rows[0].float(), 3, probs) == pytest.approx(float(probs[3]))
+    assert confidence(rows[2].float(), 7, None) == pytest.approx(p7[2], rel=1e-5)
+
+
+def test_confidence_stop_is_exact_and_drafts_less(pair):
+    _, target, _, noisy = pair
+    ref = generate(target, PROMPT, 64, ignore_eos=True)
+    full = speculative_generate(target, PROMPT, 64, ignore_eos=True, draft=noisy, gamma=6)
+    short = speculative_generate(
+        target, PROMPT, 64, ignore_eos=True, draft=ModelDraft(noisy, stop_below=0.6), gamma=6
+    )
+    assert short.tokens == full.tokens == ref.tokens
+    assert short.drafted < 6 * short.rounds  # some rounds stopped early
+    assert short.drafted / short.rounds < full.drafted / full.rounds
+    for bad in (1.0, -0.1, True, "0.5"):
+        with pytest.raises(CompressError, match="draft confidence"):
+            ModelDraft(noisy, stop_below=bad)
+
+
 def test_other_tokenizer_is_refused(pair, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -434,6 +482,7 @@ def test_cli(pair, capsys):
         ["--draft", "self", "--skip", "1"],
         ["--draft", "self", "--skip-layers", "1,2", "--gamma", "auto"],
         ["--draft", "self", "--adapt", "bandit"],
+        ["--draft", str(draft_dir), "--gamma", "6", "--draft-confidence", "0.5"],
     ):
         cli(base + extra)
         out = json.loads(capsys.readouterr().out)
@@ -445,6 +494,8 @@ def test_cli(pair, capsys):
         (["--draft", str(draft_dir), "--skip", "1"], "--draft self"),
         (["--draft", "self", "--compile"], "eager forward"),
         (["--draft", str(folder.parent)], "not a model folder"),
+        (["--draft-confidence", "0.4"], "needs --draft"),
+        (["--draft", "self", "--draft-confidence", "1.5"], "draft confidence"),
     ):
         with pytest.raises(SystemExit):
             cli(base + extra)

@@ -1,7 +1,10 @@
 """Drafters for speculative decoding: a second model with its own cache, or the target minus layers.
 
-A drafter proposes γ tokens after the sequence ``seq`` (prompt + generated, whose last token is
-not yet in the target's cache) and returns them with their probabilities p (None when greedy):
+A drafter proposes up to γ tokens after the sequence ``seq`` (prompt + generated, whose last
+token is not yet in the target's cache) and returns them with their probabilities p (None when
+greedy). With ``stop_below`` = c > 0 it stops early after a draft d_i whose own probability
+p_i(d_i) < c (softmax of the draft's logits when greedy): transformers' assistant confidence
+threshold, which spares the draft steps and verification rows that a doubtful token would waste:
 
     ModelDraft      a smaller or compressed model of the same vocabulary, with its own KV cache;
                     after a round its cache rolls back to the accepted tokens (``sync``)
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from compress.decoder.sampling import Sampling, logits_to_probs
+from compress.decoder.speculative.gamma import check_confidence
 from compress.errors import CompressError
 
 
@@ -33,33 +37,62 @@ def draw(logits: torch.Tensor, sampling: Sampling, gen) -> tuple[int, torch.Tens
     return int(torch.multinomial(probs, 1, generator=gen)), probs
 
 
-def run_drafts(forward, first: list[int], length: int, gamma: int, sampling: Sampling, gen, device):
-    """``(tokens [γ], probs [γ, V] or None)``: feed ``first`` at slots ``length...``, then each
-    draft in turn.
+def confidence(logits: torch.Tensor, token: int, probs: torch.Tensor | None) -> float:
+    """The draft's probability of its own token: ``probs[token]``, or softmax(logits)[token]."""
+    if probs is not None:
+        return float(probs[token])
+    z = logits.float()
+    return float(1.0 / torch.exp(z - z[token]).sum())
+
+
+def run_drafts(
+    forward,
+    first: list[int],
+    length: int,
+    gamma: int,
+    sampling: Sampling,
+    gen,
+    device,
+    stop_below: float = 0.0,
+):
+    """``(tokens [n <= γ], probs [n, V] or None)``: feed ``first`` at slots ``length...``, then
+    each draft in turn, until γ drafts or one whose confidence is below ``stop_below``.
 
     ``forward(ids [1, T], pos [T]) -> logits [1, T, V]`` runs the draft over its cache.
     """
     tokens, probs, feed = [], [], first
-    for _ in range(gamma):
+    for i in range(gamma):
         pos = torch.arange(length, length + len(feed), device=device)
-        t, p = draw(forward(torch.tensor([feed], device=device), pos)[0, -1], sampling, gen)
+        logits = forward(torch.tensor([feed], device=device), pos)[0, -1]
+        t, p = draw(logits, sampling, gen)
         length += len(feed)
         tokens.append(t)
         probs.append(p)
         feed = [t]
+        if stop_below > 0 and i < gamma - 1 and confidence(logits, t, p) < stop_below:
+            break
     return tokens, (None if sampling.temperature <= 0 or not probs else torch.stack(probs))
 
 
 class ModelDraft:
     """A draft model with its own KV cache (``kv``, default fp16), prefilled with the prompt;
-    ``compile``: its decode steps run ``compress.decoder.compiled``'s compiled step (CPU)."""
+    ``compile``: its decode steps run ``compress.decoder.compiled``'s compiled step (CPU);
+    ``stop_below``: the confidence under which a round's drafting stops."""
 
     shares_cache = False
     lookahead = 0  # tokens its cache must be able to roll back beyond one (the largest gamma)
 
-    def __init__(self, model, kv: str = "fp16", kv_opts: dict | None = None, compile: bool = False):
+    def __init__(
+        self,
+        model,
+        kv: str = "fp16",
+        kv_opts: dict | None = None,
+        compile: bool = False,
+        stop_below: float = 0.0,
+    ):
+        check_confidence(stop_below)
         self.model, self.kv, self.kv_opts, self.cache = model, kv, kv_opts or {}, None
-        self.compile, self.step = compile, None
+        self.compile, self.step, self.stop_below = compile, None, stop_below
 
     def prefill(self, ids: list[int], max_len: int) -> None:
         from compress.decoder.generate import static_step
@@ -86,7 +119,7 @@ class ModelDraft:
 
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
         L, device = self.cache.length, self.model.device
-        return run_drafts(self.forward, seq[L:], L, gamma, sampling, gen, device)
+        return run_drafts(self.forward, seq[L:], L, gamma, sampling, gen, device, self.stop_below)
 
     def sync(self, seq: list[int]) -> None:
         """Keep the tokens of ``seq`` the cache holds (all but the newest at most)."""
@@ -98,9 +131,11 @@ class LayerSkipDraft:
 
     shares_cache = True
 
-    def __init__(self, model, skip):
+    def __init__(self, model, skip, stop_below: float = 0.0):
+        check_confidence(stop_below)
         n = model.config.num_hidden_layers
         self.model, self.skip = model, frozenset(int(i) for i in skip)
+        self.stop_below = stop_below
         if not self.skip or min(self.skip) < 0 or max(self.skip) >= n or len(self.skip) >= n:
             raise CompressError(
                 f"skip layers {sorted(self.skip)}: give at least one and fewer "
@@ -125,7 +160,7 @@ class LayerSkipDraft:
         def forward(ids, pos):
             return self.model(ids, target_cache, pos=pos, last=True, skip=self.skip)
 
-        return run_drafts(forward, seq[L:], L, gamma, sampling, gen, device)
+        return run_drafts(forward, seq[L:], L, gamma, sampling, gen, device, self.stop_below)
 
     def sync(self, seq: list[int]) -> None:
         pass

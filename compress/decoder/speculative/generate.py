@@ -186,6 +186,7 @@ def speculative_generate(
         gamma = min(gamma, n_new - len(out) - 1)
         L = len(seq) - 1
         tokens, p = draft.propose(seq, gamma, sampling, gen, cache) if gamma else ([], None)
+        gamma = len(tokens)  # a confident-only drafter may stop early
         if draft.shares_cache:
             cache.rollback(L)  # the target rewrites the drafted slots
         ids = torch.tensor([seq[-1:] + tokens], device=device)
