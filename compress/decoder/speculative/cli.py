@@ -15,8 +15,6 @@ verifies each, so the output is the target's alone.
 from compress.decoder.speculative.gamma import check_confidence
 from compress.errors import CompressError
 
-DEFAULT_CONFIDENCE = 0.0
-
 
 def add_arguments(p) -> None:
     p.add_argument(
@@ -30,9 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--draft-confidence",
         type=float,
-        default=None,
+        default=0.0,
         help="stop a round's drafting after a draft token whose draft probability is below "
-        f"this (default {DEFAULT_CONFIDENCE}; 0 drafts all gamma tokens)",
+        "this (default 0: draft all gamma tokens)",
     )
     p.add_argument(
         "--skip", help="--draft self: N layers skipped (unified layer skipping), or 'search'"
@@ -62,10 +60,9 @@ def parse_gamma(text: str):
 
 def check_arguments(args) -> None:
     """Refuse contradictory speculative options before anything loads."""
-    if args.draft_confidence is not None:
-        if args.draft is None:
-            raise CompressError("--draft-confidence needs --draft (a model folder or 'self').")
-        check_confidence(args.draft_confidence)
+    check_confidence(args.draft_confidence)
+    if args.draft_confidence and args.draft is None:
+        raise CompressError("--draft-confidence needs --draft (a model folder or 'self').")
     self_only = [
         f"--{n.replace('_', '-')}" for n in ("skip", "skip_layers", "adapt") if getattr(args, n)
     ]
@@ -87,7 +84,7 @@ def check_arguments(args) -> None:
         )
     if args.skip is not None and args.skip_layers is not None:
         raise CompressError("give --skip or --skip-layers, not both.")
-    if args.adapt and args.draft_confidence is not None:
+    if args.adapt and args.draft_confidence:
         raise CompressError("--adapt runs its own drafts: drop --draft-confidence.")
     if args.adapt and (args.skip is not None or args.skip_layers is not None):
         raise CompressError("--adapt chooses the skip set itself: drop --skip/--skip-layers.")
@@ -157,7 +154,7 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
         compile_ = load_kwargs.pop("compile", False)
         draft = load_draft(args.draft, model, tokenizer, **load_kwargs)
         return schedule_for(
-            ModelDraft(draft, compile=compile_, stop_below=confidence_of(args)), args.gamma
+            ModelDraft(draft, compile=compile_, stop_below=args.draft_confidence), args.gamma
         )
     if args.adapt:
         return self_bandit(model, args.adapt)
@@ -184,12 +181,7 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
         except ValueError:
             raise CompressError(f"--skip {args.skip}: give a number of layers or 'search'.")
         skip = unified_skip(L, n)
-    return schedule_for(LayerSkipDraft(model, skip, confidence_of(args)), args.gamma)
-
-
-def confidence_of(args) -> float:
-    c = getattr(args, "draft_confidence", None)
-    return DEFAULT_CONFIDENCE if c is None else c
+    return schedule_for(LayerSkipDraft(model, skip, args.draft_confidence), args.gamma)
 
 
 def print_stderr(msg: str) -> None:
