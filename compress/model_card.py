@@ -159,8 +159,8 @@ def _how_to_load(
 
 
 def default_decoding(report: dict) -> str:
-    """What ``python -m compress.decoder FOLDER`` does by default on the CPU, with the measured
-    cost of its kernel when the run reported one (``decode.kernel``)."""
+    """What ``python -m compress.decoder FOLDER`` (and the server) does by default on the CPU,
+    with the measured cost of its kernel when the run reported one (``decode.kernel``)."""
     from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL
 
     text = (
@@ -169,7 +169,10 @@ def default_decoding(report: dict) -> str:
         + (" (activations rounded to int8 per token and 32 channels, integer dot products)"
            if FAST_KERNEL == "w4a8" else "")
         + f" and the output head quantized to {FAST_HEAD} unless the folder records another; "
-        f"`--dtype float32` runs the bit-faithful path the evaluation below measures."
+        f"`--dtype float32` runs the bit-faithful path the evaluation below measures. "
+        f"`python -m compress.serve` serves it the same way, batch-invariant (the kernel at "
+        f"every batch size, attention in a fixed order): a request's output does not depend on "
+        f"what else is served."
     )  # fmt: skip
     if "kernel_ppl_cost" in report:
         text += (

@@ -1,6 +1,6 @@
 """Batch-invariant serving: the fixed-order paged attention against float64, the same bits for a
 row in any batch; greedy outputs of 16 concurrent requests through the real ``openai`` client
-token-identical to the same requests one at a time."""
+token-identical to the same requests one at a time, in the server's default configuration."""
 
 import threading
 import time
@@ -151,9 +151,11 @@ def server(tmp_path):
     from tests.test_serve import free_port
 
     openai = pytest.importorskip("openai")
-    folder = quantized_folder(tmp_path)
-    model, tok = load(folder, kernel="w4a8", lean=True, head="int8")
-    use(model, "w4a8", every_m=True)
+    from compress.serve.__main__ import load_model, parse_args
+
+    args = parse_args([str(quantized_folder(tmp_path))])  # the server's default configuration
+    model, tok = load_model(args, "cpu")
+    assert args.batch_invariant
     engine = Engine(model, tok, num_blocks=256, block_size=4, max_seqs=16, max_step_tokens=64,
                     batch_invariant=True)  # fmt: skip
     port = free_port()
@@ -187,3 +189,28 @@ def test_16_concurrent_greedy_requests_equal_one_at_a_time(server):
     sequential = [one(i) for i in range(16)]
     assert concurrent == sequential
     assert len(set(sequential)) > 4
+
+
+def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folder(tmp_path):
+    """``python -m compress.serve RUN`` on a group-quantized folder on the CPU serves
+    batch-invariant in bfloat16 (W4A8 at every M, int8 head); an explicit dtype, kernel, head,
+    prefill ranks or ``--no-batch-invariant``, another device, or a plain folder keep the float32
+    exact path."""
+    from compress.serve.__main__ import parse_args, resolve_configuration
+
+    q = quantized_folder(tmp_path)
+    plain = save(tiny_hf(vocab_size=320), tmp_path / "fp", tiny_tokenizer())
+
+    def resolved(folder, *flags, device="cpu"):
+        args = parse_args([str(folder), *flags])
+        chosen = resolve_configuration(args, device)
+        return chosen, args.batch_invariant, args.dtype, args.kernel
+
+    assert resolved(q) == (True, True, "bfloat16", "exact")
+    assert resolved(q, "--batch-invariant") == (False, True, "float32", "exact")
+    explicit = (["--dtype", "float32"], ["--kernel", "w4a8"], ["--head", "none"],
+                ["--qdtype", "bfloat16"], ["--prefill-ranks", "2"], ["--no-batch-invariant"])
+    for flags in explicit:
+        assert resolved(q, *flags)[:3] == (False, False, "float32"), flags
+    assert resolved(q, device="cuda") == (False, False, "float32", "exact")
+    assert resolved(plain) == (False, False, "float32", "exact")
