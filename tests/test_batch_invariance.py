@@ -194,8 +194,9 @@ def test_16_concurrent_greedy_requests_equal_one_at_a_time(server):
 def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folder(tmp_path):
     """``python -m compress.serve RUN`` on a group-quantized folder on the CPU serves
     batch-invariant in bfloat16 (W4A8 at every M, int8 head); an explicit dtype, kernel, head,
-    prefill ranks or ``--no-batch-invariant``, another device, or a plain folder keep the float32
-    exact path."""
+    prefill ranks or ``--no-batch-invariant``, another device, a plain folder or a vocabulary the
+    int8 head cannot pack keep the float32 exact path."""
+    from compress.quant.rtn import pack_model, quantization_config
     from compress.serve.__main__ import parse_args, resolve_configuration
 
     q = quantized_folder(tmp_path)
@@ -214,3 +215,6 @@ def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folde
         assert resolved(q, *flags)[:3] == (False, False, "float32"), flags
     assert resolved(q, device="cuda") == (False, False, "float32", "exact")
     assert resolved(plain) == (False, False, "float32", "exact")
+    odd = save(pack_model(tiny_hf(), 4, 32), tmp_path / "v300", tiny_tokenizer(),
+               quantization_config(4, 32))  # fmt: skip
+    assert resolved(odd)[:2] == (False, False)  # 300 rows: the head cannot be packed

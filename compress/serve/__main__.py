@@ -184,12 +184,14 @@ def resolve_configuration(args, device: str) -> bool:
     compress.eval.bench.bench_serve --batch 16 --requests 16 --folder
     new=outputs/awq_int4:bfloat16 --folder inv=outputs/awq_int4:bfloat16:invariant``), and a
     request's output does not depend on what else is served. Any of ``--dtype``, ``--qdtype``,
-    ``--kernel``, ``--head``, ``--prefill-ranks`` keeps the float32 exact default."""
+    ``--kernel``, ``--head``, ``--prefill-ranks``, or a vocabulary the head quantizer cannot
+    pack (``fast_head``), keeps the float32 exact default."""
     chosen = args.batch_invariant is None and (
         device == "cpu"
         and all(v is None for v in (args.dtype, args.qdtype, args.kernel, args.head))
         and args.prefill_ranks == 1
         and group_quantized(args.run)
+        and fast_head(args.run) != "none"  # the head must be quantized too
     )
     if args.batch_invariant is None:
         args.batch_invariant = chosen
