@@ -49,13 +49,15 @@ def weights_sha256(model: torch.nn.Module) -> str:
 def check_writable(final, what: str) -> None:
     """Refuse a folder that cannot be made where ``final`` names it: a path through a file, an
     existing file, or a place this process cannot write (``/proc``, a read-only mount, another
-    user's folder). Probes the nearest existing ancestor by making a temporary folder there."""
+    user's folder). Probes the nearest existing ancestor of ``final`` by making a temporary
+    folder there: ``atomic_dir`` writes beside ``final``, and a probe inside ``final`` would make
+    it non-empty for a moment, to another process checking it (``accelerate launch``'s ranks)."""
     final = Path(final)
     if final.exists() and not final.is_dir():
         raise CompressError(
             f"{what} '{final}' is a file, not a folder; pick a folder path that does not exist."
         )
-    up = final
+    up = final.parent
     while not up.exists():
         if up.parent == up:
             break

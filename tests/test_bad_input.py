@@ -155,6 +155,29 @@ def test_unknown_model_type_and_unwritable_run_dirs(hf, tmp_path):
         assert_clear(r, needle, "hydra.run.dir")
 
 
+def test_the_writability_probe_never_enters_the_run_folder(tmp_path, monkeypatch):
+    """Each rank of ``accelerate launch`` checks the run folder that the other's Hydra may have
+    made already: the probe goes beside it, so the folder never holds a file another rank's
+    emptiness check could see."""
+    from compress import run_folder
+
+    run = tmp_path / "runs" / "two"
+    run.mkdir(parents=True)  # the other rank's Hydra placeholder
+    seen = []
+    real = run_folder.tempfile.mkdtemp
+
+    def probe(**kw):
+        made = real(**kw)
+        seen.append((Path(kw["dir"]), any(run.iterdir())))
+        return made
+
+    monkeypatch.setattr(run_folder.tempfile, "mkdtemp", probe)
+    run_folder.check_writable(run, "run folder")
+    run_folder.check_writable(tmp_path / "new" / "deeper", "run folder")
+    assert seen == [(run.parent, False), (tmp_path, False)]
+    assert not any(run.iterdir()) and not any(run.parent.glob(".compress-probe-*"))
+
+
 def test_devices_and_ports_are_checked_before_loading(run):
     gpu = torch.cuda.is_available()
     devices = (["cuda:99"] if gpu else ["cuda"]) + ["tpu9"]
