@@ -225,9 +225,7 @@ def save(model, folder, tokenizer=None) -> Path:
     ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read; a quantized model's
     unquantized tensors are saved as a recipe run saves them (``checkpoint.unquantized_dtype``)."""
     from compress.checkpoint import save_checkpoint, unquantized_dtype
-    from compress.run_folder import atomic_dir, commit_dir
-
-    from compress.run_folder import check_writable
+    from compress.run_folder import atomic_dir, check_writable, commit_dir
 
     check_model(model, "save")
     if not isinstance(folder, (str, Path)) or not str(folder):

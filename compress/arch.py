@@ -177,9 +177,7 @@ def _rope_of(config, kind: str, head_dim: int) -> tuple:
     params["rope_type"] = rope_type
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        _refuse(
-            config, f"rotates {partial} of each head", "the decoder rotates whole heads only."
-        )
+        _refuse(config, f"rotates {partial} of each head", "the decoder rotates whole heads only.")
     if head_dim % 2:
         _refuse(config, f"has odd head_dim={head_dim}", "RoPE needs an even head width.")
     return _frozen(params)
@@ -273,7 +271,9 @@ def spec_of(config) -> ArchSpec:
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=getattr(config, "max_position_embeddings", None),
         layers=tuple(layers),
-        mla_rope_pairs=getattr(config, "mla_rope_pairs", None) if adapter.attention == "mla" else None,
+        mla_rope_pairs=getattr(config, "mla_rope_pairs", None)
+        if adapter.attention == "mla"
+        else None,
         kv_lora_rank=getattr(config, "kv_lora_rank", None) if adapter.attention == "mla" else None,
     )
 

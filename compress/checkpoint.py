@@ -34,10 +34,17 @@ from compress.arch import spec_of
 from compress.errors import CompressError
 from compress.formats import quantized_layer
 from compress.offload import disk, empty_model, make_lazy
-from compress.shards import WEIGHTS  # noqa: F401  (the single-file name, re-exported)
-from compress.shards import MAX_SHARD_BYTES, Entry, read, tensor_files, weight_files
+from compress.shards import (
+    MAX_SHARD_BYTES,
+    WEIGHTS,  # noqa: F401  (the single-file name, re-exported)
+    Entry,
+    read,
+    tensor_files,
+    weight_files,
+    write_sharded,
+)
 from compress.shards import header as read_header
-from compress.shards import write_sharded
+
 log = logging.getLogger(__name__)
 
 
@@ -115,7 +122,9 @@ def save_entries(model: nn.Module, dtype=None) -> list[Entry]:
     for k, v in sd.items():
         target = dtype if k in cast else v.dtype
         out.append(
-            Entry(k, tuple(v.shape), target, lambda k=k, t=target: _value(model, sd, k).detach().to(t))
+            Entry(
+                k, tuple(v.shape), target, lambda k=k, t=target: _value(model, sd, k).detach().to(t)
+            )
         )
     return out
 

@@ -9,10 +9,14 @@ group sizes, bit widths, the decoder and Hub settings) in milliseconds, before t
 
 import difflib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from compress.errors import CompressError
+
+if TYPE_CHECKING:
+    import torch
 
 # recipes/ ships inside the installed package as compress/recipes (pyproject's package-dir);
 # a checkout or editable install reads the top-level folder

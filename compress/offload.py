@@ -91,7 +91,9 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
         if name == adapter.layers or name.startswith(layers):
             continue
         own = list(module._parameters.items()) + [
-            (k, b) for k, b in module._buffers.items() if k not in module._non_persistent_buffers_set
+            (k, b)
+            for k, b in module._buffers.items()
+            if k not in module._non_persistent_buffers_set
         ]
         for pname, t in own:
             if t is not None and t.device.type == "meta":
@@ -101,8 +103,7 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
     missing = [n for n in wanted if n not in files and not (tied and n == head)]
     if missing:
         raise CompressError(
-            f"'{where}' lacks tensor '{missing[0]}'; the checkpoint does not match its "
-            f"config.json."
+            f"'{where}' lacks tensor '{missing[0]}'; the checkpoint does not match its config.json."
         )
     tensors = read(files, [n for n in wanted if n in files])
     for n, t in tensors.items():
@@ -212,7 +213,10 @@ def layer_on(model: nn.Module, i: int, device, write: bool = False):
             state = {k: v.detach() for k, v in layer.state_dict().items()}
             write_file(
                 path,
-                [Entry(prefix + k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in state.items()],
+                [
+                    Entry(prefix + k, tuple(v.shape), v.dtype, lambda v=v: v)
+                    for k, v in state.items()
+                ],
             )
             d.files = {k: f for k, f in d.files.items() if not k.startswith(prefix)}
             d.files.update({prefix + k: path for k in state})
@@ -279,7 +283,9 @@ def _forward_to_layers(model: nn.Module, adapter: Adapter, chunk: torch.Tensor) 
 
 
 @torch.no_grad()
-def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, device=None) -> list[dict]:
+def layer_kwargs(
+    model: nn.Module, adapter: Adapter, tokens: torch.Tensor, device=None
+) -> list[dict]:
     """The keyword arguments each decoder layer receives (its attention mask and position encoding),
     from one forward of the first sample with every layer replaced by a recorder (no layer's
     weights are read), on ``device`` (default: where the model made them).
@@ -300,7 +306,9 @@ def layer_kwargs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, devic
 
 
 @torch.no_grad()
-def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, batch: int, device=None):
+def capture_inputs(
+    model: nn.Module, adapter: Adapter, tokens: torch.Tensor, batch: int, device=None
+):
     """``(x, per_layer)``: the hidden states entering decoder layer 0 for every sample, and each
     layer's keyword arguments (:func:`layer_kwargs`), on ``device`` (default: where the model is)."""
     first = adapter.decoder_layers(model)[0]
@@ -321,7 +329,9 @@ def capture_inputs(model: nn.Module, adapter: Adapter, tokens: torch.Tensor, bat
 
 
 @torch.no_grad()
-def final_hidden(model: nn.Module, tokens: torch.Tensor, device="cpu", batch: int = 1) -> torch.Tensor:
+def final_hidden(
+    model: nn.Module, tokens: torch.Tensor, device="cpu", batch: int = 1
+) -> torch.Tensor:
     """``[n, seq, hidden]`` float32 outputs of the final norm for ``tokens [n, seq]``, every
     layer onloaded in turn (on the CPU)."""
     adapter = get_adapter(model.config)

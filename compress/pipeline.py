@@ -28,8 +28,8 @@ from compress.config import (
     run_eval_device,
     validate,
 )
-from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, fast_head
 from compress.data import calib_samples, eval_windows, read_text
+from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, fast_head
 from compress.errors import CompressError, Interrupted
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
@@ -37,8 +37,8 @@ from compress.hub import push_after_run
 from compress.inputs import check_inputs
 from compress.manifest import verify_folder, write_manifest
 from compress.model_card import write_model_card
-from compress.quant.head import quantize_head
 from compress.offload import is_lazy, resident_to, share_unchanged
+from compress.quant.head import quantize_head
 from compress.run_folder import atomic_dir, check_writable, commit_dir
 from compress.source import cache_dir, load_lazy, load_model
 from compress.stages import get_stage
@@ -65,7 +65,9 @@ class Context:
     # model alongside): folder -> (model, tokenizer) for eval, (folder, dtype) -> decoder model
     eval_loader: object = None
     decode_loader: object = None
-    device: torch.device = torch.device("cpu")  # where calibration runs (``device``), a layer at a time
+    device: torch.device = torch.device(
+        "cpu"
+    )  # where calibration runs (``device``), a layer at a time
 
     def calibration(self) -> torch.Tensor:
         """``[samples, seqlen]`` calibration tokens (``cfg.calib``)."""
@@ -259,7 +261,9 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         # a disk-backed run reads both models' layers one at a time (compress.offload)
         if lazy and ctx.eval_loader is None:
             compressed = open_lazy(tmp)
-            reference = load_lazy(m.path, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+            reference = (
+                load_lazy(m.path, m.trust_remote_code)[0] if cfg.eval.compare_source else None
+            )
             if reference is not None:  # the tensors the recipe kept as stored, mapped once
                 share_unchanged(compressed, reference)
         else:
@@ -284,7 +288,9 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
             eval_kw = dict(cache=cache, source_sha=source.sha256)
             exact = dict(figures)
             figures.update(kernel_figures(compressed, windows, reference, kernel, exact, **eval_kw))
-            if head == "none" and (default_head := fast_head(tmp)) != "none":  # and the default head
+            if (
+                head == "none" and (default_head := fast_head(tmp)) != "none"
+            ):  # and the default head
                 quantize_head(compressed, default_head, ctx.quantization_config)
                 figures.update(
                     kernel_figures(

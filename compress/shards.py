@@ -129,7 +129,9 @@ def plan_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
     return shards
 
 
-def write_sharded(folder: Path, entries: list[Entry], max_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def write_sharded(
+    folder: Path, entries: list[Entry], max_bytes: int = MAX_SHARD_BYTES
+) -> list[str]:
     """Write ``entries`` into ``folder`` as ``save_pretrained`` lays them out; returns the files."""
     shards = plan_shards(entries, max_bytes)
     if len(shards) == 1:

@@ -1,12 +1,15 @@
 """Shared fixtures: data dir, a tiny random Llama with the real tokenizer, recipe composition."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# the benchmark scripts (eval/, not a package) import each other by file name; so do their tests
+sys.path.insert(0, str(ROOT / "eval"))
 if (
     not torch.cuda.is_available()
 ):  # Triton decides at import whether to interpret: before any test imports a kernel

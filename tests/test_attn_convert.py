@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compress.formats.attention.absorb import absorb_output, absorb_query, expand_kv
 from compress.attn.checks import check_rope
 from compress.attn.cla import convert_cla
 from compress.attn.gqa import mean_pool_kv
-from compress.formats.attention import folder_files
 from compress.attn.mla import convert_mla
 from compress.attn.rope_select import qk_pair_scores, select_pairs
 from compress.checkpoint import load_run, save_checkpoint
 from compress.errors import CompressError
+from compress.formats.attention import folder_files
+from compress.formats.attention.absorb import absorb_output, absorb_query, expand_kv
 from tests.conftest import make_tiny_model
 
 VOCAB = 49152

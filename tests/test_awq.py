@@ -3,7 +3,6 @@ effect on activation outliers, and the saved INT4 checkpoint against the AutoAWQ
 
 import json
 
-import pytest
 import torch
 from torch import nn
 

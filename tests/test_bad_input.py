@@ -2,7 +2,7 @@
 the CLIs, no traceback, and no run folder left behind, before any expensive work.
 
 One test per class of issue 25 (checks after the work, raw tracebacks, the decoder CLI's
-sampling settings, leftovers), plus the quick subset of ``eval/bench/hostile_sweep.py``."""
+sampling settings, leftovers), plus the quick subset of ``eval/hostile_sweep.py``."""
 
 import json
 import shutil
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from compress.eval.bench.tiny_folders import random_model, run_folder, tiny_config, tiny_tokenizer
 
 import compress
 from compress.decoder.sampling import Sampling, check_sampling
 from compress.errors import CompressError
+from compress.testing import random_model, run_folder, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +29,18 @@ def one_paragraph(text: str) -> bool:
 def cli(*args, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def script(name, *args, timeout=300):
+    """A script of ``eval/``, run from the repo root."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "eval" / name), *args],
         check=False,
         capture_output=True,
         text=True,
@@ -278,6 +290,6 @@ def test_config_errors_leave_no_run_folder(hf, tmp_path):
 
 @pytest.mark.slow
 def test_the_hostile_sweep_quick_subset_is_all_clear():
-    r = cli("compress.eval.bench.hostile_sweep", "--quick", timeout=600)
+    r = script("hostile_sweep.py", "--quick", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "remaining" not in r.stdout

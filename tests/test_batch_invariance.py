@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compress.serve.engine import Engine
 from compress.decoder.model import load
-from compress.serve.scheduler import Params
 from compress.errors import CompressError
 from compress.kernels import native, paged_attn_cpu
 from compress.kernels.w4a8_cpu import use
+from compress.serve.engine import Engine
+from compress.serve.scheduler import Params
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 BUILT = native.library() is not None
@@ -67,7 +67,9 @@ def test_a_row_is_the_same_bits_in_any_batch():
 
 @pytest.mark.skipif(not native.ops(), reason="the C++ torch operators did not build")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 9, 3, 1, 256, 64), (3, 4, 2, 2, 40, 16), (2, 2, 1, 1, 33, 12)])
+@pytest.mark.parametrize(
+    "shape", [(1, 9, 3, 1, 256, 64), (3, 4, 2, 2, 40, 16), (2, 2, 1, 1, 33, 12)]
+)
 def test_cache_attention_matches_float64(dtype, shape):
     """``compress::cache_attention`` (the static decode step's attention over a contiguous cache
     read as stored): query (b, t) over slots lo..hi-1 (left padding, a window) against float64;
@@ -88,7 +90,10 @@ def test_cache_attention_matches_float64(dtype, shape):
             for h in range(H):
                 for t in range(T):
                     keys = slice(int(lo[b, t]), int(hi[b, t]))
-                    kh, vh = k[b, h // (H // Hkv), keys].double(), vv[b, h // (H // Hkv), keys].double()
+                    kh, vh = (
+                        k[b, h // (H // Hkv), keys].double(),
+                        vv[b, h // (H // Hkv), keys].double(),
+                    )
                     s = kh @ q[b, h, t].double() * 0.3
                     ref[b, h, t] = torch.softmax(s, 0) @ vh
         assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
@@ -160,8 +165,12 @@ def server(tmp_path):
                     batch_invariant=True)  # fmt: skip
     port = free_port()
     srv = uvicorn.Server(
-        uvicorn.Config(create_app(Worker(engine), tok, "tiny"), host="127.0.0.1", port=port,
-                       log_level="warning")  # fmt: skip
+        uvicorn.Config(
+            create_app(Worker(engine), tok, "tiny"),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )  # fmt: skip
     )
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -170,7 +179,9 @@ def server(tmp_path):
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1"
-    yield SimpleNamespace(client=openai.OpenAI(base_url=url, api_key="none", max_retries=0), tok=tok)
+    yield SimpleNamespace(
+        client=openai.OpenAI(base_url=url, api_key="none", max_retries=0), tok=tok
+    )
     srv.should_exit = True
     thread.join(10)
 
@@ -209,8 +220,14 @@ def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folde
 
     assert resolved(q) == (True, True, "bfloat16", "exact")
     assert resolved(q, "--batch-invariant") == (False, True, "float32", "exact")
-    explicit = (["--dtype", "float32"], ["--kernel", "w4a8"], ["--head", "none"],
-                ["--qdtype", "bfloat16"], ["--prefill-ranks", "2"], ["--no-batch-invariant"])
+    explicit = (
+        ["--dtype", "float32"],
+        ["--kernel", "w4a8"],
+        ["--head", "none"],
+        ["--qdtype", "bfloat16"],
+        ["--prefill-ranks", "2"],
+        ["--no-batch-invariant"],
+    )
     for flags in explicit:
         assert resolved(q, *flags)[:3] == (False, False, "float32"), flags
     assert resolved(q, device="cuda") == (False, False, "float32", "exact")

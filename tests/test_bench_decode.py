@@ -3,10 +3,10 @@ bars (on given figures: nothing is timed here), and the real-text requirement.""
 
 import argparse
 
+import bench_decode as bd
 import pytest
 
 from compress.errors import CompressError
-from compress.eval.bench import bench_decode as bd
 
 
 def args_for(folders=("default=/m",)):

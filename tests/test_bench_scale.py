@@ -1,12 +1,11 @@
-"""eval/bench/bench_scale.py at a tiny shape: the random bf16 folder it writes, and one table row."""
+"""eval/bench_scale.py at a tiny shape: the random bf16 folder it writes, and one table row."""
 
 import json
 
+import bench_scale
 import pytest
 import torch
 from safetensors import safe_open
-
-from compress.eval.bench import bench_scale
 
 
 def test_make_model_writes_bf16_folder_of_the_shape(tmp_path):

@@ -9,8 +9,8 @@ import torch
 from compress.decoder.__main__ import main as cli
 from compress.decoder.generate import generate
 from compress.decoder.kv import new_cache, static_cache
-from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.model import load
+from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.errors import CompressError
 
 
@@ -391,7 +391,6 @@ def test_compiled_step_matches_eager(ours):
         compiled.tokens == eager.tokens and compiled.kv_bytes_per_token == eager.kv_bytes_per_token
     )
     step = model.static_steps[2]
-    ids = torch.tensor([[p[-1]] for p in prompts])
     start = torch.tensor([0, 4])
     a, b = static_cache(new_cache(model, "full", 2, 64)), new_cache(model, "full", 2, 64)
     padded = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
@@ -493,7 +492,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
 # --- the default model (minutes) ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-from compress.eval.bench.fast_vs_faithful import PROMPTS  # noqa: E402  (the equivalence prompts)
+from fast_vs_faithful import PROMPTS  # noqa: E402  (the equivalence prompts)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ def convert(kind: str):
     """(converted HF model, files its folder carries) of a tiny 4-layer Llama, head_dim 16."""
     from compress.attn.cla import convert_cla
     from compress.attn.gqa import mean_pool_kv
-    from compress.formats.attention import folder_files
     from compress.attn.mla import convert_mla, full_rank
+    from compress.formats.attention import folder_files
 
     hf = tiny_hf(num_hidden_layers=4, max_position_embeddings=512)
     tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -100,7 +100,7 @@ def test_latent_attention_refuses_compressed_caches(tmp_path):
 def test_kv_quality_parallel_pass_runs_converted_models(kind, tmp_path):
     """kv_quality --models: the one-pass view of an fp16 cache gives a converted model's logits as
     its real fp16 cache does, with the same bytes (cross-layer slots read twice, a latent key)."""
-    from compress.eval.bench.kv_quality import HistoryMix
+    from kv_quality import HistoryMix
 
     hf, ours = converted(kind, tmp_path)
     ids = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(3))

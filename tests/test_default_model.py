@@ -6,9 +6,9 @@ import torch
 from compress.adapters import get_adapter
 from compress.data import eval_windows, read_text
 from compress.eval.perplexity import evaluate
-from compress.source import load_model
 from compress.pipeline import run
 from compress.quant.quantizer import fake_quantize
+from compress.source import load_model
 from tests.conftest import DATA, compose
 
 pytestmark = pytest.mark.slow

@@ -124,16 +124,45 @@ def test_pipeline_distill_two_processes_match_one(tiny_dir, tmp_path):
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     two = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "compress", *common,
-         "distill.batch_size=1", f"hydra.run.dir={tmp_path / 'two'}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "compress",
+            *common,
+            "distill.batch_size=1",
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     one = subprocess.run(
-        [sys.executable, "-m", "compress", *common, "distill.batch_size=2",
-         f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            *common,
+            "distill.batch_size=2",
+            f"hydra.run.dir={tmp_path / 'one'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     _, err = two.communicate(timeout=600)
     assert two.returncode == 0, err[-3000:]
@@ -144,4 +173,6 @@ def test_pipeline_distill_two_processes_match_one(tiny_dir, tmp_path):
     for key in ("loss_first", "loss_last"):
         assert abs(r1[key] - r2[key]) <= 1e-5 * abs(r1[key]), key
     for (s1, a), (s2, b) in zip(r1["curve"], r2["curve"]):
-        assert s1 == s2 and abs(a - b) <= 1e-5 * abs(a) + 1e-4  # curve points are rounded to 4 places
+        assert (
+            s1 == s2 and abs(a - b) <= 1e-5 * abs(a) + 1e-4
+        )  # curve points are rounded to 4 places

@@ -27,8 +27,19 @@ from safetensors.torch import load_file
 from tests.conftest import ROOT
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-FSDP = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no"]
+FSDP = [
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def env():
@@ -36,9 +47,23 @@ def env():
 
 
 def common(teacher, student, text, tokens):
-    return ["--student", str(student), "--teacher", str(teacher), "--data", str(text),
-            "--tokens", str(tokens), "--seqlen", "32", "--grad-accum", "2", "--lr", "1e-3",
-            "--no-progress"]
+    return [
+        "--student",
+        str(student),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(text),
+        "--tokens",
+        str(tokens),
+        "--seqlen",
+        "32",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+    ]
 
 
 @pytest.mark.parametrize("kl_chunk", ["0", pytest.param("16", marks=pytest.mark.slow)])
@@ -48,14 +73,39 @@ def test_fsdp_two_processes_match_one(distill_dirs, tmp_path, kl_chunk):
     teacher, student, text = distill_dirs
     args = [*common(teacher, student, text, 256), "--kl-chunk", kl_chunk]
     two = subprocess.Popen(
-        [*LAUNCH, *FSDP, "-m", "compress.train.distill", *args, "--batch-size", "1",
-         "--out", str(tmp_path / "two")],
-        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *LAUNCH,
+            *FSDP,
+            "-m",
+            "compress.train.distill",
+            *args,
+            "--batch-size",
+            "1",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     one = subprocess.run(
-        [sys.executable, "-m", "compress.train.distill", *args, "--batch-size", "2",
-         "--out", str(tmp_path / "one")],
-        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "compress.train.distill",
+            *args,
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path / "one"),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     _, err = two.communicate(timeout=300)
     assert two.returncode == 0, err[-3000:]
@@ -82,13 +132,33 @@ def test_fsdp_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
     """10 steps of 2 x 2 x 32 tokens, a checkpoint every 3; the launch is killed right after the
     first one, resumed, and compared with a launch that never checkpoints."""
     teacher, student, text = distill_dirs
-    args = [*LAUNCH, *FSDP, "-m", "compress.train.distill", *common(teacher, student, text, 1280),
-            "--batch-size", "1"]
+    args = [
+        *LAUNCH,
+        *FSDP,
+        "-m",
+        "compress.train.distill",
+        *common(teacher, student, text, 1280),
+        "--batch-size",
+        "1",
+    ]
     ckpt = tmp_path / "ckpt"
-    killed_args = [*args, "--out", str(tmp_path / "b"), "--checkpoint-every", "3",
-                   "--checkpoint-dir", str(ckpt)]
-    killed = subprocess.Popen(killed_args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    killed_args = [
+        *args,
+        "--out",
+        str(tmp_path / "b"),
+        "--checkpoint-every",
+        "3",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    killed = subprocess.Popen(
+        killed_args,
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in killed.stderr:  # kill both ranks and the launcher after the first checkpoint
         if line.startswith("checkpoint "):
             ranks = psutil.Process(killed.pid).children(recursive=True)  # own sessions (torchrun)
@@ -106,11 +176,18 @@ def test_fsdp_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
     full = 3 * 4 * sum(t.numel() for t in load_file(str(student / "model.safetensors")).values())
     assert all(size < 0.7 * full for size in shards.values())  # weights + 2 moments, ~half each
 
-    res = subprocess.run(killed_args, cwd=ROOT, env=env(), capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        killed_args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    whole = subprocess.run([*args, "--out", str(tmp_path / "a")], cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=300)
+    whole = subprocess.run(
+        [*args, "--out", str(tmp_path / "a")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     b = json.loads((tmp_path / "b" / "distill.json").read_text())
     a = json.loads((tmp_path / "a" / "distill.json").read_text())
@@ -147,9 +224,18 @@ def fsdp_env(monkeypatch):
 def test_cli_refuses_what_fsdp_cannot_run(fsdp_env, tmp_path, capsys, setting, message):
     from compress.train.distill import main
 
-    argv = ["--student", str(tmp_path / "absent"), "--teacher", str(tmp_path / "absent"),
-            "--data", str(tmp_path / "absent.txt"), "--out", str(tmp_path / "out"),
-            "--tokens", "64"]
+    argv = [
+        "--student",
+        str(tmp_path / "absent"),
+        "--teacher",
+        str(tmp_path / "absent"),
+        "--data",
+        str(tmp_path / "absent.txt"),
+        "--out",
+        str(tmp_path / "out"),
+        "--tokens",
+        "64",
+    ]
     for key, value in setting.items():
         if key.startswith("--"):
             argv += [key] + ([value] if value is not None else [])
@@ -184,22 +270,51 @@ def test_pipeline_distill_fsdp_matches_one(tiny_dir, tmp_path):
     process's with the same global batch within 1e-5 relative (module docstring)."""
     from tests.conftest import TINY_OVERRIDES
 
-    over = ["recipe=minitron_width", f"model.path={tiny_dir}", *TINY_OVERRIDES,
-            "decode.enabled=false", "distill.tokens=256", "distill.seqlen=32",
-            "distill.grad_accum=2", "distill.lr=1e-3", "distill.tokens_per_step=0"]
+    over = [
+        "recipe=minitron_width",
+        f"model.path={tiny_dir}",
+        *TINY_OVERRIDES,
+        "decode.enabled=false",
+        "distill.tokens=256",
+        "distill.seqlen=32",
+        "distill.grad_accum=2",
+        "distill.lr=1e-3",
+        "distill.tokens_per_step=0",
+    ]
     two = subprocess.run(
-        [*LAUNCH, *FSDP, "-m", "compress", *over, "distill.batch_size=1",
-         f"hydra.run.dir={tmp_path / 'two'}"],
-        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600,
+        [
+            *LAUNCH,
+            *FSDP,
+            "-m",
+            "compress",
+            *over,
+            "distill.batch_size=1",
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     said = [line for line in two.stderr.splitlines()  # the ranks' own messages, not torchrun's
             if line and not line.startswith((" ", "W1", "E1", "I1", "Traceback", "=", "-"))
             and "it/s]" not in line]  # fmt: skip
     assert two.returncode == 0, "\n".join(said[-40:]) + "\n" + two.stderr[-3000:]
     one = subprocess.run(
-        [sys.executable, "-m", "compress", *over, "distill.batch_size=2",
-         f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            *over,
+            "distill.batch_size=2",
+            f"hydra.run.dir={tmp_path / 'one'}",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert one.returncode == 0, one.stderr[-3000:]
     r2 = json.loads((tmp_path / "two" / "report.json").read_text())["distill"]

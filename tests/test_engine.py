@@ -6,13 +6,13 @@ import shutil
 import pytest
 import torch
 
-from compress.serve.engine import Engine
 from compress.decoder.generate import generate, left_pad
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling
-from compress.serve.scheduler import Params
 from compress.errors import CompressError
+from compress.serve.engine import Engine
+from compress.serve.scheduler import Params
 from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
 

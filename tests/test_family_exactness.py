@@ -15,10 +15,10 @@ held to ``FP16_TOL`` against transformers instead.
 import pytest
 import torch
 
-from compress.serve.engine import Engine
 from compress.decoder.generate import left_pad, static_step
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
+from compress.serve.engine import Engine
 from compress.serve.scheduler import Params
 
 TOL, FP16_TOL = 1e-4, 3e-3

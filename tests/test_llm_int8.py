@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 from compress.adapters import get_adapter
 from compress.checkpoint import load_run, save_checkpoint
 from compress.errors import CompressError
+from compress.formats import Int8Linear
 from compress.kernels.int8_cpu import int8_matmul_dequant_cpu
 from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref
 from compress.pipeline import run
-from compress.formats import Int8Linear
 from compress.quant.llm_int8 import llm_int8
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 

@@ -12,16 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from compress.eval.bench.tiny_folders import (
+
+from compress.errors import CompressError
+from compress.manifest import verify_folder
+from compress.testing import (
     overwrite,
     random_model,
     run_folder,
     tiny_config,
     tiny_tokenizer,
 )
-
-from compress.errors import CompressError
-from compress.manifest import verify_folder
 
 W = "model.safetensors"
 
@@ -197,8 +197,8 @@ def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
 
 
 def test_bench_verify_runs_at_a_tiny_size(tmp_path):
-    """``eval/bench/bench_verify.py`` on a tiny model (the real figures: see the README)."""
-    from compress.eval.bench.bench_verify import main
+    """``eval/bench_verify.py`` on a tiny model (the real figures: see the README)."""
+    from bench_verify import main
 
     out = tmp_path / "verify.json"
     main(

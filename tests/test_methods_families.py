@@ -33,12 +33,25 @@ EXTRA = {  # tiny-model settings of each recipe (no distillation: the stage is n
     "llm_int8": ["llm_int8.outlier_stats=false"],
     "gqa": ["attn.kv_heads=1", "distill.tokens=0"],
     "cla": ["distill.tokens=0", "attn.cla_init=first"],
-    "mla": ["distill.tokens=0", "mla.d_kv=8", "mla.rope_pairs=4", "mla.rope_select=uniform",
-            "mla.svd=weights"],  # fmt: skip
-    "minitron_width": ["distill.tokens=0", "prune.target_params=null", "prune.cache=false",
-                       "prune.export.hidden_size=48", "prune.export.intermediate_size=64"],  # fmt: skip
-    "minitron_depth": ["distill.tokens=0", "prune.cache=false",
-                       "prune.export.num_hidden_layers=1"],  # fmt: skip
+    "mla": [
+        "distill.tokens=0",
+        "mla.d_kv=8",
+        "mla.rope_pairs=4",
+        "mla.rope_select=uniform",
+        "mla.svd=weights",
+    ],  # fmt: skip
+    "minitron_width": [
+        "distill.tokens=0",
+        "prune.target_params=null",
+        "prune.cache=false",
+        "prune.export.hidden_size=48",
+        "prune.export.intermediate_size=64",
+    ],  # fmt: skip
+    "minitron_depth": [
+        "distill.tokens=0",
+        "prune.cache=false",
+        "prune.export.num_hidden_layers=1",
+    ],  # fmt: skip
 }
 QUANT = ("rtn_int4", "rtn_int3", "rtn_int8", "awq_int4", "awq_int3")
 FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width")}
@@ -241,7 +254,7 @@ def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
     """transformers' own AWQ loader (``quant_method: awq``, through gptqmodel's kernels) reads the
     INT4 folder with no flags: every quantized linear becomes its AWQ module, dequantizing to our
     weights bit for bit in the config's float16, and its logits agree with our decoder's."""
-    pytest.importorskip("gptqmodel", reason="README's install command installs it (--no-deps)")
+    pytest.importorskip("gptqmodel", reason="the interop extra: pip install -e '.[interop]'")
     from transformers import AutoModelForCausalLM
 
     from compress.checkpoint import load_run
@@ -424,8 +437,8 @@ def test_minitron_gemma_norms_and_embedding_scale():
 def test_draft_of_another_family(family_dirs, tokenizer, tmp_path):
     """A draft of another family with the target's tokenizer loads (each runs its own spec); one
     with another vocabulary is refused from its config.json, before any weight is read."""
-    from compress.decoder.speculative.drafts import load_draft
     from compress.decoder.model import load
+    from compress.decoder.speculative.drafts import load_draft
 
     target, _ = load(family_dirs["llama"])
     draft = load_draft(family_dirs["gemma3_text"], target, tokenizer)

@@ -32,8 +32,18 @@ class Ctx:
 
 
 STAGES = {
-    "awq": (awq, dict(bits=4, group_size=64, duo_scaling=False, n_grid=10, clip=True,
-                      search_samples=None, batch=2)),
+    "awq": (
+        awq,
+        dict(
+            bits=4,
+            group_size=64,
+            duo_scaling=False,
+            n_grid=10,
+            clip=True,
+            search_samples=None,
+            batch=2,
+        ),
+    ),
     "rtn": (rtn, dict(bits=3, group_size=64, symmetric=False)),
     "llm_int8": (llm_int8, dict(threshold=0.05, outlier_stats=True)),
 }
@@ -156,8 +166,10 @@ def test_pipeline_offload_disk_run(tiny_dir, tmp_path):
 
     reports = {}
     for where in ("disk", "host"):
-        cfg = compose("rtn_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES,
-                                   f"offload={where}", "decode.enabled=false"])
+        cfg = compose(
+            "rtn_int4",
+            [f"model.path={tiny_dir}", *TINY_OVERRIDES, f"offload={where}", "decode.enabled=false"],
+        )
         reports[where] = run(cfg, tmp_path / where)
         assert reports[where]["offload"] == where
         assert not list(tmp_path.glob(f".{where}.layers-*"))  # the spill folder is removed

@@ -9,7 +9,7 @@ import zipfile
 from tests.conftest import ROOT
 
 
-def build_wheel(out) -> "Path":
+def build_wheel(out):
     """``pip wheel .``: in this environment when it has setuptools >= 68 and a bdist_wheel,
     else in pip's isolated build environment (setuptools and wheel from the package index)."""
     import setuptools
@@ -29,6 +29,11 @@ def build_wheel(out) -> "Path":
     return wheel
 
 
+def wheel_info(names) -> str:
+    (info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+    return info
+
+
 def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
     wheel = build_wheel(tmp_path / "dist")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -37,8 +42,10 @@ def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
     )
     assert recipes and {f"compress/recipes/{r}" for r in recipes} <= names  # subfolders too
     assert "compress/kernels/__init__.py" in names and "compress/eval/report.py" in names
-    for source in ("packkv_cpu.cpp", "kivi_cpu.cpp", "cpu_simd.h"):  # built on first use
-        assert f"compress/kernels/{source}" in names
+    sources = sorted(p.name for p in (ROOT / "kernels").iterdir())  # the C++ kernels' sources
+    assert sources and {f"compress/kernels/csrc/{s}" for s in sources} <= names
+    # only the package: no top-level kernels/, eval/ or tests/ (scripts and sources stay out)
+    assert {n.split("/")[0] for n in names if "/" in n} == {"compress", wheel_info(names)}
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
@@ -59,6 +66,16 @@ def test_wheel_ships_the_recipes_and_runs_them(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(site / "compress" / "recipes")
+    res = subprocess.run(
+        [sys.executable, "-c", "from compress.kernels import native; print(native.CSRC)"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(site / "compress" / "kernels" / "csrc")
     res = subprocess.run(
         [sys.executable, "-m", "compress", "recipe=rtn_int4", "--cfg", "job"],
         capture_output=True,

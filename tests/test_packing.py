@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from compress.formats import QuantLinear
-from compress.formats import pack_awq, pack_planes, unpack_awq, unpack_planes
+from compress.formats import QuantLinear, pack_awq, pack_planes, unpack_awq, unpack_planes
 from compress.quant.quantizer import quantize
 
 

@@ -308,7 +308,7 @@ def test_held_bytes(family):
     c, slot_block = seq.computed, BS * 2 * 2 * 16 * 2  # K and V, 2 heads of 16, fp16
     n_local = 5 if name == "gemma3_text" else 2
     live = math.ceil(c / BS) - (c - W + 1) // BS
-    want = ((6 - n_local if name == "gemma3_text" else 0) * math.ceil(c / BS) + n_local * live)
+    want = (6 - n_local if name == "gemma3_text" else 0) * math.ceil(c / BS) + n_local * live
     assert c == 59 and engine.kv_bytes(seq) == want * slot_block
     engine.abort(seq)
 
@@ -318,7 +318,7 @@ def test_bytes_bench_quick(tmp_path):
     bound and under the all-global figure, the pools smaller than one pool for every slot."""
     import json
 
-    from compress.eval.bench import paged_window_bytes
+    import paged_window_bytes
 
     out = tmp_path / "bytes.json"
     assert paged_window_bytes.main(["--quick", "--json", str(out)]) == 0

@@ -13,8 +13,8 @@ from compress.__main__ import rewrite_argv
 from compress.checkpoint import load_run
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
-from compress.pipeline import run
 from compress.formats import unpack_awq
+from compress.pipeline import run
 from compress.quant.quantizer import quantize
 from tests.conftest import DATA, ROOT, TINY_OVERRIDES, compose
 
@@ -26,7 +26,7 @@ def run_recipe(recipe, tiny_dir, out, *extra):
 
 def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     out = tmp_path / "run"
-    report = run_recipe("rtn_int4", tiny_dir, out)
+    run_recipe("rtn_int4", tiny_dir, out)
     names = {p.name for p in out.iterdir()}
     assert {
         "config.json",

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from compress.serve.engine import Engine
 from compress.decoder.generate import generate
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
+from compress.errors import CompressError
+from compress.serve.engine import Engine
 from compress.serve.runahead import RunaheadPrefill, balanced_bounds
 from compress.serve.scheduler import Params
-from compress.errors import CompressError
 from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
 

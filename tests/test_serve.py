@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from compress.serve.engine import Engine
 from compress.decoder.generate import generate
 from compress.decoder.model import load
 from compress.serve.app import create_app
+from compress.serve.engine import Engine
 from compress.serve.worker import Worker
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 

@@ -115,7 +115,13 @@ def test_rollback_within_lookahead(kind):
     opts = {"residual": 16} if kind == "kivi" else {}
     cache = make_cache(kind, 2, B, HKV, D, 200, windows=WINDOWS, lookahead=LOOK, **opts)
     chunks = [20, 3, 3, 3, 3, 1, 3]
-    run(cache, chunks, START, (2e-3, 0.1) if kind == "kivi" else 2e-3, rollback_at={1: 2, 2: 1, 3: 2, 6: 2})
+    run(
+        cache,
+        chunks,
+        START,
+        (2e-3, 0.1) if kind == "kivi" else 2e-3,
+        rollback_at={1: 2, 2: 1, 3: 2, 6: 2},
+    )
     if kind == "kivi":  # its window keeps the whole last append: a rollback of it always works
         return
     with pytest.raises(CompressError, match="lookahead"):
@@ -235,8 +241,9 @@ def test_gemma_like_kv_bytes(tmp_path):
 def test_window_kv_bench_measures_the_bounded_cache(tmp_path):
     """``bench_window_kv``: the fp16 cache's bytes per token of a windowed model after a prompt
     past its window match the analytic figure, and the all-global copy's match theirs."""
+    import bench_window_kv as bench
+
     from compress.arch import spec_of
-    from compress.eval.bench import bench_window_kv as bench
     from tests.family_models import family_model
 
     folder = tmp_path / "gemma"

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from compress.decoder.__main__ import main as cli
+from compress.decoder.generate import generate
+from compress.decoder.kv import make_cache
+from compress.decoder.model import load
+from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.speculative.bandit import UCB1, Unimodal, self_bandit
 from compress.decoder.speculative.drafts import (
     LayerSkipDraft,
@@ -17,8 +21,8 @@ from compress.decoder.speculative.drafts import (
     load_draft,
     run_drafts,
 )
-from compress.decoder.generate import generate
-from compress.decoder.kv import make_cache
+from compress.decoder.speculative.gamma import AutoGamma, Fixed
+from compress.decoder.speculative.generate import speculative_generate, verify
 from compress.decoder.speculative.layer_skip import (
     agreement,
     parse_layers,
@@ -26,10 +30,6 @@ from compress.decoder.speculative.layer_skip import (
     skip_file,
     unified_skip,
 )
-from compress.decoder.model import load
-from compress.decoder.sampling import Sampling, logits_to_probs
-from compress.decoder.speculative.gamma import AutoGamma, Fixed
-from compress.decoder.speculative.generate import speculative_generate, verify
 from compress.errors import CompressError
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
@@ -506,7 +506,8 @@ def test_cli(pair, capsys):
 def test_bench_spec_quick(tmp_path, tokenizer, capsys):
     """The benchmark end to end on tiny folders with the real tokenizer (chat template): every
     system's row, exact greedy output, and the JSON."""
-    from compress.eval.bench.bench_spec import main as bench
+    from bench_spec import main as bench
+
     from tests.conftest import make_tiny_model
 
     hf = make_tiny_model(num_hidden_layers=4)
@@ -536,7 +537,8 @@ def test_bench_spec_quick(tmp_path, tokenizer, capsys):
 def test_default_model_self_speculative_is_exact():
     """SmolLM2-135M: greedy self-speculative decoding (unified skip, fixed and auto γ) gives the
     target's own 48 tokens, or diverges only where the target's top-2 logits tie (< 1e-4)."""
-    from compress.eval.bench.bench_spec import first_divergence_is_tie
+    from bench_spec import first_divergence_is_tie
+
     from compress.source import convert_default_model
 
     model, tok = load(convert_default_model())

@@ -26,7 +26,9 @@ def random_layer(bits: int, K: int, N: int, g: int, seed: int) -> QuantLinear:
     q = torch.randint(0, 2**bits, (N, K), generator=gen)
     z = torch.randint(0, 2**bits, (N, K // g), generator=gen)
     s = (torch.rand(N, K // g, generator=gen) * 0.02 + 1e-3).half()
-    return QuantLinear.from_quantized(SimpleNamespace(q=q, zeros=z, scales=s, bits=bits, group_size=g))
+    return QuantLinear.from_quantized(
+        SimpleNamespace(q=q, zeros=z, scales=s, bits=bits, group_size=g)
+    )
 
 
 def x_hat64(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -108,10 +110,15 @@ def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
         )  # fmt: skip
         assert torch.isfinite(y).all()
         assert rel(y, ref) < 2e-6, (M, rel(y, ref))
-        assert torch.equal(xq, w4a8_ref.quantize(x, g)[0])  # the kernel's rounding is the reference's
+        assert torch.equal(
+            xq, w4a8_ref.quantize(x, g)[0]
+        )  # the kernel's rounding is the reference's
         # through the layer: the same numbers, in the input's dtype
         out = layer(x.bfloat16())
-        assert out.dtype == torch.bfloat16 and rel(out, x_hat64(x.bfloat16().float(), g) @ w64.t()) < 4e-3
+        assert (
+            out.dtype == torch.bfloat16
+            and rel(out, x_hat64(x.bfloat16().float(), g) @ w64.t()) < 4e-3
+        )
 
 
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
@@ -287,7 +294,12 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
     )
     main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json"])
     conf = json.loads(capsys.readouterr().out)["config"]
-    assert conf["kernel"] == FAST_KERNEL and conf["head"] == "int8" and conf["lean"] and conf["compile"]
+    assert (
+        conf["kernel"] == FAST_KERNEL
+        and conf["head"] == "int8"
+        and conf["lean"]
+        and conf["compile"]
+    )
     main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json",
           "--kernel", "w4a8"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
@@ -322,7 +334,9 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
         )
 
     def kwargs(*flags):
-        args = parse_args([str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags])
+        args = parse_args(
+            [str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags]
+        )
         conf = configuration(args)
         args.compile_flag, args.compile = args.compile, conf["compile"]
         return conf, draft_load_kwargs(args, conf)

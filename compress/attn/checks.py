@@ -18,8 +18,8 @@ Per family (read from the architecture spec, ``compress.arch``):
   attends globally; a CLA group must anyway share one window, ``compress.arch.spec_of``).
 """
 
-from compress.formats.attention import KINDS
 from compress.errors import CompressError
+from compress.formats.attention import KINDS
 
 ROPE_TYPES = ("default", "linear", "llama3")  # one frequency per pair, rotate_half layout
 

@@ -278,8 +278,8 @@ def run(args, load_model=None) -> None:
     import torch
 
     from compress.decoder.generate import generate, peak_memory, peak_memory_reset
-    from compress.decoder.sampling import Sampling
     from compress.decoder.model import load, release_freed_memory
+    from compress.decoder.sampling import Sampling
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,8 +30,8 @@ from compress.kernels.cpu import Eager, Int4PackLinear, KPlanesLinear
 
 def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A compile-friendly form of ``layer`` for inputs of ``dtype`` with ``batch`` rows, computing the same."""
-    from compress.kernels import cpu
     from compress.formats import QuantLinear
+    from compress.kernels import cpu
 
     if isinstance(layer, nn.Linear):
         return layer

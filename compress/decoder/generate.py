@@ -199,9 +199,7 @@ def sync(device) -> None:
 STATIC_BUCKET = 256  # the compiled step's cache length is a multiple of this
 
 
-def static_step(
-    model, kv: str, kv_opts: dict | None, batch: int, max_len: int, lookahead: int = 0
-):
+def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int, lookahead: int = 0):
     """``(step, cache)`` for compiled decoding: a :class:`StaticDecoder` kept on the model per batch size."""
     from compress.decoder.compiled import StaticDecoder
 

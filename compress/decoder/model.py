@@ -20,7 +20,7 @@ multiplied by the spec's ``embed_scale`` (Gemma: sqrt(hidden) in the embedding's
 
 One forward serves every use: eager, compiled (``compress.decoder.compiled`` runs it with a
 static cache and compile-friendly linears), batched with left padding, teacher-forced
-(``eval/bench/kv_quality``). It takes the cache slots of its tokens as a tensor ``pos``, so
+(``eval/kv_quality.py``). It takes the cache slots of its tokens as a tensor ``pos``, so
 nothing in it depends on a Python-side position. Attention is the cache's
 (``compress.decoder.kv``): K and V are appended after position encoding, and the cache decides
 how they are stored and read. Module names are the HF checkpoint's, so a run folder's tensors
@@ -389,9 +389,9 @@ class Transformer(nn.Module):
         rel = (
             pos[None] if start is None else (pos[None] - start[:, None]).clamp(min=0)
         )  # [B or 1, T]
-        angles = (rel[None, ..., None].float() * self.inv_freq[:, None, None]).repeat(
-            1, 1, 1, 2
-        )[:, :, None]  # [R, B or 1, 1, T, D]
+        angles = (rel[None, ..., None].float() * self.inv_freq[:, None, None]).repeat(1, 1, 1, 2)[
+            :, :, None
+        ]  # [R, B or 1, 1, T, D]
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = self.model.embed_tokens(idx)
         if self.spec.embed_scale is not None:
@@ -523,8 +523,8 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
 def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     """Keep one in-memory form per quantized layer: the W4A8 form where the layer takes it, else
     the bfloat16 int4pack form (see :func:`load`)."""
-    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
     from compress.formats import QuantLinear
+    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
 
     rest = [m for m in model.modules() if isinstance(m, QuantLinear) and not takes_w4a8(m)]
     if model.device.type == "cpu":

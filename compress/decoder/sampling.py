@@ -128,6 +128,8 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """Next token ids ``[B]`` from ``logits [B, V]``."""
     if s.temperature <= 0:  # the same index; ATen's fp32 argmax is faster than its bf16 one
-        return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(-1)
+        return (
+            logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        ).argmax(-1)
     probs = logits_to_probs(logits, s)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

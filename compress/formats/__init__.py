@@ -3,8 +3,8 @@
 A checkpoint's ``config.json`` names its format in ``quantization_config["quant_method"]``;
 :data:`LAYERS` maps it to the layer that replaces each decoder linear on load:
 
-    "awq"           INT4, AutoAWQ GEMM packing (kernels/awq_gemm.py)        -> QuantLinear
-    "compress"      any other width, our bit planes (kernels/bitplanes.py)  -> QuantLinear
+    "awq"           INT4, AutoAWQ GEMM packing (compress/kernels/awq_gemm.py)        -> QuantLinear
+    "compress"      any other width, our bit planes (compress/kernels/bitplanes.py)  -> QuantLinear
     "bitsandbytes"  bitsandbytes' int8 layout, LLM.int8 forward             -> Int8Linear
 
 This package knows formats, not methods: it imports nothing from the quantization,
@@ -14,10 +14,10 @@ pruning or training code, and it reads the bit layouts from the kernels (``compr
 from torch import nn
 
 from compress.errors import CompressError
-from compress.kernels.awq_gemm import AWQ_ORDER, pack_awq, unpack_awq
-from compress.kernels.bitplanes import pack_planes, plane_widths, unpack_planes
 from compress.formats.int8_linear import Int8Linear
 from compress.formats.quant_linear import QuantLinear, layout_for
+from compress.kernels.awq_gemm import AWQ_ORDER, pack_awq, unpack_awq
+from compress.kernels.bitplanes import pack_planes, plane_widths, unpack_planes
 
 __all__ = [
     "AWQ_ORDER",

@@ -61,7 +61,15 @@ from compress.quant.quantizer import fake_quantize, quantize
 from compress.quant.rtn import quantization_config, resolve_group_size
 
 log = logging.getLogger(__name__)
-__all__ = ["awq", "capture_inputs", "layer_kwargs", "search_scale", "search_clip", "apply_scale", "scale_groups"]
+__all__ = [
+    "awq",
+    "capture_inputs",
+    "layer_kwargs",
+    "search_scale",
+    "search_clip",
+    "apply_scale",
+    "scale_groups",
+]
 
 
 def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
@@ -231,7 +239,17 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     for i in tqdm(range(n_layers), desc=f"awq int{bits} g{g}", unit="layer"):
         with layer_on(model, i, device, write=True) as layer:
             x = _awq_layer(
-                layer, adapter, x, per_layer[i], cfg, bits, g, batch, n_search, alphas, i,
+                layer,
+                adapter,
+                x,
+                per_layer[i],
+                cfg,
+                bits,
+                g,
+                batch,
+                n_search,
+                alphas,
+                i,
                 norm_offset,
             )
     ctx.quantization_config = quantization_config(bits, g)
@@ -278,9 +296,7 @@ def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas,
             clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
         qw = quantize(lin.weight.data, bits, g, clip_max=clip)
         packed[path] = QuantLinear.from_quantized(qw, lin.bias)
-        lin.weight.data = qw.dequantize().to(
-            lin.weight.dtype
-        )  # W_hat, for the next layer's inputs
+        lin.weight.data = qw.dequantize().to(lin.weight.dtype)  # W_hat, for the next layer's inputs
     del feats
     with torch.no_grad():  # the quantized layer's output feeds the next layer
         x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])

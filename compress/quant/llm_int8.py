@@ -96,7 +96,11 @@ def outlier_stats(model: nn.Module, samples: torch.Tensor, threshold: float, dev
 
     adapter = get_adapter(model.config)
     x, per_layer = capture_inputs(model, adapter, samples, 1, device)
-    for i in tqdm(range(len(adapter.decoder_layers(model))), desc=f"llm_int8 outliers > {threshold:g}", unit="layer"):
+    for i in tqdm(
+        range(len(adapter.decoder_layers(model))),
+        desc=f"llm_int8 outliers > {threshold:g}",
+        unit="layer",
+    ):
         with layer_on(model, i, device) as layer:
             handles = [
                 m.register_forward_pre_hook(hook(f"{adapter.layers}.{i}.{path}"))

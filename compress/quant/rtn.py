@@ -11,7 +11,7 @@ from torch import nn
 from compress.adapters import get_adapter, set_module
 from compress.formats import QuantLinear, layout_for
 from compress.offload import check_fits, layer_on
-from compress.quant.quantizer import check_group_size, quantize, auto_group_size
+from compress.quant.quantizer import auto_group_size, check_group_size, quantize
 
 
 def resolve_group_size(model: nn.Module, group_size) -> int:

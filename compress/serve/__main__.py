@@ -180,8 +180,8 @@ def resolve_configuration(args, device: str) -> bool:
 
     On a group-quantized folder on the CPU the default is the batch-invariant configuration in
     bfloat16: W4A8 at every M and the int8 head are the decoder's fast default (within 0.3% ppl
-    on 40 windows), faster than the exact path on a batch (``python -m
-    compress.eval.bench.bench_serve --batch 16 --requests 16 --folder
+    on 40 windows), faster than the exact path on a batch (``python
+    eval/bench_serve.py --batch 16 --requests 16 --folder
     new=outputs/awq_int4:bfloat16 --folder inv=outputs/awq_int4:bfloat16:invariant``), and a
     request's output does not depend on what else is served. Any of ``--dtype``, ``--qdtype``,
     ``--kernel``, ``--head``, ``--prefill-ranks``, or a vocabulary the head quantizer cannot
@@ -218,6 +218,7 @@ def main(argv=None) -> None:
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
         check_arguments(args)
+        require_serve_extra()
         if not args.no_verify:
             from compress.manifest import verify_folder
 
@@ -226,6 +227,18 @@ def main(argv=None) -> None:
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def require_serve_extra() -> None:
+    """The HTTP stack is the ``serve`` extra: refused before the model loads without it."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CompressError(
+            f"the server needs {' and '.join(missing)}, which are not installed: "
+            "pip install 'compress[serve]' (the README's install command has them)."
+        )
 
 
 def load_model(args, device: str):
@@ -258,8 +271,9 @@ def load_model(args, device: str):
     logging.getLogger("compress.serve").info(
         "configuration: %s%s",
         describe(args, head),
-        " (the default for a group-quantized folder on the CPU; --dtype float32 for the exact "
-        "path)" if default_invariant and args.batch_invariant else "",
+        " (the default for a group-quantized folder on the CPU; --dtype float32 for the exact path)"
+        if default_invariant and args.batch_invariant
+        else "",
     )
     if tok is None:
         raise CompressError(

@@ -195,9 +195,7 @@ class BlockManager:
     def can_grow(self, seq, n_tokens: int) -> bool:
         self.trim(seq)
         need = self.blocks_for(n_tokens)
-        return all(
-            need - len(t) <= len(p.free) for p, t in zip(self.pools, self.tables(seq))
-        )
+        return all(need - len(t) <= len(p.free) for p, t in zip(self.pools, self.tables(seq)))
 
     def grow(self, seq, n_tokens: int) -> None:
         """Give ``seq`` blocks for its first ``n_tokens`` positions (check :meth:`can_grow`)."""

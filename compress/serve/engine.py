@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from compress.serve.block_manager import BlockManager, local_pool_blocks
 from compress.decoder.generate import cache_size, eos_ids_of
 from compress.decoder.kv.paged import new_paged_cache, window_groups
 from compress.decoder.sampling import sample
 from compress.decoder.stopping import Stopping
-from compress.serve.scheduler import Params, Scheduler, Sequence
 from compress.errors import CompressError
+from compress.serve.block_manager import BlockManager, local_pool_blocks
+from compress.serve.scheduler import Params, Scheduler, Sequence
 
 
 @dataclass
@@ -279,9 +279,7 @@ class Engine:
             running=len(sch.running),
             free_blocks=bm.num_free,
             total_blocks=bm.num_blocks,
-            pools=[
-                dict(window=p.window, free=len(p.free), total=p.num_blocks) for p in bm.pools
-            ],
+            pools=[dict(window=p.window, free=len(p.free), total=p.num_blocks) for p in bm.pools],
             block_size=bm.block_size,
             prefix_hit_tokens=bm.hit_tokens,
             preemptions=sch.preemptions,

@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from compress.decoder.sampling import Sampling, check_sampling
-from compress.serve.scheduler import Params
 from compress.errors import CompressError
+from compress.serve.scheduler import Params
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:

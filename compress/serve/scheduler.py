@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compress.serve.block_manager import BlockManager
 from compress.decoder.sampling import Sampling
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
+from compress.serve.block_manager import BlockManager
 
 
 @dataclass

@@ -365,7 +365,9 @@ def parse_args(argv=None):
             p.add_argument(
                 flag, type=kind, required=required, default=None if required else f.default
             )
-    p.add_argument("--kl-chunk", default="auto", help="tokens per loss chunk: auto, 0 (whole logits) or N")
+    p.add_argument(
+        "--kl-chunk", default="auto", help="tokens per loss chunk: auto, 0 (whole logits) or N"
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -400,7 +402,15 @@ def main(argv=None) -> None:
         }
         chunk = args.kl_chunk if args.kl_chunk == "auto" else int(args.kl_chunk)
         stats = run_distill(
-            student, teacher, blocks, tc, args.loss, args.temperature, args.alpha, fingerprint, chunk
+            student,
+            teacher,
+            blocks,
+            tc,
+            args.loss,
+            args.temperature,
+            args.alpha,
+            fingerprint,
+            chunk,
         )
     except CompressError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -320,8 +320,9 @@ def train(
         start, losses, elapsed = meta["step"], meta["losses"], meta.get("elapsed_s", 0.0)
         log.info("resuming from %s (step %d of %d)", found, start, steps)
 
-    target, model = model, (
-        fsdp.shard(model, acc.device, tc.activation_checkpointing) if sharded else model
+    target, model = (
+        model,
+        (fsdp.shard(model, acc.device, tc.activation_checkpointing) if sharded else model),
     )
     model.train()
     if tc.activation_checkpointing and not sharded:
@@ -383,7 +384,9 @@ def train(
         bar.update(1)
         done = step + 1
         step = done
-        if tc.minutes > 0 and done - start == 3:  # the budget in time: fewer steps, same schedule shape
+        if (
+            tc.minutes > 0 and done - start == 3
+        ):  # the budget in time: fewer steps, same schedule shape
             per = (time.time() - t_run) / 3
             fit = start + 3 + int((tc.minutes * 60 - (time.time() - t_run)) / per)
             fit = int(acc.reduce(torch.tensor(fit, device=acc.device), "min").item())

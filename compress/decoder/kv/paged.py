@@ -32,6 +32,7 @@ a fixed order (``compress.kernels.paged_attn_cpu``), so a row's attention is the
 whatever else the batch holds; a sliding-window layer gives the kernel one row per query, its
 window's keys in position order (:func:`window_keys`).
 """
+
 import torch
 
 from compress.decoder.kv.base import Cache, fused_attention, hidden

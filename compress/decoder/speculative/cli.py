@@ -140,6 +140,7 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
     from compress.decoder.speculative.bandit import self_bandit
     from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
+    from compress.decoder.speculative.gamma import schedule_for
     from compress.decoder.speculative.layer_skip import (
         calibration_ids,
         parse_layers,
@@ -147,7 +148,6 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
         skip_file,
         unified_skip,
     )
-    from compress.decoder.speculative.gamma import schedule_for
 
     if args.draft != "self":
         load_kwargs = dict(load_kwargs)

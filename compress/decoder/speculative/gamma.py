@@ -25,8 +25,10 @@ def check_gamma(gamma) -> None:
 
 
 def check_confidence(stop_below) -> None:
-    if isinstance(stop_below, bool) or not isinstance(stop_below, (int, float)) or not (
-        0.0 <= stop_below < 1.0
+    if (
+        isinstance(stop_below, bool)
+        or not isinstance(stop_below, (int, float))
+        or not (0.0 <= stop_below < 1.0)
     ):
         raise CompressError(
             f"draft confidence {stop_below!r}: give a probability in [0, 1) under which a "

@@ -172,7 +172,8 @@ def main(argv=None) -> None:
     from compress.decoder.model import load
 
     p = argparse.ArgumentParser(
-        prog="python -m compress.decoder.speculative.layer_skip", description=main.__doc__.splitlines()[0]
+        prog="python -m compress.decoder.speculative.layer_skip",
+        description=main.__doc__.splitlines()[0],
     )
     p.add_argument("run")
     p.add_argument("--counts", type=int, nargs="*")

@@ -9,7 +9,6 @@ f = i - i % s: only layer f has ``k_proj``/``v_proj`` and only layer f writes th
 Self-contained (transformers only): a run folder carries this file for ``trust_remote_code``.
 """
 
-import torch
 from transformers.models.llama.modeling_llama import (
     ALL_ATTENTION_FUNCTIONS,
     LlamaAttention,
