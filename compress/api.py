@@ -127,9 +127,25 @@ class AWQConfig:
     recipe: ClassVar[str] = "awq_int4"
     stage: ClassVar[str] = "awq"
 
+    def __post_init__(self):
+        if not isinstance(self.options, dict):
+            raise CompressError(
+                f"AWQConfig(options={self.options!r}): options is a dict of awq.* keys, "
+                f"e.g. options={{'n_grid': 2, 'clip': False}}."
+            )
+        for name, low in (("calib_samples", 1), ("calib_seqlen", 2)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise CompressError(
+                    f"AWQConfig({name}={v!r}): {name} is an integer >= {low}, or None for the "
+                    f"recipe's ({'128 samples' if low == 1 else '512 tokens'})."
+                )
+
     def overrides(self) -> list[str]:
         calib = {
-            k: v for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen)) if v
+            k: v
+            for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen))
+            if v is not None
         }
         return overrides_of(
             {
@@ -166,7 +182,13 @@ def quantize(model, config, tokenizer=None, calibration=None):
     """
     import torch
 
-    from compress.config import check_stage_settings, compose, layer_in_features, needs_calibration
+    from compress.config import (
+        check_sizes,
+        check_stage_settings,
+        compose,
+        layer_in_features,
+        needs_calibration,
+    )
     from compress.data import check_source
     from compress.inputs import check_inputs, check_token_ids
     from compress.pipeline import Context
@@ -176,17 +198,15 @@ def quantize(model, config, tokenizer=None, calibration=None):
         raise CompressError(
             f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
         )
+    given, model = model, unwrap(model)  # torch.compile's wrapper: quantize the module inside
     check_model(model, "quantize")
-    if getattr(model.config, "quantization_config", None):
-        raise CompressError(
-            "this model is already quantized (model.config.quantization_config is set); "
-            "quantize the full-precision model instead."
-        )
+    check_not_quantized(model)
     extra = config.overrides()
     tokens = calibration if isinstance(calibration, torch.Tensor) else None
     if calibration is not None and tokens is None:
         extra.append(f"data.calib.source={override_value(str(calibration))}")
     cfg = compose(config.recipe, extra)
+    check_sizes(cfg)
     check_stage_settings(cfg, layer_in_features(model.config))
     if needs_calibration(cfg) and tokens is None:
         if tokenizer is None:
@@ -203,11 +223,22 @@ def quantize(model, config, tokenizer=None, calibration=None):
     ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)
     model = get_stage(config.stage)(model, ctx)
     model.config.quantization_config = ctx.quantization_config
-    return model.eval()
+    return given.eval()
+
+
+def unwrap(model):
+    """The module inside ``torch.compile``'s wrapper (``_orig_mod``), whose parameter names are
+    the model's own; ``model`` itself when it is not wrapped."""
+    import torch
+
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def check_model(model, what: str) -> None:
-    """Refuse what is not a Hugging Face causal LM of a supported family (``adapters``)."""
+    """Refuse what is not a Hugging Face causal LM of a supported family (``adapters``), and a
+    model whose weights hold no data (the meta device)."""
     from compress.adapters import get_adapter
 
     config = getattr(model, "config", None)
@@ -218,15 +249,61 @@ def check_model(model, what: str) -> None:
             f"or quantize a whole model."
         )
     get_adapter(config)  # an unsupported architecture gets the families compress knows
+    tensors = [*model.parameters(), *model.buffers()] if hasattr(model, "parameters") else []
+    meta = [t for t in tensors if t.is_meta]
+    if meta:
+        raise CompressError(
+            f"{what}: {len(meta)} of the model's {len(tensors)} tensors are on the meta device "
+            f"(shapes without data: built under init_empty_weights, torch.device('meta') or "
+            f"device_map='meta'). Load the weights first, e.g. "
+            f"AutoModelForCausalLM.from_pretrained(FOLDER)."
+        )
+
+
+def check_not_quantized(model) -> None:
+    """Refuse a model with ``quantization_config`` set or decoder linears that are no longer
+    ``nn.Linear`` (a quantized run folder loaded by ``checkpoint.load_run``)."""
+    from torch import nn
+
+    from compress.adapters import get_adapter
+
+    done = [
+        f"{name} is {type(m).__name__}"
+        for name, m in get_adapter(model.config).all_linears(model).items()
+        if not isinstance(m, nn.Linear)
+    ]
+    if getattr(model.config, "quantization_config", None) or done:
+        why = done[0] if done else "model.config.quantization_config is set"
+        raise CompressError(
+            f"this model is already quantized ({why}); quantizing it again would round "
+            f"rounded weights. Quantize the full-precision model instead."
+        )
 
 
 def save(model, folder, tokenizer=None) -> Path:
     """Write ``model`` (quantized by ``quantize`` or not) as a checkpoint folder that
     ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read; a quantized model's
-    unquantized tensors are saved as a recipe run saves them (``checkpoint.unquantized_dtype``)."""
-    from compress.checkpoint import save_checkpoint, unquantized_dtype
-    from compress.run_folder import atomic_dir, check_writable, commit_dir
+    unquantized tensors are saved as a recipe run saves them (``checkpoint.unquantized_dtype``).
 
+    As a run writes its folder: claimed by a lock (another writer is refused), what killed
+    writers into it left is removed first, written under a temporary name with a
+    ``manifest.json`` (so loading verifies it) and renamed into place; a full disk is one
+    paragraph and leaves nothing (``compress.run_folder``)."""
+    import shutil
+
+    from compress.checkpoint import save_checkpoint, unquantized_dtype
+    from compress.manifest import write_manifest
+    from compress.run_folder import (
+        atomic_dir,
+        check_writable,
+        commit_dir,
+        lock_folder,
+        no_space,
+        sweep,
+    )
+    from compress.source import Source
+
+    model = unwrap(model)  # torch.compile's wrapper would prefix every name with _orig_mod.
     check_model(model, "save")
     if not isinstance(folder, (str, Path)) or not str(folder):
         raise CompressError(f"save takes a folder path, not {folder!r}.")
@@ -237,20 +314,22 @@ def save(model, folder, tokenizer=None) -> Path:
             f"not {type(tokenizer).__name__}; or leave it out."
         )
     check_writable(folder, "the folder")
-    if folder.exists() and any(folder.iterdir()):
-        raise CompressError(f"'{folder}' already exists and is not empty; pick another folder.")
-    qcfg = getattr(model.config, "quantization_config", None)
-    tmp = atomic_dir(folder)
-    try:
-        qcfg = qcfg if isinstance(qcfg, dict) else None
-        dtype = unquantized_dtype(model, getattr(model.config, "dtype", None)) if qcfg else None
-        save_checkpoint(
-            model, tokenizer, tmp, qcfg, dtype
-        )  # unquantized tensors as a recipe run saves them
-        commit_dir(tmp, folder)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with no_space(folder, "the folder"), lock_folder(folder, "the folder") as lock:
+        sweep(folder, lock)
+        if folder.exists() and any(folder.iterdir()):
+            raise CompressError(f"'{folder}' already exists and is not empty; pick another folder.")
+        qcfg = getattr(model.config, "quantization_config", None)
+        tmp = atomic_dir(folder)
+        try:
+            qcfg = qcfg if isinstance(qcfg, dict) else None
+            dtype = unquantized_dtype(model, getattr(model.config, "dtype", None)) if qcfg else None
+            # unquantized tensors as a recipe run saves them
+            save_checkpoint(model, tokenizer, tmp, qcfg, dtype)
+            name = str(getattr(model.config, "name_or_path", "") or "")
+            recipe = {"saved_by": "compress.save", "quantization_config": qcfg}
+            write_manifest(tmp, recipe, Source(name, "", ""), {}, False)
+            commit_dir(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return folder

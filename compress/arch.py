@@ -167,6 +167,13 @@ def _rope_of(config, kind: str, head_dim: int) -> tuple:
         if theta is None:
             _refuse(config, "gives no rope_theta", "set rope_parameters.rope_theta.")
         params["rope_theta"] = theta
+    theta = params["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        _refuse(
+            config,
+            f"has rope_theta={theta!r}",
+            "RoPE's base must be a finite number > 0 (10000 to 1e6 in most models).",
+        )
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         _refuse(

@@ -33,6 +33,7 @@ from compress.adapters import get_adapter, set_module
 from compress.arch import spec_of
 from compress.errors import CompressError
 from compress.formats import quantized_layer
+from compress.manifest import check_loadable
 from compress.offload import disk, empty_model, make_lazy
 from compress.shards import (
     MAX_SHARD_BYTES,
@@ -250,13 +251,11 @@ def read_config(folder: Path) -> tuple[object, dict | None]:
 
 
 def read_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+    """The folder's tokenizer (``compress.tokenizer.load_tokenizer``: files that do not parse are
+    a CompressError), or None when it has no ``tokenizer_config.json``."""
+    from compress.tokenizer import load_tokenizer
 
-    return (
-        AutoTokenizer.from_pretrained(folder)
-        if (folder / "tokenizer_config.json").exists()
-        else None
-    )
+    return load_tokenizer(folder) if (folder / "tokenizer_config.json").exists() else None
 
 
 def check_finite(model: nn.Module, where: str) -> None:
@@ -271,9 +270,14 @@ def check_finite(model: nn.Module, where: str) -> None:
             )
 
 
-def load_run(folder) -> tuple[nn.Module, object]:
-    """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``."""
+def load_run(folder, verify: bool = True) -> tuple[nn.Module, object]:
+    """Load a run folder (or any HF folder of the Llama family) as ``(model, tokenizer)``.
+
+    ``verify`` checks the folder against its manifest first (``manifest.check_loadable``: an
+    unfinished or edited run folder is refused); ``verify=False`` loads it as it is."""
     folder = Path(folder)
+    if verify:
+        check_loadable(folder)
     config, qcfg = read_config(folder)
     model = build_model(config, qcfg)
     load_state(model, read_tensors(folder), str(folder))

@@ -139,9 +139,95 @@ def _fits(value, ref) -> bool:
     return isinstance(value, dict)
 
 
+# keys that take null although a recipe sets them: what null means is in the recipe's comment
+NULLABLE = (
+    "eval.windows",
+    "eval.device",
+    "awq.search_samples",
+    "decode.threads",
+    "prune.target_params",
+    "prune.export.",
+    "prune.calib.",
+    "attn.kv_heads",
+    "distill.data",
+    "distill.checkpoint_dir",
+    "hub.repo_id",
+    "hub.revision",
+    "iam.small",
+)
+
+
+def _nullable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NULLABLE)
+
+
+def _refuse_removal(o, ref, recipe: str) -> None:
+    """``~KEY``, or ``KEY=null`` where null means nothing: the run would read a missing value."""
+    key = o.key_or_group
+    if isinstance(ref, ListConfig):
+        ref = OmegaConf.to_container(ref, resolve=False)
+    if isinstance(ref, (DictConfig, dict)):
+        keys = ", ".join(f"{key}.{k}" for k in list(ref)[:3])
+        raise CompressError(
+            f"{o.input_line}: {key} is a group of keys ({keys}, ...) that the run reads; set "
+            f"one of them instead (`python -m compress recipe={recipe} --cfg job` prints them)."
+        )
+    if o.is_delete():
+        raise CompressError(
+            f"{o.input_line}: the run reads {key} (the recipe has {key}={_spell(ref)}), so it "
+            f"cannot be removed; set {key}=VALUE instead."
+        )
+    raise CompressError(
+        f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={_spell(ref)}) and "
+        f"has no null setting; give a value, or leave the override out to keep the recipe's."
+    )
+
+
+def _check_interpolations(cfg: DictConfig, parsed) -> None:
+    """Resolve every override that interpolates (``${oc.env:NAME}``, ``${now:...}``) now, before
+    Hydra or the run reads it (``${hydra:...}`` exists only once Hydra runs)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    todo = [
+        o
+        for o in parsed
+        if isinstance(o.value(), str) and "${" in o.value() and "${hydra:" not in o.value()
+    ]
+    if not todo:
+        return
+    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for o in todo:
+        OmegaConf.update(trial, o.key_or_group, o.value(), merge=False, force_add=True)
+    for o in todo:
+        try:
+            OmegaConf.select(trial, o.key_or_group, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            raise CompressError(
+                f"{o.input_line}: the interpolation cannot be resolved "
+                f"({str(e).splitlines()[0]}). Set the environment variable it reads, give it a "
+                f"default (${{oc.env:NAME,DEFAULT}}), or write the value itself."
+            ) from None
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every interpolation of the composed config resolves (an environment variable a recipe
+    reads without a default is unset: found now, not when a stage reads the key)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "a key"
+        raise CompressError(
+            f"{key}: its interpolation cannot be resolved ({str(e).splitlines()[0]}). Set the "
+            f"environment variable it reads, or override {key} with a value."
+        ) from None
+
+
 def check_overrides(recipe: str, overrides: list[str]) -> None:
     """Refuse an override whose key the recipe lacks (with did-you-mean) or whose value is of the
-    wrong kind, and a group selection (``model=NAME``) with no such config."""
+    wrong kind, ``~KEY`` and ``KEY=null`` where the run needs a value, an interpolation that does
+    not resolve, and a group selection (``model=NAME``) with no such config."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -158,6 +244,12 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
     group_names = groups()
     selections = [o.input_line for o in parsed if o.key_or_group in group_names]
     for o in parsed:
+        if o.key_or_group in group_names and o.is_delete():
+            group = o.key_or_group
+            raise CompressError(
+                f"{o.input_line}: the run needs a {group} config; select another with "
+                f"{group}=NAME ({', '.join(available(group))}) or set its keys ({group}.KEY=VALUE)."
+            )
         if o.key_or_group in group_names:
             if o.value() not in available(o.key_or_group):
                 group = o.key_or_group
@@ -191,6 +283,9 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
                 f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
                 f"recipe={recipe} --cfg job` prints every key."
             )
+        removal = o.is_delete() or (o.value() is None and ref is not None and not _nullable(key))
+        if removal and not key.startswith("hydra."):
+            _refuse_removal(o, ref, recipe)
         if o.is_delete() or o.is_sweep_override():
             continue
         if isinstance(ref, (DictConfig, ListConfig)):
@@ -202,6 +297,7 @@ def check_overrides(recipe: str, overrides: list[str]) -> None:
                 f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={shown}), "
                 f"not {_kind(value)} {value!r}."
             )
+    _check_interpolations(cfg, parsed)
 
 
 def compose(recipe: str, overrides=()) -> DictConfig:
@@ -210,13 +306,76 @@ def compose(recipe: str, overrides=()) -> DictConfig:
     return _compose(recipe, list(overrides))
 
 
-def _positive_int(cfg, key: str, null_ok: bool = False) -> None:
+def _positive_int(cfg, key: str, null_ok=False, low=1, why="", group="") -> None:
+    """``cfg[key]`` is an integer >= ``low`` (or null); ``group`` prefixes the key shown."""
     value = OmegaConf.select(cfg, key, default=None)
     if value is None and null_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        key = group + key
         raise CompressError(
-            f"{key}={value!r}: {key} takes a positive integer{' or null' if null_ok else ''}."
+            f"{key}={value!r}: {key} takes {kind}{' or null' if null_ok else ''}{why}."
+        )
+
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed's largest seed
+
+
+def check_sizes(cfg) -> None:
+    """``seed`` and the token counts every run reads (``eval.*``, ``calib.*``)."""
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise CompressError(
+            f"seed={seed!r}: the seed is an integer from 0 to 2**64-1 ({SEED_MAX}), the range "
+            f"torch.manual_seed takes."
+        )
+    pairs = " (a window scores each token after the first: 2 tokens at least)"
+    _positive_int(cfg, "eval.seqlen", low=2, why=pairs)
+    _positive_int(cfg, "calib.seqlen", low=2, why=pairs.replace("a window scores", "a sample"))
+    _positive_int(cfg, "calib.samples")
+    _positive_int(cfg, "eval.windows", null_ok=True)
+
+
+def _recipes_with(stage: str) -> list[str]:
+    """Recipes whose ``stages:`` line names ``stage``."""
+    out = []
+    for name in available():
+        for line in (RECIPES / f"{name}.yaml").read_text().splitlines():
+            if line.startswith("stages:") and stage in line.split("#")[0]:
+                out.append(name)
+    return out
+
+
+def check_stage_list(cfg) -> None:
+    """Known stage names whose settings group the recipe has, each once, and at most one
+    quantization stage, the last: what it writes (packed integer layers) no stage can
+    quantize again or train."""
+    from compress.stages import get_stage
+
+    stages = list(cfg.stages)
+    for name in stages:
+        get_stage(name)
+        group = {"gqa": "attn", "cla": "attn"}.get(name, name)
+        if not isinstance(cfg.get(group), DictConfig):
+            has = ", ".join(_recipes_with(name)) or "none"
+            raise CompressError(
+                f"stages={_spell(stages)}: the {name} stage reads its settings from {group}.*, "
+                f"which recipe {cfg.name} does not have. Use a recipe that runs it ({has})."
+            )
+    shown = _spell(stages)
+    twice = [s for i, s in enumerate(stages) if s in stages[:i]]
+    if twice:
+        raise CompressError(
+            f"stages={shown}: {twice[0]} is listed twice; a stage runs once, with the settings "
+            f"of its group ({twice[0]}.*). List it once."
+        )
+    quant = [s for s in stages if s in LAYERWISE_STAGES]
+    if len(quant) > 1 or (quant and stages[-1] != quant[0]):
+        raise CompressError(
+            f"stages={shown}: {quant[0]} replaces the linears by quantized ones, which no later "
+            f"stage can quantize again or change. Use one of {', '.join(LAYERWISE_STAGES)}, "
+            f"as the last stage."
         )
 
 
@@ -331,14 +490,11 @@ def validate(cfg: DictConfig) -> None:
     """Everything a run can check before loading the model: costs milliseconds."""
     from compress.data import check_source
     from compress.source import check_path
-    from compress.stages import get_stage
 
-    for name in cfg.stages:
-        get_stage(name)
+    check_resolvable(cfg)
+    check_stage_list(cfg)
     check_distributed(cfg)
-    for key in ("eval.seqlen", "calib.samples", "calib.seqlen"):
-        _positive_int(cfg, key)
-    _positive_int(cfg, "eval.windows", null_ok=True)
+    check_sizes(cfg)
     if cfg.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise CompressError(
             f"model.dtype={cfg.model.dtype}: use auto (the stored dtype), float32, bfloat16 or "
@@ -347,7 +503,7 @@ def validate(cfg: DictConfig) -> None:
     check_offload(cfg)
 
     config = check_path(str(cfg.model.path))
-    in_features = {}
+    in_features, hf_config = {}, None
     if config is not None:
         from compress.hf_config import config_from_dict
 
@@ -355,6 +511,14 @@ def validate(cfg: DictConfig) -> None:
         in_features = layer_in_features(hf_config)
         check_family(cfg, hf_config)
     check_stage_settings(cfg, in_features)
+    if "prune" in cfg.stages:
+        from compress.prune.stage import check
+
+        check(cfg)
+    if "distill" in cfg.stages:
+        from compress.train.distill import check
+
+        check(cfg)
 
     if "iam" in cfg.stages:
         from compress.iam.stage import check_settings
@@ -383,6 +547,38 @@ def validate(cfg: DictConfig) -> None:
     from compress.hub import check_config
 
     check_config(cfg.get("hub"))
+    if hf_config is not None:
+        check_positions(cfg, hf_config)
+
+
+def check_positions(cfg, hf_config) -> None:
+    """Sequence lengths within the model's ``max_position_embeddings`` (config.json): a window
+    beyond it is scored at positions the model never had; the decoder's prompt and prefill
+    (the start of the first eval window) must leave room for a generated token."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit < 2:
+        return
+    lengths = [("eval.seqlen", cfg.eval.seqlen)]
+    if needs_calibration(cfg):
+        lengths.append(("calib.seqlen", cfg.calib.seqlen))
+    if "distill" in cfg.stages:
+        lengths.append(("distill.seqlen", cfg.distill.get("seqlen", 512)))
+    for key, n in lengths:
+        if n > limit:
+            raise CompressError(
+                f"{key}={n} is beyond the model's max_position_embeddings={limit} "
+                f"(config.json of {cfg.model.path}): it would run positions the model was never "
+                f"trained on. Use {key}={limit} or less."
+            )
+    if cfg.decode.enabled:
+        for key in ("decode.prompt_tokens", "decode.prefill_tokens"):
+            n = min(OmegaConf.select(cfg, key), cfg.eval.seqlen)
+            if n >= limit:
+                raise CompressError(
+                    f"{key}: the decoder's prompt of {n} tokens (the start of the first eval "
+                    f"window) fills the model's max_position_embeddings={limit}, leaving no "
+                    f"position to generate in. Set {key}={limit - 1} or less."
+                )
 
 
 def check_family(cfg, hf_config) -> None:
@@ -442,9 +638,9 @@ def check_stage_settings(cfg, in_features: dict[str, int]) -> None:
                 )
             check_group_size(cfg[stage].group_size, in_features, f"{stage}.group_size")
     if "awq" in cfg.stages:
-        from compress.quant.awq import check_grouped
+        from compress.quant.awq import check
 
-        check_grouped(cfg.awq.group_size)
+        check(cfg)
     if "llm_int8" in cfg.stages:
         from compress.quant.llm_int8 import check_settings
 
@@ -459,6 +655,17 @@ def check_decode(dcfg) -> None:
         raise CompressError(
             f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
             f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
+        )
+    off = "; or decode.enabled=false to skip the decoder's figures"
+    for key in ("prompt_tokens", "prefill_tokens"):
+        _positive_int(dcfg, key, why=off, group="decode.")
+    first = " (decode_tok_s times the tokens after the first)"
+    _positive_int(dcfg, "new_tokens", low=2, why=first + off, group="decode.")
+    if dcfg.get("compile") and dcfg.kv not in ("fp16", "full"):
+        raise CompressError(
+            f"decode.compile=true with decode.kv={dcfg.kv}: the compiled decode step keeps an "
+            f"uncompressed cache. Use decode.kv=fp16 (or full) to measure it compiled, or "
+            f"decode.compile=false to measure the {dcfg.kv} cache."
         )
     from compress.kernels.w4a8_cpu import KERNELS
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from compress.data import read_text
 from compress.errors import CompressError
+from compress.tokenizer import check_ids, load_tokenizer
 
 CHUNK_CHARS = 1 << 17
 KEYS = {"eval": "data.eval.source", "calib": "data.calib.source", "distill": "distill.data"}
@@ -62,16 +63,7 @@ def _tokenizer(cfg):
     where, _ = resolve_path(str(cfg.model.path))
     if not isinstance(where, Path):
         return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - a folder whose tokenizer transformers cannot read
-        raise CompressError(
-            f"the tokenizer of model '{cfg.model.path}' cannot be loaded ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the folder needs the tokenizer "
-            f"files save_pretrained writes (tokenizer.json, tokenizer_config.json)."
-        ) from None
+    return load_tokenizer(where, cfg.model.trust_remote_code, name=cfg.model.path)
 
 
 def needs(cfg) -> list[tuple[str, str, int, str]]:
@@ -154,9 +146,4 @@ def check_token_ids(tokens, vocab_size: int, what: str = "calibration") -> None:
             f"{what} token ids have shape {tuple(tokens.shape)}: give at least one sample of "
             f"two or more tokens."
         )
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        raise CompressError(
-            f"{what} token ids run from {low} to {high}, outside the model's vocabulary "
-            f"[0, {vocab_size}); tokenize with the model's own tokenizer."
-        )
+    check_ids(tokens, vocab_size, what)

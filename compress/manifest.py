@@ -14,6 +14,12 @@ A safetensors file is laid out as (the format's spec)::
 
 with offsets relative to the start of the data and the tensors covering it without holes; so
 the header's hash and every tensor's hash together cover every byte of the file.
+
+Loading checks a folder first (``check_loadable``: ``decoder.model.load``, ``checkpoint.load_run``;
+the CLIs call ``verify_folder``): every file of the folder must be listed, except the documents
+in ``UNCHECKED`` and the Hub's own bookkeeping (``HUB_FILES``), which no loader reads. A folder
+without a manifest passes (a plain HF checkpoint) unless it is one of ours: a run's temporary
+or spill folder, a folder holding ``run_folder.INCOMPLETE``, or one with a run's report.
 """
 
 import hashlib
@@ -27,12 +33,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from compress.errors import CompressError
-from compress.run_folder import sha256_file
+from compress.run_folder import INCOMPLETE, incomplete, own_temporary, sha256_file
 from compress.version import __version__
 
 MANIFEST = "manifest.json"
 # documents a person may edit (the model card, the report); loading reads none of them
 UNCHECKED = ("README.md", "report.md", "report.json")
+# what the Hub adds to a folder it pushed and downloaded again (``hf download --local-dir``);
+# no loader reads them
+HUB_FILES = (".gitattributes",)
+HUB_FOLDERS = (".cache/huggingface/",)
+_VERIFIED: dict[str, tuple] = {}  # folder -> the stat of its files when it last verified
+_SKIPPED: set[str] = set()  # folders the user chose to load unverified (--no-verify)
 
 
 def git_commit() -> str | None:
@@ -113,7 +125,7 @@ def write_manifest(
     files = {
         str(p.relative_to(folder)): file_entry(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.relative_to(folder).as_posix() not in (MANIFEST, INCOMPLETE)
     }
     manifest = {
         "recipe": recipe,
@@ -200,19 +212,68 @@ def _compare_tensors(folder: Path, name: str, entry: dict, view, skip: str) -> N
         )
 
 
-def verify_folder(folder, skip: str = "--no-verify") -> bool:
-    """Check ``folder``'s files against its ``manifest.json`` (a folder without one passes: a
-    plain HF checkpoint). Returns whether there was a manifest to check.
+def _listed_or_exempt(name: str, files: dict) -> bool:
+    return (
+        name in files
+        or name == MANIFEST
+        or Path(name).name in UNCHECKED
+        or name in HUB_FILES
+        or name.startswith(HUB_FOLDERS)
+    )
 
-    Every listed file but the documents in ``UNCHECKED`` must exist with its recorded size and
-    sha256; a safetensors file with per-tensor hashes is checked tensor by tensor (in threads)
-    so that the refusal names the tensor; a ``*.safetensors`` file the manifest does not list is
-    refused (the loader would read it). ``skip`` names how to turn the check off, for the message.
+
+def _stats(folder: Path) -> tuple:
+    """What changes when a file of ``folder`` is written, replaced, added or removed."""
+    out = []
+    for p in folder.rglob("*"):
+        try:
+            st = p.stat()
+        except OSError:  # a dangling link
+            st = p.lstat()
+        out.append((p.relative_to(folder).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sorted(out))
+
+
+def _ours_without_manifest(folder: Path, skip: str) -> None:
+    """Refuse a folder that one of our runs made but that has no manifest."""
+    for report in ("report.json", "report.md"):
+        if (folder / report).is_file():
+            raise CompressError(
+                f"run folder '{folder}' has a run's {report} but no {MANIFEST}: the manifest was "
+                f"removed, or the folder was copied without it, so what it holds cannot be "
+                f"checked. Copy the folder again or re-run the recipe; to load it unverified "
+                f"anyway, use {skip}."
+            )
+
+
+def verify_folder(folder, skip: str = "--no-verify") -> bool:
+    """Check ``folder``'s files against its ``manifest.json``. Returns whether there was a
+    manifest to check (a plain HF checkpoint has none).
+
+    Refused: an unfinished run's folder (``run_folder.incomplete``: a temporary or spill folder,
+    or one holding the incomplete mark), even with a manifest; a folder of ours without a
+    manifest (``_ours_without_manifest``); a file the manifest does not list (anything a loader
+    may read: weights, a chat template, tokenizer files), but for ``UNCHECKED`` documents and
+    the Hub's bookkeeping; every listed file but the ``UNCHECKED`` documents must exist with its
+    recorded size and sha256; a safetensors file with per-tensor hashes is checked tensor by
+    tensor (in threads) so that the refusal names the tensor. ``skip`` names how to turn the
+    check off, for the message. A folder this process is writing (``own_temporary``) passes.
     """
     folder = Path(folder)
+    if not folder.is_dir() or own_temporary(folder):
+        return False
+    why = incomplete(folder)
+    if why:
+        raise CompressError(
+            f"'{folder}' is not a finished run folder: {why}. It is incomplete and does not "
+            f"load; the next run (or compress.save) into the same place removes it once its "
+            f"writer is gone, or delete it yourself."
+        )
     path = folder / MANIFEST
     if not path.is_file():
+        _ours_without_manifest(folder, skip)
         return False
+    before = _stats(folder)
     try:
         files = json.loads(path.read_text())["files"]
         if not isinstance(files, dict):
@@ -221,8 +282,9 @@ def verify_folder(folder, skip: str = "--no-verify") -> bool:
         raise _refuse(
             folder, f"{MANIFEST} cannot be read (it has no 'files' table)", skip
         ) from None
-    for name in sorted(p.name for p in folder.glob("*.safetensors")):
-        if name not in files:
+    present = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    for name in present:
+        if not _listed_or_exempt(name, files):
             raise _refuse(folder, f"'{name}' is not listed in {MANIFEST}", skip)
     for name, entry in sorted(files.items()):
         if Path(name).name in UNCHECKED:
@@ -246,4 +308,24 @@ def verify_folder(folder, skip: str = "--no-verify") -> bool:
             )
         if sha256_file(p) != entry.get("sha256"):
             raise _refuse(folder, f"'{name}' does not match the sha256 the manifest recorded", skip)
+    _VERIFIED[os.path.realpath(folder)] = before
     return True
+
+
+def skip_verification(folder) -> None:
+    """The user chose to load ``folder`` unverified (``--no-verify``): ``check_loadable`` lets
+    it through in this process."""
+    _SKIPPED.add(os.path.realpath(folder))
+
+
+def check_loadable(folder, skip: str = "verify=False") -> None:
+    """What a loader runs first: ``verify_folder``, unless this process verified ``folder``
+    already and none of its files changed since (same names, sizes, mtimes and inodes: the
+    CLIs verify, then load), or the user chose to skip it (``skip_verification``)."""
+    folder = Path(folder)
+    key = os.path.realpath(folder)
+    if key in _SKIPPED:
+        return
+    if key in _VERIFIED and folder.is_dir() and _VERIFIED[key] == _stats(folder):
+        return
+    verify_folder(folder, skip)

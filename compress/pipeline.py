@@ -5,13 +5,21 @@ order (each a function ``(model, ctx) -> model``), writes the checkpoint into a
 temporary sibling of ``run_dir``, evaluates *the saved checkpoint* against the
 source, writes report and manifest, and only then renames the folder into
 place. An interrupted run leaves no run folder that looks complete.
+
+A run claims its folder first (``run_folder.lock_folder``: a second run into the same folder
+is refused) and removes the temporary and spill folders that killed runs into it left
+(``run_folder.sweep``). A full disk is one paragraph (``run_folder.no_space``).
+
+``COMPRESS_TEST_PAUSE_AT=POINT`` (tests only) stops the run at POINT, one of ``PAUSE_POINTS``:
+it prints ``compress: paused at POINT (pid N)`` on stderr and sleeps (up to 5 minutes, then goes
+on), for a test to kill it there (``tests/test_robust_run_folder.py``).
 """
 
 import logging
 import os
 import resource
 import shutil
-import tempfile
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +47,33 @@ from compress.manifest import verify_folder, write_manifest
 from compress.model_card import write_model_card
 from compress.offload import is_lazy, resident_to, share_unchanged
 from compress.quant.head import quantize_head
-from compress.run_folder import atomic_dir, check_writable, commit_dir
+from compress.run_folder import (
+    atomic_dir,
+    check_writable,
+    commit_dir,
+    lock_folder,
+    no_space,
+    spill_dir,
+    sweep,
+)
 from compress.source import cache_dir, load_lazy, load_model
 from compress.stages import get_stage
 
 log = logging.getLogger(__name__)
+
+RUN_DIR = "run folder (hydra.run.dir)"
+PAUSE_ENV = "COMPRESS_TEST_PAUSE_AT"
+# the spill holds the stages' layers; the temporary folder exists; it holds the checkpoint;
+# it holds the manifest (the rename into place is next)
+PAUSE_POINTS = ("spill_made", "temp_made", "weights_written", "manifest_written")
+
+
+def pause_point(point: str) -> None:
+    """Stop here when ``COMPRESS_TEST_PAUSE_AT`` names ``point`` (tests kill the run there)."""
+    if os.environ.get(PAUSE_ENV) != point:
+        return
+    print(f"compress: paused at {point} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    time.sleep(300)
 
 
 @dataclass
@@ -125,21 +155,103 @@ def check_run(cfg: DictConfig, run_dir: Path) -> None:
     check_inputs(cfg)
 
 
+def _leader() -> bool:
+    """Whether this process writes the run folder (process 0 of ``accelerate launch``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return world <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
+
+
+def hydra_files(run_dir: Path) -> list[Path]:
+    """What Hydra wrote into ``run_dir`` before the run: ``hydra.output_subdir`` (the recipes
+    set null) and the files of ``hydra/job_logging``'s file handlers (the recipes log to
+    stdout)."""
+    found = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            if hc.output_subdir and Path(hc.runtime.output_dir).resolve() == run_dir.resolve():
+                found.append(run_dir / hc.output_subdir)
+    except ImportError:
+        pass
+    for h in _file_handlers(run_dir):
+        found.append(Path(h.baseFilename))
+    return [p for p in dict.fromkeys(found) if p.exists()]
+
+
+def _loggers() -> list[logging.Logger]:
+    named = logging.Logger.manager.loggerDict.values()
+    return [logging.getLogger()] + [x for x in named if isinstance(x, logging.Logger)]
+
+
+def _file_handlers(run_dir: Path) -> list[logging.FileHandler]:
+    inside = run_dir.resolve()
+    return [
+        h
+        for lg in _loggers()
+        for h in lg.handlers
+        if isinstance(h, logging.FileHandler) and inside in Path(h.baseFilename).resolve().parents
+    ]
+
+
+def refuse_hydra_files(run_dir: Path, remove: bool) -> None:
+    """Refuse ``hydra.output_subdir`` and a ``hydra/job_logging`` that writes a file into the
+    run folder: the folder holds only what the run writes (every file is listed in the manifest
+    and checked on load). ``remove``: delete what Hydra wrote there (the writer of the folder)."""
+    found = hydra_files(run_dir)
+    if not found:
+        return
+    handlers = _file_handlers(run_dir)
+    for lg in _loggers():
+        for h in [h for h in lg.handlers if h in handlers]:
+            lg.removeHandler(h)
+            h.close()
+    for p in found if remove else ():
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    names = ", ".join(f"'{p.relative_to(run_dir)}'" for p in found)
+    raise CompressError(
+        f"Hydra wrote {names} into the run folder '{run_dir}' (hydra.output_subdir or a "
+        f"hydra/job_logging with a log file), but a run folder holds only what the run writes: "
+        f"every file is listed in manifest.json and checked on load. Leave both at the recipes' "
+        f"defaults (hydra.output_subdir=null, hydra/job_logging=stdout): manifest.json records "
+        f"the resolved recipe, and the log goes to stdout (`... 2>&1 | tee run.log` keeps it)."
+    )
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Run a recipe into ``run_dir``; returns the report.
 
-    Ctrl-C raises ``Interrupted`` (a KeyboardInterrupt) naming the temporary folder it removed.
+    The folder is claimed first (``lock_folder``: another run into it is refused) and what
+    killed runs into it left is removed (``sweep``). Ctrl-C raises ``Interrupted`` (a
+    KeyboardInterrupt) naming the temporary folder it removed.
     """
     run_dir = Path(run_dir)
+    lock = None
     try:
-        check_run(cfg, run_dir)
-        return _run(cfg, run_dir)
+        with no_space(run_dir, "run folder"):
+            check_writable(run_dir, RUN_DIR)
+            if _leader():
+                lock = lock_folder(run_dir, RUN_DIR)
+            refuse_hydra_files(run_dir, remove=lock is not None)
+            if lock is not None:
+                sweep(run_dir, lock)
+            check_run(cfg, run_dir)
+            return _run(cfg, run_dir)
     except BaseException as e:
-        if run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # Hydra's empty placeholder: leave no folder rather than an empty one
+        placeholder = lock is not None or not _leader()  # never another run's folder
+        if placeholder and run_dir.is_dir() and not run_dir.is_symlink():
+            if not any(run_dir.iterdir()):
+                run_dir.rmdir()  # Hydra's empty placeholder: no folder rather than an empty one
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
             raise Interrupted() from None  # before the temporary folder existed
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def decoder_default(qcfg: dict | None, head: str) -> dict:
@@ -184,8 +296,7 @@ def load_source(cfg: DictConfig, run_dir: Path):
     m = cfg.model
     offload = check_offload(cfg)
     if offload != "host" and layerwise(cfg) and m.dtype in ("auto", "float32"):
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        spill = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.layers-", dir=run_dir.parent))
+        spill = spill_dir(run_dir)
         try:
             got = load_lazy(m.path, m.trust_remote_code, spill)
         except BaseException:
@@ -232,6 +343,8 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         log.info("stage %s", name)
         model = fn(model, ctx)
         timings[name] = round(time.time() - t, 2)
+    if spill is not None:
+        pause_point("spill_made")
     rank = int(os.environ.get("RANK", "0") or 0)
     if check_distributed(cfg) > 1 and rank != 0:  # process 0 exports and evaluates
         log.info("process %d: stages done; process 0 writes the run folder", rank)
@@ -240,6 +353,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
     tmp = atomic_dir(run_dir)
     head = (cfg.get("quant") or {}).get("lm_head", "none")
     try:
+        pause_point("temp_made")
         t = time.time()
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
         weight_bytes, linear_bytes = _weight_bytes(model, dtype)
@@ -250,6 +364,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / name)
         del model
+        pause_point("weights_written")
         timings["export"] = round(time.time() - t, 2)
 
         t = time.time()
@@ -333,6 +448,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         write_report(tmp, report)
         write_model_card(tmp, report, recipe, {"name": source.name, "path": source.path})
         write_manifest(tmp, recipe, source, timings, bool(m.trust_remote_code))
+        pause_point("manifest_written")
         commit_dir(tmp, run_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -160,7 +160,19 @@ def weight_files(folder: Path) -> list[Path]:
                 f"incomplete: copy or download it again."
             )
         return files
-    return sorted(folder.glob("*.safetensors"))
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:  # a name matches, but a broken or looping symlink, or a folder, cannot be read
+        if not f.is_file():
+            try:
+                f.stat()
+                why = "not a file"
+            except OSError as e:
+                why = (e.strerror or str(e)).lower()
+            raise CompressError(
+                f"weights file '{f}' cannot be read ({why}): a broken or looping symlink, or not "
+                f"a file. Put the real file there, or copy or download the checkpoint again."
+            )
+    return files
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:

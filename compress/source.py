@@ -22,6 +22,7 @@ from compress.checkpoint import check_finite, guard_safetensors, save_checkpoint
 from compress.embedded import EMBEDDED, embedded_model, gguf_file
 from compress.errors import CompressError
 from compress.run_folder import atomic_dir, commit_dir, sha256_file, sha256_files
+from compress.tokenizer import check_vocabulary, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ def check_path(path: str) -> dict | None:
             f"Point model.path at a folder written by save_pretrained, or at a hub id."
         )
     from compress.hf_config import read_config_json
+    from compress.shards import weight_files
 
     config = read_config_json(p)
+    weight_files(p)  # a weights file that cannot be opened (a symlink loop), before any loading
     qcfg = config.get("quantization_config")
     if qcfg:
         made_from = ""
@@ -170,7 +173,7 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
     (``compress.checkpoint.open_lazy``: read one at a time, memory-mapped, widened to float32),
     or None when the source cannot be read that way: a hub id, remote code, no safetensors,
     layers with state outside their weights, or layers that read another layer's K/V (CLA)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from compress.checkpoint import open_lazy
     from compress.offload import layer_buffers_ok
@@ -185,17 +188,18 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
     spec = spec_of(config)
     if spec.n_slots < spec.n_layers:  # CLA: a layer reads the K/V another computed in the forward
         return None
+    tok = load_tokenizer(where, name=path)
+    check_vocabulary(tok, config.vocab_size, path)
     model = open_lazy(where, None, config, spill)
     if not layer_buffers_ok(model):
         return None
-    tok = AutoTokenizer.from_pretrained(where)  # tensors are checked for NaN/inf when read
     return model, tok, Source(name=name, path=str(where), sha256=source_sha(where))
 
 
 def load_model(path: str = DEFAULT_MODEL, dtype: str = "auto", trust_remote_code: bool = False):
     """Load ``(model, tokenizer, Source)`` in eval mode, validated. ``dtype`` ``auto`` keeps the
     stored dtype (``stored_dtype``: a bfloat16 checkpoint stays bfloat16)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import compress.formats.attention  # noqa: F401  (converted attention folders load without remote code)
 
@@ -210,11 +214,12 @@ def load_model(path: str = DEFAULT_MODEL, dtype: str = "auto", trust_remote_code
     get_adapter(config)  # fail early on unsupported architectures
     if dtype in (None, "auto"):
         dtype = stored_dtype(config)
+    tok = load_tokenizer(where, trust_remote_code, name=path)  # before the weights
+    check_vocabulary(tok, config.vocab_size, path)
     with guard_safetensors(where):
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         )
-    tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     model.eval()
     check_finite(model, f"model '{path}'")
     sha = source_sha(where) if isinstance(where, Path) else ""

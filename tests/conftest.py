@@ -1,19 +1,25 @@
 """Shared fixtures: data dir, a tiny random Llama with the real tokenizer, recipe composition."""
 
 import os
+import queue
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# the benchmark scripts (eval/, not a package) import each other by file name; so do their tests
-sys.path.insert(0, str(ROOT / "eval"))
+# the benchmark scripts (eval/bench/, not a package) import each other by file name; so do their tests
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 if (
     not torch.cuda.is_available()
 ):  # Triton decides at import whether to interpret: before any test imports a kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# a compile failure of the static decode step is an error here, not an eager fallback
+# (compress.decoder.compiled); set before any test, so subprocesses inherit it too
+os.environ["COMPRESS_STRICT_COMPILE"] = "1"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -55,6 +61,54 @@ def own_environment(monkeypatch, tmp_path):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Kill a test's subprocess and what it started (a launcher's ranks) if still running, close
+    its pipes and reap it, within ``timeout`` seconds: for ``finally`` blocks (never blocks)."""
+    import psutil
+
+    if proc.poll() is None:
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        for p in [proc, *family]:  # children first listed, then killed: none is missed
+            try:
+                p.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        psutil.wait_procs(family, timeout=timeout)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass  # unkillable (D state): reported by the test's own failure, never waited on forever
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            try:
+                stream.close()
+            except (OSError, ValueError, RuntimeError):  # a read_until thread still on it
+                pass
+
+
+def read_until(stream, found, timeout: float) -> str | None:
+    """The first line of the text pipe ``stream`` for which ``found(line)`` holds, read within
+    ``timeout`` seconds; None at end of stream or on timeout (then the reading thread ends when
+    the caller stops the process). Nothing after that line is read."""
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in stream:
+            if found(line):
+                lines.put(line)
+                return
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        return None
 
 
 def tiny_config(**overrides):

@@ -2,7 +2,7 @@
 the CLIs, no traceback, and no run folder left behind, before any expensive work.
 
 One test per class of issue 25 (checks after the work, raw tracebacks, the decoder CLI's
-sampling settings, leftovers), plus the quick subset of ``eval/hostile_sweep.py``."""
+sampling settings, leftovers), plus the quick subset of ``eval/bench/hostile_sweep.py``."""
 
 import json
 import shutil
@@ -38,9 +38,9 @@ def cli(*args, timeout=300):
 
 
 def script(name, *args, timeout=300):
-    """A script of ``eval/``, run from the repo root."""
+    """A script of ``eval/bench/``, run from the repo root."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "eval" / name), *args],
+        [sys.executable, str(ROOT / "eval" / "bench" / name), *args],
         check=False,
         capture_output=True,
         text=True,
@@ -119,6 +119,7 @@ def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypat
         "recipe=rtn_int4",
         f"model.path={hf}",
         f"data.eval.source={empty}",
+        "eval.seqlen=64",  # within the tiny model's 128 positions
         f"hydra.run.dir={out}",
     )
     assert_clear(r, "empty", "data.eval.source")
@@ -127,8 +128,14 @@ def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypat
     short = tmp_path / "short.txt"
     short.write_text("a few words of text. " * 4)
     for over, needle in (
-        ([f"data.eval.source={short}", "eval.seqlen=64", "eval.windows=8"], "eval.windows=8"),
-        ([f"data.calib.source={short}", "calib.samples=16", "calib.seqlen=64"], "calib.samples=16"),
+        (
+            [f"data.eval.source={short}", "eval.seqlen=64", "eval.windows=8", "calib.seqlen=64"],
+            "eval.windows=8",
+        ),
+        (
+            [f"data.calib.source={short}", "calib.samples=16", "calib.seqlen=64", "eval.seqlen=64"],
+            "calib.samples=16",
+        ),
     ):
         with pytest.raises(CompressError, match=needle):
             compress.run("awq_int4", *over, model=hf, out=out)

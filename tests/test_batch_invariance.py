@@ -44,7 +44,10 @@ def problem(B, H, Hkv, T, L, D, dtype, seed):
 def test_attention_matches_float64(dtype, shape):
     q, k, v, gather, hi = problem(*shape, dtype, seed=sum(shape))
     hi[0, 0] = 0 if hi.shape[1] > 1 else hi[0, 0]  # a padding column
-    out = paged_attn_cpu.attention(q, k, v, gather, hi, 0.3)
+    # into a NaN-poisoned buffer: every element written, so the zeros below are the kernel's
+    poisoned = torch.full((*q.shape[:3], v.shape[-1]), float("nan"))
+    out = paged_attn_cpu.attention(q, k, v, gather, hi, 0.3, out=poisoned)
+    assert out is poisoned
     ref = paged_attn_cpu.reference(q, k, v, gather, hi, 0.3)
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
     assert not out.transpose(1, 2)[hi == 0].any()  # a padding query (no visible key) gives zeros
@@ -52,6 +55,15 @@ def test_attention_matches_float64(dtype, shape):
     vv = k[..., : shape[-1] // 2]
     assert rel(paged_attn_cpu.attention(q, k, vv, gather, hi, 0.3),
                paged_attn_cpu.reference(q, k, vv, gather, hi, 0.3)) < 1e-5  # fmt: skip
+
+
+def test_attention_out_buffer_is_checked():
+    """``out=`` of another shape, dtype or layout is refused before the kernel writes through it."""
+    q, k, v, gather, hi = problem(2, 4, 2, 3, 9, 16, torch.float32, seed=5)
+    for bad in (torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 16, dtype=torch.float64),
+                torch.zeros(2, 4, 16, 3).transpose(2, 3)):  # fmt: skip
+        with pytest.raises(ValueError, match="contiguous float32 CPU out"):
+            paged_attn_cpu.attention(q, k, v, gather, hi, 0.3, out=bad)
 
 
 def test_a_row_is_the_same_bits_in_any_batch():

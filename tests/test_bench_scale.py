@@ -1,4 +1,4 @@
-"""eval/bench_scale.py at a tiny shape: the random bf16 folder it writes, and one table row."""
+"""eval/bench/bench_scale.py at a tiny shape: the random bf16 folder it writes, and one table row."""
 
 import json
 

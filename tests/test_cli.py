@@ -10,7 +10,7 @@ import pytest
 
 from compress.__main__ import rewrite_argv
 from compress.errors import CompressError
-from tests.conftest import DATA, ROOT, TINY_OVERRIDES
+from tests.conftest import DATA, ROOT, TINY_OVERRIDES, read_until, stop
 
 
 def cli(*args, env=None, timeout=120):
@@ -175,13 +175,18 @@ def test_ctrl_c_removes_the_temporary_folder(sig, code, tiny_dir, tmp_path):
     ]  # every window: an evaluation long enough to hit
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA), OMP_NUM_THREADS="1")
     proc = start(args, env)
-    deadline = time.time() + 120
-    while not list(tmp_path.glob(".run.tmp-*")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    tmp = list(tmp_path.glob(".run.tmp-*"))
-    assert tmp, "the run never wrote its temporary folder"
-    proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while (
+            not list(tmp_path.glob(".run.tmp-*")) and proc.poll() is None and time.time() < deadline
+        ):
+            time.sleep(0.05)
+        tmp = list(tmp_path.glob(".run.tmp-*"))
+        assert tmp, "the run never wrote its temporary folder"
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
     assert proc.returncode == code, stderr[-2000:]
     if sig == signal.SIGINT:
         assert (
@@ -209,11 +214,12 @@ def test_ctrl_c_before_anything_is_written(tiny_dir, tmp_path):
     ]
     env = dict(os.environ, COMPRESS_DATA_DIR=str(DATA))
     proc = start(args, env)
-    line = proc.stdout.readline()
-    while line and "loading" not in line:
-        line = proc.stdout.readline()
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        assert read_until(proc.stdout, lambda line: "loading" in line, 120), "never loaded"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
     assert (
         proc.returncode == 130
         and stderr.strip().splitlines()[-1] == "interrupted; nothing was written"

@@ -1,6 +1,8 @@
 """The built-in decoder against transformers, on a tiny random Llama (fast) and the default model (slow)."""
 
 import json
+import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -391,6 +393,7 @@ def test_compiled_step_matches_eager(ours):
         compiled.tokens == eager.tokens and compiled.kv_bytes_per_token == eager.kv_bytes_per_token
     )
     step = model.static_steps[2]
+    assert step.compiled_calls >= 15  # the compiled graph ran (not the eager fallback)
     start = torch.tensor([0, 4])
     a, b = static_cache(new_cache(model, "full", 2, 64)), new_cache(model, "full", 2, 64)
     padded = torch.tensor([prompts[0], [0] * 4 + prompts[1]])
@@ -467,6 +470,8 @@ def test_lean_load_keeps_one_form(tmp_path):
 
 
 def test_compiled_step_errors_and_fallback(ours, monkeypatch):
+    """For users a compile failure is a warning and the same step uncompiled (the suite's
+    ``COMPRESS_STRICT_COMPILE=1`` unset here)."""
     from compress.decoder.compiled import StaticDecoder
 
     model, _ = ours
@@ -476,6 +481,7 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
 
+    monkeypatch.delenv("COMPRESS_STRICT_COMPILE")
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(UserWarning, match="no compiler here"):
         step = StaticDecoder(model, 1)
@@ -487,6 +493,32 @@ def test_compiled_step_errors_and_fallback(ours, monkeypatch):
         ref = new_cache(model, "full", 1, 32)
         model(torch.tensor([[5, 6, 7]]), ref)
         assert rel_err(step(torch.tensor([[8]]), cache), model(torch.tensor([[8]]), ref)) < 1e-5
+    assert step.compiled_calls == 0
+
+
+@pytest.mark.parametrize("when", ["compile", "call"])
+def test_compile_failure_is_an_error_in_strict_mode(ours, monkeypatch, when):
+    """``COMPRESS_STRICT_COMPILE=1`` (set for the whole suite): a compile failure, when
+    ``torch.compile`` is called or when the compiled step first runs, raises instead of falling
+    back, so a test of the compiled path cannot pass on the eager one."""
+    from compress.decoder.compiled import StaticDecoder
+
+    model, _ = ours
+    assert os.environ["COMPRESS_STRICT_COMPILE"] == "1"
+
+    def fails(*a, **k):
+        raise RuntimeError("inductor bug")
+
+    monkeypatch.setattr(torch, "compile", fails if when == "compile" else lambda fn, **k: fails)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no fallback warning either
+        with pytest.raises(RuntimeError, match="COMPRESS_STRICT_COMPILE=1") as e:
+            step = StaticDecoder(model, 1)
+            cache = static_cache(new_cache(model, "full", 1, 32))
+            with torch.no_grad():
+                model(torch.tensor([[5, 6, 7]]), cache)
+                step(torch.tensor([[8]]), cache)
+    assert "inductor bug" in str(e.value) and isinstance(e.value.__cause__, RuntimeError)
 
 
 # --- the default model (minutes) ---------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, stop
 
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
@@ -70,24 +70,27 @@ def test_two_processes_match_one(distill_dirs, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compress.train.distill",
-            *common,
-            "--batch-size",
-            "2",
-            "--out",
-            str(tmp_path / "one"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out, err = two.communicate(timeout=300)
+    try:
+        one = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "compress.train.distill",
+                *common,
+                "--batch-size",
+                "2",
+                "--out",
+                str(tmp_path / "one"),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        out, err = two.communicate(timeout=300)
+    finally:
+        stop(two)  # never left running, whatever failed
     assert two.returncode == 0, err[-3000:]
     assert one.returncode == 0, one.stderr[-3000:]
     s2 = json.loads((tmp_path / "two" / "distill.json").read_text())
@@ -149,22 +152,25 @@ def test_pipeline_distill_two_processes_match_one(tiny_dir, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compress",
-            *common,
-            "distill.batch_size=2",
-            f"hydra.run.dir={tmp_path / 'one'}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    _, err = two.communicate(timeout=600)
+    try:
+        one = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "compress",
+                *common,
+                "distill.batch_size=2",
+                f"hydra.run.dir={tmp_path / 'one'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        _, err = two.communicate(timeout=600)
+    finally:
+        stop(two)  # never left running, whatever failed
     assert two.returncode == 0, err[-3000:]
     assert one.returncode == 0, one.stderr[-3000:]
     r2 = json.loads((tmp_path / "two" / "report.json").read_text())["distill"]

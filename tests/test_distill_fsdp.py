@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, read_until, stop
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 FSDP = [
@@ -90,24 +90,27 @@ def test_fsdp_two_processes_match_one(distill_dirs, tmp_path, kl_chunk):
         stderr=subprocess.PIPE,
         text=True,
     )
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compress.train.distill",
-            *args,
-            "--batch-size",
-            "2",
-            "--out",
-            str(tmp_path / "one"),
-        ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    _, err = two.communicate(timeout=300)
+    try:
+        one = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "compress.train.distill",
+                *args,
+                "--batch-size",
+                "2",
+                "--out",
+                str(tmp_path / "one"),
+            ],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        _, err = two.communicate(timeout=300)
+    finally:
+        stop(two)  # never left running, whatever failed
     assert two.returncode == 0, err[-3000:]
     assert one.returncode == 0, one.stderr[-3000:]
     assert "fsdp: the student sharded over 2 processes in 3 units" in err  # not DDP
@@ -159,14 +162,15 @@ def test_fsdp_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    for line in killed.stderr:  # kill both ranks and the launcher after the first checkpoint
-        if line.startswith("checkpoint "):
+    try:  # kill both ranks and the launcher after the first checkpoint
+        if read_until(killed.stderr, lambda line: line.startswith("checkpoint "), 300):
             ranks = psutil.Process(killed.pid).children(recursive=True)  # own sessions (torchrun)
             for proc in [*ranks, psutil.Process(killed.pid)]:
                 proc.send_signal(signal.SIGKILL)
             psutil.wait_procs(ranks, timeout=60)
-            break
-    killed.wait(timeout=300)
+        killed.wait(timeout=300)
+    finally:
+        stop(killed)
     assert killed.returncode == -signal.SIGKILL
     assert not (tmp_path / "b").exists()
     [step] = list(ckpt.glob("step-*"))

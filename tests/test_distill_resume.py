@@ -9,7 +9,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, read_until, stop
 
 
 def cli(teacher, student, text, out, ckpt, *extra):
@@ -57,21 +57,26 @@ def test_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    args = cli(teacher, student, text, tmp_path / "b", tmp_path / "ckpt_b")
-    killed = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    for line in killed.stderr:  # kill right after the first checkpoint is complete
-        if line.startswith("checkpoint "):
-            killed.send_signal(signal.SIGKILL)
-            break
-    killed.wait(timeout=300)
-    assert killed.returncode == -signal.SIGKILL
-    assert not (tmp_path / "b").exists() and list((tmp_path / "ckpt_b").glob("step-*"))
+    try:
+        args = cli(teacher, student, text, tmp_path / "b", tmp_path / "ckpt_b")
+        killed = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        try:  # kill right after the first checkpoint is complete
+            if read_until(killed.stderr, lambda line: line.startswith("checkpoint "), 300):
+                killed.send_signal(signal.SIGKILL)
+            killed.wait(timeout=300)
+        finally:
+            stop(killed)
+        assert killed.returncode == -signal.SIGKILL
+        assert not (tmp_path / "b").exists() and list((tmp_path / "ckpt_b").glob("step-*"))
 
-    res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert whole.wait(timeout=300) == 0, whole.stderr.read()[-3000:]
+        res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        _, err = whole.communicate(timeout=300)
+        assert whole.returncode == 0, err[-3000:]
+    finally:
+        stop(whole)
     stats = json.loads((tmp_path / "b" / "distill.json").read_text())
     assert stats["resumed_from"] >= 3 and stats["steps"] == 6
     assert json.loads((tmp_path / "a" / "distill.json").read_text())["losses"] == stats["losses"]

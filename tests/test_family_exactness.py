@@ -168,9 +168,13 @@ def test_eager_fp16_cache_matches_transformers(family, batch):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 def test_compiled_step_matches_transformers(family, batch):
-    """The compiled static decode step (``compress.decoder.compiled``) over the full cache."""
+    """The compiled static decode step (``compress.decoder.compiled``) over the full cache; its
+    compiled graph ran every step (not the eager fallback, which computes the same)."""
     name, ours, ref = family
+    steps = ours.__dict__.get("static_steps", {})
+    before = steps[batch].compiled_calls if batch in steps else 0
     tokens, logits, start = ours_greedy(ours, prompts(batch), compiled=True)
+    assert ours.static_steps[batch].compiled_calls - before == STEPS
     check_rows(ref, tokens, logits, start, TOL)
 
 

@@ -361,7 +361,7 @@ def test_recipe_on_default_model(tmp_path):
         "calib.samples=2",
         f"hydra.run.dir={run}",
     ]
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent, timeout=1000)
     report = json.loads((run / "report.json").read_text())
     assert report["threshold"] == 6.0 and len(report["outliers"]) == 30 * 7
     assert math.isfinite(report["ppl"]) and report["top1_vs_source"] > 0.9

@@ -197,7 +197,7 @@ def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
 
 
 def test_bench_verify_runs_at_a_tiny_size(tmp_path):
-    """``eval/bench_verify.py`` on a tiny model (the real figures: see the README)."""
+    """``eval/bench/bench_verify.py`` on a tiny model (the real figures: see the README)."""
     from bench_verify import main
 
     out = tmp_path / "verify.json"

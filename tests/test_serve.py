@@ -18,6 +18,7 @@ from compress.decoder.model import load
 from compress.serve.app import create_app
 from compress.serve.engine import Engine
 from compress.serve.worker import Worker
+from tests.conftest import stop
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -319,44 +320,31 @@ def test_disconnecting_clients_free_their_blocks(server, slow_engine):
 
 
 @pytest.mark.slow
-def test_cli_serves(folder):
+def test_cli_serves(folder, tmp_path):
     """``python -m compress.serve RUN --port P --prefill-ranks 2`` in a subprocess answers on
-    127.0.0.1, a long prompt prefilled by KV-Runahead over two processes."""
+    127.0.0.1, a long prompt prefilled by KV-Runahead over two processes. The server's output goes
+    to a file (a pipe nobody reads can fill and stall it, and reading a live server's pipe
+    blocks); the server and its ranks are killed whatever happens."""
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "compress.serve",
-            str(folder),
-            "--port",
-            str(port),
-            "--num-blocks",
-            "64",
-            "--log-level",
-            "warning",
-            "--prefill-ranks",
-            "2",
-            "--runahead-min-tokens",
-            "16",
-            "--kv",
-            "full",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "server.log"
+    args = [sys.executable, "-m", "compress.serve", str(folder), "--port", str(port),
+            "--num-blocks", "64", "--log-level", "warning", "--prefill-ranks", "2",
+            "--runahead-min-tokens", "16", "--kv", "full"]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
                     break
-            except httpx.ConnectError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-                time.sleep(0.2)
+            except (httpx.ConnectError, httpx.TimeoutException):
+                pass
+            up = proc.poll() is None and time.monotonic() < deadline
+            assert up, f"the server exited or was not up in 120 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
         client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
         )
         name = client.models.list().data[0].id
         assert name == folder.name
@@ -371,5 +359,4 @@ def test_cli_serves(folder):
         assert text == generate(model, [tok(prompt).input_ids], 8, tok, kv="full").texts[0]
         assert metrics(f"http://127.0.0.1:{port}")["compress_runahead_prefills_total"] == 1
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)

@@ -311,6 +311,7 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
     ids = tok("the quick brown").input_ids
     compiled = generate(model, [ids], 6, compile=True, ignore_eos=True)
     step = next(iter(model.static_steps.values()))
+    assert step.compiled_calls == 5  # the compiled graph made every token after the prefill's
     assert isinstance(step.model.model.layers[0].mlp.down_proj, w4a8_cpu.W4A8Linear)
     eager = generate(model, [ids], 6, ignore_eos=True)
     assert compiled.tokens == eager.tokens

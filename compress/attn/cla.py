@@ -14,7 +14,7 @@ projection being x_f for all of them::
 
 (K is fitted before RoPE: RoPE rotates both sides by the same orthogonal matrix.) A
 projection with a bias fits [X, 1] against [M; b]. ``lstsq`` is the default: on SmolLM2-135M,
-training-free, it gives the lower perplexity (``python eval/attn_ablation.py cla``).
+training-free, it gives the lower perplexity (``python eval/bench/attn_ablation.py cla``).
 """
 
 import torch

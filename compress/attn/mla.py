@@ -16,7 +16,7 @@ q.k dot product is unchanged):
 C = E[x x^T] on calibration text and C = R R^T (Cholesky), the rank-L factorisation minimising
 E||x (W - up down)^T||^2 is ``W R = U S V^T``, up = U_L S_L, down = V_L^T R^{-1}. The mla
 recipe uses it: training-free on SmolLM2-135M it keeps far more of the model than the
-weight-space SVD (``python eval/attn_ablation.py rope_select --svd activations``).
+weight-space SVD (``python eval/bench/attn_ablation.py rope_select --svd activations``).
 
 At full rank (L = rank of the stacked matrix) with every pair kept the model is the source.
 """

@@ -17,16 +17,22 @@ run twice with a fresh ``TORCHINDUCTOR_CACHE_DIR``).
 ``--head int8|int4`` quantizes the output head at load (``compress.quant.head``); by default
 the folder's recorded ``quant.lm_head``. IAM decoding (a small model alongside) is
 ``python -m compress.iam generate``, which runs this CLI with its own loader (:func:`run`).
+A ``--prompt`` or ``--stop`` that is not UTF-8, a folder the loaders refuse (its config's values,
+weights, tokenizer or chat template: ``compress.hf_config``, ``compress.tokenizer``) and a stdout
+that cannot be written (a full disk, a closed pipe) are one line on stderr and exit status 2.
 """
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
 from compress.decoder.defaults import FAST_KERNEL, fast_head, group_quantized
 from compress.decoder.speculative import cli as spec_cli
 from compress.errors import ArgumentParser, CompressError
+from compress.tokenizer import chat_text, check_ids, check_vocabulary
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
@@ -206,18 +212,65 @@ def check_arguments(args) -> None:
         )
     args.device = check_device(args.device)
     parse_options(args.kv_opt)
+    check_text("--prompt", args.prompt)
+    for stop in args.stop:
+        check_text("--stop", stop)
+
+
+def check_text(flag: str, text: str) -> None:
+    """Refuse an argument that is not UTF-8: Python hands such argv bytes over as lone
+    surrogates (U+DC80..U+DCFF, ``surrogateescape``), which no tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
+        raise CompressError(
+            f"{flag} is not UTF-8 text ({byte} at character {e.start}); pass the text in "
+            f"UTF-8 (convert it with iconv, or set a UTF-8 locale in the terminal)."
+        ) from None
+
+
+def write_out(text: str) -> None:
+    """``text`` to stdout, flushed. A stdout that cannot take it (a full disk, a closed pipe)
+    is a CompressError; stdout then points at /dev/null, so that Python's final flush of what
+    is still buffered cannot fail a second time with a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        if sys.stdout is sys.__stdout__:
+            try:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, sys.stdout.fileno())
+                os.close(null)
+            except (OSError, ValueError):
+                pass
+        fix = (
+            "free space on the device it is redirected to, or redirect it elsewhere"
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+            else "the program reading it stopped early or it cannot be written; redirect it "
+            "to a file"
+        )
+        raise CompressError(
+            f"cannot write the output to standard output ({e.strerror or type(e).__name__}); {fix}."
+        ) from None
 
 
 def verify_folders(args) -> None:
     """Check the run folder (and a --draft folder, or IAM's small one) against its manifest's hashes."""
-    from compress.manifest import verify_folder
+    from compress.manifest import skip_verification, verify_folder
 
-    if args.no_verify:
-        return
-    verify_folder(args.run)
-    for extra in (args.draft, getattr(args, "small", None)):
-        if extra not in (None, "self") and Path(extra).is_dir():
-            verify_folder(extra)
+    folders = [args.run] + [
+        extra
+        for extra in (args.draft, getattr(args, "small", None))
+        if extra not in (None, "self") and Path(extra).is_dir()
+    ]
+    for folder in folders:  # the loaders check again unless told (model.load's verify)
+        if args.no_verify:
+            skip_verification(folder)
+        else:
+            verify_folder(folder)
 
 
 def configuration(args) -> dict:
@@ -301,6 +354,7 @@ def run(args, load_model=None) -> None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
+    check_vocabulary(tok, model.config.vocab_size, args.run)
     text = args.prompt
     if args.chat and not getattr(tok, "chat_template", None):
         raise CompressError(
@@ -308,10 +362,14 @@ def run(args, load_model=None) -> None:
             f"continue the prompt as plain text."
         )
     if args.chat:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        text = chat_text(
+            tok,
+            [{"role": "user", "content": text}],
+            args.run,
+            ". Leave out --chat to continue the prompt as plain text",
         )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
+    check_ids(ids, model.config.vocab_size)  # the server's check of a prompt
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     from compress.decoder.kv import parse_options
 
@@ -344,7 +402,7 @@ def run(args, load_model=None) -> None:
     t2 = time.perf_counter()
 
     def stream(_row, piece):
-        print(piece, end="", flush=True)
+        write_out(piece)
 
     release_freed_memory()
     peak_memory_reset()
@@ -376,9 +434,9 @@ def run(args, load_model=None) -> None:
         stats["draft_config"] = {k: str(v).removeprefix("torch.") if k.endswith("dtype") else v
                                  for k, v in load_kwargs.items()}  # fmt: skip
     if args.json:
-        print(json.dumps(stats))
+        write_out(json.dumps(stats) + "\n")
         return
-    print(flush=True)
+    write_out("\n")
     print(
         f"[load {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s; {len(ids)} prompt tokens, {len(r.tokens[0])} "
         f"generated] TTFT {r.ttft_s * 1e3:.0f} ms  "

@@ -12,9 +12,15 @@ Dynamo's guards on the model's ~300 weight tensors cost about as much as the att
 are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
 :class:`StaticDecoder` compiles its own code object for its one model. Guards on the inputs
 (the token, the position, the cache tensors) stay.
+
+A compile failure (no C++ compiler, an inductor bug) falls back to the same step uncompiled, with
+a warning. With ``COMPRESS_STRICT_COMPILE=1`` (the test suite sets it) the failure is an error
+instead, so that a test of the compiled path cannot pass on the eager one; ``compiled_calls``
+counts the steps the compiled graph ran.
 """
 
 import copy
+import os
 import types
 import warnings
 
@@ -26,6 +32,9 @@ from compress.decoder.model import Cast, Parallel
 from compress.errors import CompressError
 from compress.kernels import w4a8_cpu
 from compress.kernels.cpu import Eager, Int4PackLinear, KPlanesLinear
+
+# "1": a compile failure raises (the test suite) instead of falling back to the eager step
+STRICT_ENV = "COMPRESS_STRICT_COMPILE"
 
 
 def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
@@ -79,6 +88,7 @@ class StaticDecoder(nn.Module):
                 "already fuse the work, decode without --compile."
             )
         self.batch = batch
+        self.compiled_calls = 0  # steps the compiled graph ran (not the eager fallback)
         self.model = with_static_linears(model, model.dtype, batch)
         # a code object of its own, so dynamo's cache (and the dropped weight guards) serve this model only
         fwd = type(self).forward
@@ -99,7 +109,13 @@ class StaticDecoder(nn.Module):
             self.eager(e)
 
     def eager(self, error: Exception) -> None:
-        """Run the step uncompiled from now on (it computes the same)."""
+        """Run the step uncompiled from now on (it computes the same); under
+        ``COMPRESS_STRICT_COMPILE=1``, raise instead."""
+        if os.environ.get(STRICT_ENV, "").strip() == "1":
+            raise RuntimeError(
+                f"torch.compile of the decode step failed ({type(error).__name__}: {error}); "
+                f"{STRICT_ENV}=1 makes this an error instead of an eager fallback."
+            ) from error
         warnings.warn(
             f"torch.compile of the decode step failed ({type(error).__name__}: {error}); "
             f"decoding with the same step uncompiled, which is slower."
@@ -129,6 +145,7 @@ class StaticDecoder(nn.Module):
             self.step != self.forward
         ):  # the compiled graph does not count the token; eager append did
             cache.lens = [L + 1] * cache.n_layers
+            self.compiled_calls += 1
         return out
 
     def forward(self, idx, cache, pos, start):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 # w4a8: int8 activations and integer dot products (compress.kernels.w4a8_cpu), called as a C++
 # torch operator from the compiled step; within the ppl bar and faster than the int4pack path
-# (python eval/bench_decode.py --int4 outputs/awq_int4 --systems
+# (python eval/bench/bench_decode.py --int4 outputs/awq_int4 --systems
 # ours-int4-default ours-int4-bf16-lean-head8+compile llama.cpp --threads 2 1)
 FAST_KERNEL = "w4a8"
 FAST_HEAD = "int8"  # the head group-quantized to int8 at load (compress.quant.head)

@@ -20,7 +20,7 @@ multiplied by the spec's ``embed_scale`` (Gemma: sqrt(hidden) in the embedding's
 
 One forward serves every use: eager, compiled (``compress.decoder.compiled`` runs it with a
 static cache and compile-friendly linears), batched with left padding, teacher-forced
-(``eval/kv_quality.py``). It takes the cache slots of its tokens as a tensor ``pos``, so
+(``eval/bench/kv_quality.py``). It takes the cache slots of its tokens as a tensor ``pos``, so
 nothing in it depends on a Python-side position. Attention is the cache's
 (``compress.decoder.kv``): K and V are appended after position encoding, and the cache decides
 how they are stored and read. Module names are the HF checkpoint's, so a run folder's tensors
@@ -564,6 +564,7 @@ def load(
     iam_mapped=(),
     head: str = "none",
     kernel: str = "exact",
+    verify: bool = True,
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF folder of a supported family as ``(model, tokenizer)``.
 
@@ -579,11 +580,16 @@ def load(
     (``compress.quant.head``: the embedding stays exact); it then computes like the other
     quantized layers (``qdtype``, ``lean``). ``kernel`` "w4a8" rounds the quantized layers'
     inputs to int8 for the integer kernel (``compress.kernels.w4a8_cpu``); "exact" keeps them.
+    ``verify`` checks the folder against its manifest first (``manifest.check_loadable``: an
+    unfinished or edited run folder is refused); ``verify=False`` loads it as it is.
     """
     from compress.checkpoint import check_finite
     from compress.kernels.w4a8_cpu import use
+    from compress.manifest import check_loadable
 
     folder = Path(folder)
+    if verify:
+        check_loadable(folder)
     config, qcfg = read_config(folder)
     config.iam_mapped = sorted(int(i) for i in iam_mapped)
     with torch.device("meta"):

@@ -11,6 +11,7 @@ field names (``SamplingError.param`` names the field in the error body).
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,13 @@ class SamplingError(CompressError):
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer of any kind (numpy's too), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite real number of any kind (numpy's too), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def check_sampling(
@@ -106,6 +109,11 @@ class Sampling:
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        # numpy scalars (np.float32(0.7), np.int64(5)) pass the check; keep Python numbers
+        self.temperature = float(self.temperature)
+        self.top_k = None if self.top_k is None else int(self.top_k)
+        self.top_p = None if self.top_p is None else float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)
 
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -16,7 +16,7 @@ start of the first eval window. ``decode.threads`` (default 1) is torch's thread
 measurement, restored afterwards: on a busy 2-core machine batch-1 decoding ran 0.4 tok/s with
 torch's default threads against 9.8 with one (``python -m compress.decoder RUN --threads N``).
 Each phase logs a line as it starts. Absolute speeds on a shared machine are noisy: compare runs
-with ``eval/bench_decode.py``, which times systems side by side.
+with ``eval/bench/bench_decode.py``, which times systems side by side.
 """
 
 import contextlib

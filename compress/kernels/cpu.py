@@ -35,7 +35,7 @@ Each layer gets a form prepared at first use and kept in ``layer.cache``:
   512``: the integer kernel is several times slower there).
 
 The paths and their M limits are the fastest of all candidates per dtype and M; ``python
-eval/bench_linear.py --quick --threads 1 --alternatives`` re-measures them (figures in the
+eval/bench/bench_linear.py --quick --threads 1 --alternatives`` re-measures them (figures in the
 README, "Kernel measurements").
 
 Both are exact up to the rounding of their dtype: ``kplanes`` matches the
@@ -208,7 +208,7 @@ def gemv_unroll(layer, m: int) -> int:
     """Accumulator chains of :func:`gemv` for ``m`` rows.
 
     8 chains speed up one-plane widths at M <= 2 and slow down several planes and larger M
-    (``python eval/bench_linear.py --quick --threads 1 --m 1 4``, with and without them).
+    (``python eval/bench/bench_linear.py --quick --threads 1 --m 1 4``, with and without them).
     """
     return 8 if len(planes(layer)) == 1 and m <= 2 and layer.group_size % 8 == 0 else 1
 
@@ -296,7 +296,7 @@ def keep_int4pack_only(layer) -> None:
 
     The layer then computes through int4pack at every ``M`` and only from bfloat16 inputs: it
     holds its weights once, at 0.5 byte each (1 byte from INT5 up), for ~2x slower prefill than
-    dequantize + matmul (``python eval/bench_linear.py --quick --threads 1
+    dequantize + matmul (``python eval/bench/bench_linear.py --quick --threads 1
     --alternatives --m 512``).
     """
     check_layer(layer)

@@ -13,7 +13,7 @@ so no copy of the history is ever made. Forming ``x_hat`` per slot keeps the ref
 rounding; the factored ``tmin[s] sum_c q[m, c] + tstep[s] sum_c q[m, c] code[s, c]`` was no
 faster (decoding dominates) and lost digits to cancellation in pv. Rows and ranges of pack rows
 are spread over ``torch.get_num_threads()`` OpenMP threads; all arithmetic is fp32
-(``python eval/bench_packkv_cpu.py`` times the kernels).
+(``python eval/bench/bench_packkv_cpu.py`` times the kernels).
 
 The kernel is part of the library that ``native.py`` builds on first use; where it cannot be
 built ``compress.kernels`` runs the PyTorch reference instead.

@@ -30,15 +30,31 @@ def visible(lens: torch.Tensor, pos: torch.Tensor, start: torch.Tensor) -> torch
     return hi.clamp_min(0).contiguous()
 
 
-def attention(q, k_pool, v_pool, gather, hi, scale: float) -> torch.Tensor:
+def attention(q, k_pool, v_pool, gather, hi, scale: float, out=None) -> torch.Tensor:
     """``[B, H, T, Dv]`` fp32: ``q [B, H, T, D]`` against pools ``[slots, Hkv, D]`` (``v_pool``
-    may be a view of ``k_pool``'s first channels), keys of row b at slots ``gather [B, L]``."""
+    may be a view of ``k_pool``'s first channels), keys of row b at slots ``gather [B, L]``.
+
+    The kernel writes every element of its output, whatever the buffer held before: a query with
+    no visible key (``hi[b, t] <= 0``, padding) gives zeros. The output is a new uninitialized
+    tensor, or ``out`` (contiguous fp32 CPU ``[B, H, T, Dv]``, e.g. a NaN-filled buffer in tests,
+    which then holds no NaN)."""
     lib = native.library()
     B, H, T, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
     q = q.float().contiguous()
     gather, hi = gather.contiguous(), hi.contiguous()  # held until the call returns
-    out = torch.empty(B, H, T, Dv, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, H, T, Dv, dtype=torch.float32)
+    elif not (
+        out.shape == (B, H, T, Dv)
+        and out.dtype == torch.float32
+        and out.device.type == "cpu"
+        and out.is_contiguous()
+    ):
+        raise ValueError(
+            f"paged attention writes a contiguous float32 CPU out of shape {(B, H, T, Dv)}, "
+            f"not {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     half = k_pool.dtype == torch.float16
     if k_pool.dtype not in (torch.float16, torch.float32) or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"paged attention reads fp16 or fp32 pools, not {k_pool.dtype}")

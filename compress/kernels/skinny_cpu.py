@@ -16,7 +16,7 @@ portable|ref`` forces one.
 while tracing for ``torch.compile``, nor with autograd); one row, and more than ``MAX_M``, stay
 with ATen's ``F.linear``, which reads the weight once at M = 1 too and blocks large M better.
 Over SmolLM2-135M's fp32 linears and head (2 threads, weights from memory), ATen takes 42 ms at
-M = 6 against 22 ms at M = 1, this kernel 31 ms (``python eval/bench_linear.py
+M = 6 against 22 ms at M = 1, this kernel 31 ms (``python eval/bench/bench_linear.py
 --skinny``).
 """
 

@@ -49,6 +49,54 @@ from compress.source import cache_dir
 log = logging.getLogger(__name__)
 
 
+def _given(value, default):
+    """A setting, or ``default`` where it is null (0 is a value, not "unset")."""
+    return default if value is None else value
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check(cfg) -> None:
+    """Refuse, before the model loads, ``prune.*`` numbers the stage would replace or fail on
+    after the calibration pass."""
+    p = cfg.prune
+    c = p.get("calib") or {}
+    rules = (
+        ("round", p.get("round"), 1, False),
+        ("ppl_samples", p.get("ppl_samples"), 0, True),
+        ("calib.samples", c.get("samples"), 1, True),
+        ("calib.seqlen", c.get("seqlen"), 2, True),
+        ("calib.batch_size", c.get("batch_size"), 1, True),
+    )
+    for key, v, low, null_ok in rules:
+        if (v is None and null_ok) or (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+            continue
+        raise CompressError(
+            f"prune.{key}={v!r}: prune.{key} takes an integer >= {low}"
+            f"{' or null (the default)' if null_ok else ''}."
+        )
+    tol = p.get("tolerance")
+    if tol is not None and (not _number(tol) or not 0 <= tol < 1):
+        raise CompressError(
+            f"prune.tolerance={tol!r}: the budget's candidates lie within this fraction below "
+            f"prune.target_params, a number from 0 to below 1 (0.03)."
+        )
+    target = p.get("target_params")
+    if target is not None and (not _number(target) or not target > 0):
+        raise CompressError(
+            f"prune.target_params={target!r} must be positive: a fraction of the source's "
+            f"parameters (e.g. 0.7), a count (e.g. 95e6), or null for the export sizes alone."
+        )
+    metric = p.get("depth_metric") or "block"
+    if metric not in ("block", "ppl") or (metric == "ppl" and not p.get("ppl_samples")):
+        raise CompressError(
+            f"prune.depth_metric={metric!r}: use 'block' (block importance) or 'ppl' "
+            f"(perplexity drop; needs prune.ppl_samples > 0)."
+        )
+
+
 def target_sizes(model, p) -> dict:
     """The sizes a ``prune`` config asks for, validated against the source."""
     orig = sizes_of(model.config)
@@ -69,7 +117,13 @@ def target_sizes(model, p) -> dict:
     target = resolve_target(float(p.target_params), param_count(lay, orig))
     axes = list(p.get("axes") or ["hidden_size", "intermediate_size"])
     sizes = solve_budget(
-        lay, orig, target, fixed, axes, int(p.get("round") or 64), float(p.get("tolerance") or 0.03)
+        lay,
+        orig,
+        target,
+        fixed,
+        axes,
+        int(_given(p.get("round"), 64)),
+        float(_given(p.get("tolerance"), 0.03)),
     )
     check_sizes(orig, sizes, lay.hidden_per_head)
     return sizes
@@ -82,8 +136,8 @@ def prune(model, ctx):
     sizes = target_sizes(model, p)  # fail on bad sizes before the calibration pass
 
     c = p.get("calib") or {}
-    samples = int(c.get("samples") or cfg.calib.samples)
-    seqlen = int(c.get("seqlen") or cfg.calib.seqlen)
+    samples = int(_given(c.get("samples"), cfg.calib.samples))
+    seqlen = int(_given(c.get("seqlen"), cfg.calib.seqlen))
     text = read_text(cfg.data.calib.source, role="calib")
     settings = {
         "calib_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -97,7 +151,7 @@ def prune(model, ctx):
         lambda: calib_samples(ctx.tokenizer, text, samples, seqlen, seed=cfg.seed),
         settings,
         cache_dir() / "importance" if p.get("cache", True) else None,
-        batch_size=int(c.get("batch_size") or 8),
+        batch_size=int(_given(c.get("batch_size"), 8)),
         ppl_samples=int(p.get("ppl_samples") or 0),
     )
     importance_s = round(time.time() - t, 2)

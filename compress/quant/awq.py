@@ -221,6 +221,31 @@ def check_grouped(group_size) -> None:
         )
 
 
+def check(cfg) -> None:
+    """Refuse, before the model loads, ``awq.*`` settings the search cannot run with: the
+    group size, and whole numbers (``search_samples`` null: every calibration sample)."""
+    a = cfg.awq
+    check_grouped(a.group_size)
+    rules = (
+        ("n_grid", False, "the alpha values the scale search tries (20 upstream)"),
+        ("batch", False, "calibration samples per forward chunk"),
+        ("search_samples", True, "calibration samples in the alpha-search loss; null: all of them"),
+    )
+    for key, null_ok, what in rules:
+        v = a.get(key)
+        if (v is None and null_ok) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            continue
+        raise CompressError(
+            f"awq.{key}={v!r}: awq.{key} takes an integer >= 1{' or null' if null_ok else ''} "
+            f"({what})."
+        )
+    if a.get("clip") and a.n_grid < 2:
+        raise CompressError(
+            f"awq.n_grid={a.n_grid} with awq.clip=true: the clip search tries n_grid/2 shrink "
+            f"steps, none at n_grid=1. Use awq.n_grid=2 or more, or awq.clip=false."
+        )
+
+
 def awq(model: nn.Module, ctx) -> nn.Module:
     """Stage: AWQ with ``ctx.cfg.awq`` = {bits, group_size, duo_scaling, n_grid, search_samples, clip}."""
     cfg = ctx.cfg.awq

@@ -4,20 +4,33 @@ OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` (streaming or
 ``/v1/models``, ``/health`` and ``/metrics``, from one engine (``compress.serve.engine``) that
 batches every request in flight over a pool of ``--num-blocks`` KV blocks. Listens on
 127.0.0.1 unless ``--host`` says otherwise.
+
+Access: with ``--api-key KEY`` (or the environment variable ``COMPRESS_API_KEY``, which ``ps``
+does not show) every route but ``/health`` needs ``Authorization: Bearer KEY``
+(``compress.serve.auth``). Without a key the server listens only on a loopback address; a
+``--host`` other machines can reach needs a key, or ``--allow-no-key`` to serve openly on
+purpose. Connections that stall are closed: ``--idle-timeout`` before a request,
+``--header-timeout`` for its head, ``--body-timeout`` for its body (``compress.serve.server``).
 """
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from compress.decoder.defaults import fast_head, group_quantized
 from compress.errors import ArgumentParser, CompressError
-from compress.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
+from compress.serve.limits import (
+    BODY_TIMEOUT_S,
+    H11_MAX_HEADER_BYTES,  # noqa: F401  (imported from here by tests and the sweep)
+    HEAD_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_BODY_BYTES,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
-H11_MAX_HEADER_BYTES = 16 << 10  # request line and headers: larger ones get 400 (h11)
-KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
+KEY_ENV = "COMPRESS_API_KEY"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,6 +115,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"seconds a request body may take to arrive whole, else 408 (default {BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds a request's line and headers may take to arrive whole, counted from when "
+        f"the connection is ready for it, else it is closed (default {HEAD_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        help="seconds a connection may stay silent before a request (a new one, or kept alive "
+        f"after a response), else it is closed (default {IDLE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
+        f"environment variable {KEY_ENV}, which other users cannot read from the process list)",
+    )
+    p.add_argument(
+        "--allow-no-key",
+        action="store_true",
+        help="serve without a key on a --host other machines can reach (refused otherwise)",
+    )
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="skip checking the folder's files against the sha256 its manifest.json records "
@@ -133,14 +170,52 @@ def check_arguments(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CompressError(f"--{flag.replace('_', '-')} {value}: give an integer >= 1.")
-    if not args.body_timeout > 0 or args.body_timeout == float("inf"):
-        raise CompressError(f"--body-timeout {args.body_timeout}: give a number of seconds > 0.")
+    for flag in ("body_timeout", "header_timeout", "idle_timeout"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            raise CompressError(
+                f"--{flag.replace('_', '-')} {value}: give a number of seconds > 0."
+            )
     check_sampling(threads=args.threads, names={"threads": "--threads"})
     if args.log_level.lower() not in LOG_LEVELS:
         raise CompressError(f"--log-level {args.log_level}: use one of {', '.join(LOG_LEVELS)}.")
     if args.device is not None:
         args.device = check_device(args.device)
+    check_access(args)
     check_listen(args.host, args.port)
+
+
+def check_access(args) -> None:
+    """Settle ``args.api_key`` (``--api-key``, else ``COMPRESS_API_KEY``, else None) and refuse
+    to serve without one on an address other machines can reach, unless ``--allow-no-key``."""
+    from compress.serve.auth import check_key
+
+    if args.api_key is not None:
+        check_key(args.api_key)
+    elif os.environ.get(KEY_ENV):
+        args.api_key = os.environ[KEY_ENV]
+        check_key(args.api_key, KEY_ENV)
+    if args.api_key is None and not args.allow_no_key and not loopback(args.host):
+        raise CompressError(
+            f"--host {args.host} can be reached from other machines, and no API key is set: "
+            f"anyone who can reach the port could use the model. Give --api-key KEY (or set "
+            f"{KEY_ENV}; clients then send 'Authorization: Bearer KEY', the openai client "
+            f"api_key=KEY), or --allow-no-key to serve without one on purpose, or --host "
+            f"127.0.0.1 to serve this machine only."
+        )
+
+
+def loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1);
+    an unresolvable host counts as loopback here (``check_listen`` refuses it)."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return True
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def check_listen(host: str, port: int) -> None:
@@ -217,11 +292,13 @@ def main(argv=None) -> None:
                 f"run folder '{args.run}' does not exist. Pass a folder a recipe "
                 f"wrote (outputs/...) or an HF Llama-family folder."
             )
-        check_arguments(args)
         require_serve_extra()
-        if not args.no_verify:
-            from compress.manifest import verify_folder
+        check_arguments(args)
+        from compress.manifest import skip_verification, verify_folder
 
+        if args.no_verify:  # the loader checks again unless told
+            skip_verification(args.run)
+        else:
             verify_folder(args.run)
         serve(args)
     except CompressError as e:
@@ -284,10 +361,10 @@ def load_model(args, device: str):
 
 def serve(args) -> None:
     import torch
-    import uvicorn
 
     from compress.serve.app import create_app
     from compress.serve.engine import Engine
+    from compress.serve.server import make_server
     from compress.serve.worker import Worker
 
     logging.basicConfig(
@@ -326,24 +403,39 @@ def serve(args) -> None:
             name,
             max_body_bytes=args.max_body_bytes,
             body_timeout_s=args.body_timeout,
+            api_key=args.api_key,
         )
-        logging.getLogger("compress.serve").info(
-            "serving '%s' on http://%s:%d (%d KV blocks of %d tokens)",
-            name,
-            args.host,
-            args.port,
-            args.num_blocks,
-            args.block_size,
-        )
-        uvicorn.run(
+        log = logging.getLogger("compress.serve")
+        if args.api_key is None and not loopback(args.host):
+            log.warning("serving without an API key on %s (--allow-no-key)", args.host)
+
+        def listening(host: str, port: int) -> None:  # the bound port, also for --port 0
+            log.info(
+                "serving '%s' on http://%s:%d (%d KV blocks of %d tokens; %s)",
+                name,
+                f"[{host}]" if ":" in host else host,
+                port,
+                args.num_blocks,
+                args.block_size,
+                "API key required" if args.api_key else "no API key",
+            )
+
+        server = make_server(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
-            http="h11",  # httptools would ignore the header bound
-            h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
-            timeout_keep_alive=KEEP_ALIVE_S,
+            head_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            idle_timeout=args.idle_timeout,
+            on_listening=listening,
         )
+        try:
+            server.run()
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised it
+            return
+        if not server.started:  # uvicorn logged why (an address taken since the check)
+            sys.exit(3)
     finally:
         if runahead is not None:
             runahead.close()

@@ -5,10 +5,12 @@
     GET  /v1/models, /health, /metrics             (Prometheus text: queue, running, blocks,
                                                     tokens/s)
 
-A request is tokenized and checked here, then queued to the engine's thread
-(``compress.serve.worker``); its events come back through an asyncio queue. A client that goes
-away (a closed stream, or a dropped connection while a full response is pending) aborts its
-request, which frees its blocks. Errors have OpenAI's shape (``protocol.error_body``); nothing
+A request is checked here (a text prompt too long for the context is refused before it is
+tokenized: ``protocol.prompt_char_limit``), tokenized and templated on a worker thread, so that
+a long prompt never stalls the event loop that answers everyone else, then queued to the
+engine's thread (``compress.serve.worker``); its events come back through an asyncio queue. A
+client that goes away (a closed stream, or a dropped connection while a full response is
+pending) aborts its request, which frees its blocks. Errors have OpenAI's shape (``protocol.error_body``); nothing
 here logs prompt or output text.
 """
 
@@ -25,8 +27,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from compress.errors import CompressError
+from compress.serve.auth import ApiKey
 from compress.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, RequestLimits
-from compress.serve.protocol import ChatRequest, CompletionRequest, error_body
+from compress.serve.protocol import ChatRequest, CompletionRequest, error_body, prompt_char_limit
 from compress.serve.worker import Worker
 
 log = logging.getLogger("compress.serve")
@@ -40,10 +43,12 @@ def create_app(
     model_name: str,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The app serving ``worker``'s engine as ``model_name``; the worker starts and stops
     with it. Bodies over ``max_body_bytes`` get 413, bodies not whole within ``body_timeout_s``
-    408 (``compress.serve.limits``)."""
+    408 (``compress.serve.limits``); with ``api_key``, every route but /health needs it
+    (``compress.serve.auth``), checked before anything else."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -54,8 +59,11 @@ def create_app(
 
     app = FastAPI(title="compress", lifespan=lifespan)
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)  # added last: runs first
     created = int(time.time())
     max_len = worker.engine.max_len
+    max_chars = prompt_char_limit(tokenizer, max_len)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
@@ -64,7 +72,10 @@ def create_app(
             return JSONResponse(error_body("the request body is not valid JSON."), 400)
         e = errors[0]
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        return JSONResponse(error_body(f"{loc or 'body'}: {e.get('msg')}", param=loc or None), 400)
+        msg = e.get("msg")
+        if e.get("type") == "value_error" and "error" in e.get("ctx", {}):
+            msg = str(e["ctx"]["error"])  # our validators' message, without "Value error, "
+        return JSONResponse(error_body(f"{loc or 'body'}: {msg}", param=loc or None), 400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -133,7 +144,8 @@ def create_app(
 
     async def run(request: Request, body, chat: bool):
         check_model(body.model)
-        prompt = body.prompt_ids(tokenizer)
+        body.check_size(max_chars, max_len)
+        prompt = await asyncio.to_thread(body.prompt_ids, tokenizer)
         params = body.params(min(CHAT_MAX_TOKENS, max(1, max_len - len(prompt))))
         events = Events(request)
         rid = worker.submit(prompt, params, events.sink)

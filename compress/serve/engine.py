@@ -36,7 +36,9 @@ from compress.decoder.sampling import sample
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 from compress.serve.block_manager import BlockManager, local_pool_blocks
+from compress.serve.memory import check_pool_memory
 from compress.serve.scheduler import Params, Scheduler, Sequence
+from compress.tokenizer import check_ids
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Engine:
             or min(num_blocks, local_pool_blocks(w, block_size, max_seqs, max_step_tokens))
             for w in windows
         ]
+        check_pool_memory(model, windows, sizes, block_size, kv)  # before allocating
         self.cache = new_paged_cache(model, sizes, block_size, kv, batch_invariant)
         self.blocks = BlockManager(sizes, block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.blocks, max_seqs, max_step_tokens)
@@ -116,10 +119,7 @@ class Engine:
         no state that steps change, so another thread may call it)."""
         if not prompt:
             raise CompressError("a prompt is empty; give at least one token of text to continue.")
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
-            raise CompressError(
-                f"a prompt token id is outside the vocabulary [0, {self.model.config.vocab_size})."
-            )
+        check_ids(prompt, self.model.config.vocab_size)  # shared with the decoder CLI
         if params.max_tokens < 1:
             raise CompressError(f"max_tokens must be at least 1 (got {params.max_tokens}).")
         if params.stop and self.tokenizer is None:

@@ -6,8 +6,8 @@
   what the client sends, a client that stalls) gets 408 and the connection is closed.
 - A POST whose ``content-type`` is not JSON gets 400 with OpenAI's error body.
 
-Header size is bounded by uvicorn's ``h11_max_incomplete_event_size`` (``compress.serve``
-passes it). The body read here is handed to the app whole; later ``receive`` calls go to the
+The request head's size and time, an idle connection's time, and a body no route reads are
+bounded at the connection (``compress.serve.server``). The body read here is handed to the app whole; later ``receive`` calls go to the
 client's connection, so the app still notices a disconnect.
 """
 
@@ -19,6 +19,10 @@ from compress.serve.protocol import error_body
 
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 30.0
+# at the connection (compress.serve.server): the head's size and time, an idle connection's time
+H11_MAX_HEADER_BYTES = 16 << 10  # request line and headers: larger ones get 400 (h11)
+HEAD_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 5.0
 _JSON = (b"application/json",)
 
 
@@ -34,7 +38,7 @@ class RequestLimits:
         headers = dict(scope.get("headers") or ())
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if ctype and ctype not in _JSON and not ctype.endswith(b"+json"):
-            return await _reply(
+            return await send_error(
                 send,
                 400,
                 f"the request body must be JSON, sent with content-type: application/json "
@@ -43,13 +47,13 @@ class RequestLimits:
             )
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _reply(send, 413, self._too_large(int(length)), close=True)
+            return await send_error(send, 413, self._too_large(int(length)), close=True)
         body, deadline = bytearray(), time.monotonic() + self.timeout
         while True:
             try:
                 msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return await _reply(
+                return await send_error(
                     send,
                     408,
                     f"the request body did not arrive within {self.timeout:g} s (received "
@@ -61,7 +65,7 @@ class RequestLimits:
                 return
             body += msg.get("body", b"")
             if len(body) > self.max_bytes:
-                return await _reply(
+                return await send_error(
                     send, 413, self._too_large(len(body), at_least=True), close=True
                 )
             if not msg.get("more_body", False):
@@ -85,9 +89,23 @@ class RequestLimits:
         )
 
 
-async def _reply(send, status: int, message: str, close: bool = False) -> None:
-    body = json.dumps(error_body(message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+async def send_error(
+    send,
+    status: int,
+    message: str,
+    close: bool = False,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    headers: tuple = (),
+) -> None:
+    """Answer ``status`` with OpenAI's error body, from ASGI middleware (before any route);
+    ``close``: ask the server to close the connection after it (the body is left unread)."""
+    body = json.dumps(error_body(message, kind, code=code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *headers,
+    ]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

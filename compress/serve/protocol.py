@@ -5,6 +5,15 @@ ignored as OpenAI ignores them; supported-but-unused ones must keep their neutra
 (``n`` 1, ``echo`` false, no ``logprobs``, zero penalties), else the request is refused. ``top_k``
 and ``ignore_eos`` are vLLM's extensions. Errors are ``{"error": {"message", "type", "param",
 "code"}}`` with a 4xx status for the client's mistakes.
+
+Text fields must be Unicode text: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which
+no encoding can write, so it is refused with the rest of the validation. A text prompt longer
+than :func:`prompt_char_limit` characters is refused before it is tokenized: a token covers at
+most ``longest`` characters of the vocabulary's spelling (a byte-level BPE: bytes, >= characters),
+so such a prompt has more tokens than the context holds,
+
+    tokens >= characters / longest   and   characters > SLACK * longest * context
+                                     =>    tokens > context     (SLACK for normalizers that shrink)
 """
 
 from typing import Literal
@@ -15,9 +24,42 @@ from compress.decoder.sampling import Sampling, check_sampling
 from compress.errors import CompressError
 from compress.serve.scheduler import Params
 
+SLACK = 2  # characters a normalizer may fold into one (NFKC, whitespace runs), beyond the spelling
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def unicode_text(value):
+    """``value`` (a string, or a list or dict holding strings) unchanged, or ValueError naming
+    the first lone surrogate (the message shows it escaped: it cannot be encoded either)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"has a lone UTF-16 surrogate (\\u{ord(value[e.start]):04x} at character "
+                    f"{e.start}), which is not a character; send the character itself, or both "
+                    f"halves of its surrogate pair"
+                ) from None
+    elif isinstance(value, list | tuple):
+        for v in value:
+            unicode_text(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            unicode_text(v)
+    return value
+
+
+def prompt_char_limit(tokenizer, max_len: int) -> int | None:
+    """The most characters a text prompt may have (module docstring); None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return SLACK * max(longest, 1) * max_len
 
 
 class Common(BaseModel):
@@ -43,6 +85,24 @@ class Common(BaseModel):
     @classmethod
     def as_list(cls, v):
         return [v] if isinstance(v, str) else v or []
+
+    @field_validator("model", "stop")
+    @classmethod
+    def model_stop_text(cls, v):
+        return unicode_text(v)
+
+    def check_size(self, max_chars: int | None, context: int) -> None:
+        """Refuse a text prompt of more than ``max_chars`` characters, before tokenizing it."""
+        n = self.prompt_chars()
+        if max_chars is not None and n > max_chars:
+            raise CompressError(
+                f"the prompt has {n:,} characters, more than this model's context of {context:,} "
+                f"tokens can hold (at most {max_chars:,} characters with this tokenizer); "
+                f"shorten the prompt."
+            )
+
+    def prompt_chars(self) -> int:
+        raise NotImplementedError
 
     def params(self, default_max: int) -> Params:
         check_sampling(
@@ -79,6 +139,15 @@ class CompletionRequest(Common):
     logprobs: None = None
     suffix: None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def prompt_text(cls, v):
+        return unicode_text(v)
+
+    def prompt_chars(self) -> int:
+        p = self.prompt
+        return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+
     def prompt_ids(self, tokenizer) -> list[int]:
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
@@ -99,6 +168,11 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict]
 
+    @field_validator("content")
+    @classmethod
+    def content_text(cls, v):
+        return unicode_text(v)
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -117,14 +191,33 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = None
     logprobs: Literal[False] | None = None
 
+    def prompt_chars(self) -> int:
+        return sum(len(m.text()) for m in self.messages)
+
     def prompt_ids(self, tokenizer) -> list[int]:
+        """The messages through the model's chat template, tokenized. A template that refuses
+        the messages (``raise_exception``: roles that do not alternate, no user turn) or fails
+        on them is the client's 400; a template that is not valid Jinja is the server's."""
         if not getattr(tokenizer, "chat_template", None):
             raise CompressError("this model's tokenizer has no chat template; use /v1/completions.")
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in self.messages
         ]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        import jinja2  # optional: transformers' chat templates need it, plain completions do not
+
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateSyntaxError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as e:
+            raise CompressError(
+                f"this model's chat template refused these messages: {str(e) or type(e).__name__}. "
+                f"Send the roles in the order the model's template takes (often: an optional "
+                f"system message, then user and assistant turns alternating, ending with user)."
+            ) from None
         return tokenizer(text, add_special_tokens=False).input_ids
 
     def params(self, default_max: int) -> Params:

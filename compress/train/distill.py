@@ -264,6 +264,36 @@ def curve(losses: list, points: int = 20) -> list:
     ]
 
 
+SAMPLER_SEED_MAX = (2**64 - 1) // 1_000_004  # the trainer seeds pass e with seed * 1_000_003 + e
+
+
+def check(cfg) -> None:
+    """Refuse, before the model loads, ``distill.*`` settings the stage would skip on, replace
+    or fail on only after the stages before it (0 tokens skips distillation)."""
+    d = cfg.distill
+    rules = (
+        ("tokens", 0, "the training budget in tokens; 0 skips distillation"),
+        ("seqlen", 2, "tokens per training sequence"),
+        ("batch_size", 1, "sequences per process and micro-step"),
+        ("grad_accum", 1, "micro-steps per optimizer step"),
+        ("checkpoint_every", 0, "optimizer steps between checkpoints; 0: none"),
+    )
+    for key, low, what in rules:
+        v = d.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise CompressError(
+                f"distill.{key}={v!r}: distill.{key} takes an integer >= {low} ({what})."
+            )
+    if d.get("loss", "kl") not in LOSSES:
+        raise CompressError(f"distill.loss={d.loss!r}: use one of {', '.join(LOSSES)}.")
+    resolve_chunk(d.get("kl_chunk", "auto"), "cpu")
+    if d.tokens and int(cfg.seed) > SAMPLER_SEED_MAX:
+        raise CompressError(
+            f"seed={cfg.seed}: the distill stage seeds each pass over its text with "
+            f"seed x 1,000,003 + pass, a 64-bit number; use a seed up to {SAMPLER_SEED_MAX}."
+        )
+
+
 def distill(model, ctx):
     """Pipeline stage: distil the model (student) from ``model.path`` (teacher) on ``distill.data``."""
     from compress.data import read_text

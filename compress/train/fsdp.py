@@ -22,7 +22,8 @@ so the chunked distillation loss (``distill.kl_chunk``), which applies the head 
 forward, sees the whole head and its gradient is reduce-scattered with the root's. The trainer
 shards a copy of the student (the caller's whole model stays where it was meanwhile, as every
 rank loaded it); the trained weights are gathered back into it at the end, whole on every rank
-as before training. The teacher is not trained and stays replicated.
+as before training. The copy is made on the CPU and each unit moves to the GPU as it is sharded
+(``shard``), so no rank ever holds the whole student on its GPU. The teacher is not trained and stays replicated.
 
 Checkpoints: ``torch.distributed.checkpoint`` (DCP) of ``{"model", "optim"}`` from
 ``get_state_dict``: every rank writes its own shard (``dcp/__<rank>_0.distcp``, with a shared
@@ -76,20 +77,44 @@ def check_settings(compile: bool = False) -> None:
 
 
 def shard(model, device, activation_checkpointing: bool = False):
-    """A copy of ``model`` on ``device``, sharded over the default process group (docstring)."""
+    """A copy of ``model`` sharded over the default process group, on ``device`` (docstring).
+
+    The copy is made on the CPU and reaches ``device`` one unit at a time: ``fully_shard`` moves
+    the unit's parameters and buffers to its mesh's device, keeps this rank's 1/N slice of each
+    and drops the rest when it returns, so a rank never holds more than its shards plus one
+    whole unit there (never the whole student). ``model`` itself is moved to the CPU first if it
+    is elsewhere (the trainer moves it back with the trained weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from compress.adapters import get_adapter
 
-    work = copy.deepcopy(model).to(device)
+    device = torch.device(device)
+    if device.type == "cuda":  # the mesh places the shards on the current device
+        device = torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers())):
+        model.cpu()
+    work = copy.deepcopy(model)
     work.train()
     if activation_checkpointing:
         work.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reshard = _flag("FSDP_RESHARD_AFTER_FORWARD", "true")
     layers = get_adapter(work.config).decoder_layers(work)
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(work, reshard_after_forward=False)  # the root: its weights are needed at once
+    for layer in layers:  # to the device and sharded, one layer at a time
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    # the root: the rest (embeddings, final norm, head, rotary buffers); its weights are needed at once
+    fully_shard(work, mesh=mesh, reshard_after_forward=False)
+    astray = [
+        n
+        for n, t in (*work.named_parameters(), *work.named_buffers())
+        if t.device.type != device.type or (device.type != "cpu" and t.device != device)
+    ]  # (accelerate names the CPU "cpu:0", tensors report "cpu")
+    if astray:  # fully_shard moves what it manages; anything else would run on the wrong device
+        raise RuntimeError(f"fsdp: {astray[:3]} not on {device} after sharding")
     if torch.distributed.get_rank() == 0:
         log.info(
             "fsdp: the student sharded over %d processes in %d units",

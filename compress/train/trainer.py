@@ -111,15 +111,54 @@ def make_accelerator(tc: TrainConfig):
     return Accelerator(mixed_precision=mp, cpu=not torch.cuda.is_available())
 
 
-def plan_batch(tc: TrainConfig, world: int, device, model=None) -> TrainConfig:
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def training_bytes(model, device, sharded: bool = False, world: int = 1) -> int:
+    """Bytes the student will add on ``device`` once training runs, beyond what it holds there now:
+
+    - its parameters and buffers not yet on ``device``;
+    - for each trainable parameter, its gradient and AdamW's two moments (``exp_avg``,
+      ``exp_avg_sq``), each of the parameter's dtype and shape: 3 x its bytes;
+    - under DDP (``world`` > 1, not sharded), DDP's gradient buckets, one more copy of the
+      gradients;
+
+    under FSDP (``sharded``) all of these are split over ``world`` ranks, and a rank also holds
+    unsharded, while they compute, the root unit's parameters (embeddings, final norm, head: kept
+    from forward to backward) and two decoder layers' (the one running and the one prefetched),
+    each with its gradient before the reduce-scatter (``compress.train.fsdp``). The teacher is
+    on the device already, in the free memory measured."""
+    device = torch.device(device)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    moved = [t for t in (*params, *model.buffers()) if not _on(t, device)]
+    need = _nbytes(moved) + 3 * _nbytes(trainable)
+    if not sharded:
+        return need + (_nbytes(trainable) if world > 1 else 0)
+    from compress.adapters import get_adapter
+
+    layers = list(get_adapter(model.config).decoder_layers(model))
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = _nbytes(p for p in params if id(p) not in in_layers)
+    layer = max((_nbytes(layer.parameters()) for layer in layers), default=0)
+    return -(-need // world) + 2 * (root + 2 * layer)  # unsharded: parameters and gradients
+
+
+def plan_batch(tc: TrainConfig, world: int, device, model=None, sharded=False) -> TrainConfig:
     """``tc`` with ``batch_size`` and ``grad_accum`` set from ``tokens_per_step``:
 
     - 0: as given (today's default);
     - N > 0: ``grad_accum = ceil(N / (seqlen * batch_size * world))``;
-    - ``auto``: on CUDA, sequences per micro-step from the free memory (activations of about
-      34 * hidden bytes per token and layer in 16-bit, Korthikanti et al. 2022, within half
-      the free memory), and about 2^19 tokens a step (at most 1/64 of the budget); on the CPU,
-      as given.
+    - ``auto``: on CUDA, sequences per micro-step from the memory left once the student, its
+      gradients and AdamW state are in place (free memory now, less :func:`training_bytes`;
+      refused if that is not positive): activations of about 34 * hidden bytes per token and
+      layer in 16-bit (Korthikanti et al. 2022) within half of it; and about 2^19 tokens a step
+      (at most 1/64 of the budget). On the CPU, as given.
     """
     import dataclasses
 
@@ -130,7 +169,15 @@ def plan_batch(tc: TrainConfig, world: int, device, model=None) -> TrainConfig:
         cfg = model.config
         per_seq = tc.seqlen * cfg.num_hidden_layers * cfg.hidden_size * 34
         free, _ = torch.cuda.mem_get_info(device)
-        batch = max(1, min(64, int(0.5 * free // per_seq)))
+        need = training_bytes(model, device, sharded, world)
+        if free <= need:
+            raise CompressError(
+                f"distill.tokens_per_step=auto: the student needs {need / 2**30:.2f} GiB more on "
+                f"{device} for its weights, gradients and AdamW state, and {free / 2**30:.2f} GiB "
+                f"are free. Shard it over more GPUs (accelerate launch --use_fsdp --fsdp_version 2 "
+                f"--num_processes N), free the device, or train a smaller student."
+            )
+        batch = max(1, min(64, int(0.5 * (free - need) // per_seq)))
         target = max(tc.seqlen * batch * world, min(2**19, tc.tokens // 64))
         accum = max(1, round(target / (tc.seqlen * batch * world)))
         return dataclasses.replace(tc, batch_size=batch, grad_accum=accum)
@@ -282,7 +329,7 @@ def train(
     world, rank = acc.num_processes, acc.process_index
     sharded = fsdp.requested()
     fsdp.check_settings(tc.compile)
-    tc = plan_batch(tc, world, acc.device, model)
+    tc = plan_batch(tc, world, acc.device, model, sharded)
     per_step = tc.seqlen * tc.batch_size * tc.grad_accum * world
     steps = math.ceil(tc.tokens / per_step) if tc.tokens > 0 else 0
     stats = {

@@ -5,7 +5,7 @@
 
 ``mapped.py`` holds the two caches of IAM decoding (``compress.iam.decode`` builds them; they
 are not ``--kv`` kinds). The CLI's ``--kv``, the pipeline's ``decode.kv`` check and
-``eval/kv_quality.py`` take their names from :data:`KV_KINDS`; ``base.py`` has the interface.
+``eval/bench/kv_quality.py`` take their names from :data:`KV_KINDS`; ``base.py`` has the interface.
 """
 
 import torch

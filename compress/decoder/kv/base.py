@@ -69,7 +69,7 @@ def fused_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
     reads KV head ``j // (H / Hkv)``), ``mask`` from :func:`hidden` with one KV-head row. A query
     whose keys are all hidden (padding) attends to all of them, so its output stays finite.
 
-    ``python eval/bench_serve.py`` measures it against the gather-then-
+    ``python eval/bench/bench_serve.py`` measures it against the gather-then-
     ``masked_softmax`` form (same fp32 math, fewer copies of the gathered keys).
     """
     allowed = ~mask[:, 0, 0]  # [B|1, Tq, L]

@@ -28,7 +28,7 @@ class FP16Cache(Cache):
     read_as_stored = ()  # static layers whose decode attention reads K/V as stored (C++)
     # a long prompt attends in blocks of this many queries, each over the keys up to its last
     # query: an 8,000-token prefill in one forward took 102 s against 235 s over [T, T] scores
-    # (python eval/bench_serve.py --folder fp32=MODEL --batch --ttft 8000 --chunk 0)
+    # (python eval/bench/bench_serve.py --folder fp32=MODEL --batch --ttft 8000 --chunk 0)
     QUERY_BLOCK = 1024
 
     OPTIONS = ("v_dim", "scale")

@@ -44,7 +44,7 @@ class PackKVCache(ResidualCache):
 
     Defaults ``k_rel=0.04, v_rel=0.1``: the lowest-KL pair of the README's sweep whose bytes stay
     under a third of the fp16 cache's at every length from 1,400 to 1,700 tokens
-    (``python eval/kv_quality.py --parallel --windows 4 --tokens 1536``).
+    (``python eval/bench/kv_quality.py --parallel --windows 4 --tokens 1536``).
 
     Attention products come from ``compress.kernels`` (Triton, decoding in registers, on CUDA;
     C++ decoding pack by pack on the CPU). The staged tokens (under 16) are dequantized as they
