@@ -4,7 +4,7 @@ Every recipe is a Hydra primary config that starts from ``recipes/base.yaml``.
 ``recipe=NAME`` is rewritten to Hydra's ``--config-name NAME``, so
 ``--cfg job`` prints the resolved recipe and any key can be overridden
 (``eval.windows=4``, ``model.path=...``, ``hydra.run.dir=DIR``). Overrides are checked
-against the recipe before Hydra or the model sees them (``compress.config``).
+against the recipe before Hydra or the model sees them (``compress.recipe.config``).
 """
 
 import logging
@@ -12,8 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
-from compress.config import RECIPES, available, check_overrides, summary
 from compress.errors import CompressError, Interrupted
+from compress.io.run_folder import check_writable
+from compress.recipe.config import RECIPES, available, check_overrides, summary
+from compress.recipe.pipeline import run
 
 log = logging.getLogger("compress")
 
@@ -72,7 +74,6 @@ def rewrite_argv(argv: list[str]) -> list[str]:
 def check_run_dir_override(overrides: list[str]) -> None:
     """Hydra makes ``hydra.run.dir`` before the run starts (a traceback when it cannot): check
     that it can be made, or that ``outputs/`` can for the default."""
-    from compress.run_folder import check_writable
 
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
     path = given[-1].strip("'\"") if given else "outputs/RUN"
@@ -109,7 +110,6 @@ def main() -> None:
 
     @hydra.main(config_path=str(RECIPES), config_name="fp", version_base=None)
     def _run(cfg) -> None:
-        from compress.pipeline import run
 
         try:
             report = run(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -21,7 +21,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from compress.arch.adapters import get_adapter
 from compress.errors import CompressError
+from compress.io.checkpoint import save_checkpoint, unquantized_dtype
+from compress.io.data import check_source
+from compress.io.manifest import write_manifest
+from compress.io.run_folder import (
+    atomic_dir,
+    check_writable,
+    commit_dir,
+    lock_folder,
+    no_space,
+    sweep,
+)
+from compress.io.source import Source
+from compress.recipe.config import (
+    check_sizes,
+    compose,
+    needs_calibration,
+)
+from compress.recipe.inputs import check_inputs, check_token_ids
+from compress.recipe.pipeline import Context
+from compress.recipe.pipeline import run as run_pipeline
+from compress.recipe.stages import get_stage
 
 
 @dataclass
@@ -71,8 +93,6 @@ def run(
     ``verify=False`` (``model.verify=false``) skips checking a run folder given as ``model``
     against its manifest's hashes, for a folder edited on purpose.
     """
-    from compress.config import compose
-    from compress.pipeline import run as run_pipeline
 
     if not isinstance(recipe, str):
         raise CompressError(
@@ -182,18 +202,6 @@ def quantize(model, config, tokenizer=None, calibration=None):
     """
     import torch
 
-    from compress.config import (
-        check_sizes,
-        check_stage_settings,
-        compose,
-        layer_in_features,
-        needs_calibration,
-    )
-    from compress.data import check_source
-    from compress.inputs import check_inputs, check_token_ids
-    from compress.pipeline import Context
-    from compress.stages import get_stage
-
     if not hasattr(config, "overrides"):
         raise CompressError(
             f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
@@ -207,7 +215,7 @@ def quantize(model, config, tokenizer=None, calibration=None):
         extra.append(f"data.calib.source={override_value(str(calibration))}")
     cfg = compose(config.recipe, extra)
     check_sizes(cfg)
-    check_stage_settings(cfg, layer_in_features(model.config))
+    get_stage(config.stage).check(cfg, model.config)
     if needs_calibration(cfg) and tokens is None:
         if tokenizer is None:
             raise CompressError(
@@ -221,7 +229,7 @@ def quantize(model, config, tokenizer=None, calibration=None):
         check_token_ids(tokens, model.config.vocab_size)
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, tokenizer=tokenizer, calib_tokens=tokens)
-    model = get_stage(config.stage)(model, ctx)
+    model = get_stage(config.stage).run(model, ctx)
     model.config.quantization_config = ctx.quantization_config
     return given.eval()
 
@@ -239,7 +247,6 @@ def unwrap(model):
 def check_model(model, what: str) -> None:
     """Refuse what is not a Hugging Face causal LM of a supported family (``adapters``), and a
     model whose weights hold no data (the meta device)."""
-    from compress.adapters import get_adapter
 
     config = getattr(model, "config", None)
     if not hasattr(model, "state_dict") or not hasattr(config, "to_diff_dict"):
@@ -265,8 +272,6 @@ def check_not_quantized(model) -> None:
     ``nn.Linear`` (a quantized run folder loaded by ``checkpoint.load_run``)."""
     from torch import nn
 
-    from compress.adapters import get_adapter
-
     done = [
         f"{name} is {type(m).__name__}"
         for name, m in get_adapter(model.config).all_linears(model).items()
@@ -282,26 +287,14 @@ def check_not_quantized(model) -> None:
 
 def save(model, folder, tokenizer=None) -> Path:
     """Write ``model`` (quantized by ``quantize`` or not) as a checkpoint folder that
-    ``compress.checkpoint.load_run`` and ``python -m compress.decoder`` read; a quantized model's
+    ``compress.io.checkpoint.load_run`` and ``python -m compress.decoder`` read; a quantized model's
     unquantized tensors are saved as a recipe run saves them (``checkpoint.unquantized_dtype``).
 
     As a run writes its folder: claimed by a lock (another writer is refused), what killed
     writers into it left is removed first, written under a temporary name with a
     ``manifest.json`` (so loading verifies it) and renamed into place; a full disk is one
-    paragraph and leaves nothing (``compress.run_folder``)."""
+    paragraph and leaves nothing (``compress.io.run_folder``)."""
     import shutil
-
-    from compress.checkpoint import save_checkpoint, unquantized_dtype
-    from compress.manifest import write_manifest
-    from compress.run_folder import (
-        atomic_dir,
-        check_writable,
-        commit_dir,
-        lock_folder,
-        no_space,
-        sweep,
-    )
-    from compress.source import Source
 
     model = unwrap(model)  # torch.compile's wrapper would prefix every name with _orig_mod.
     check_model(model, "save")

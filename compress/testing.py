@@ -8,6 +8,10 @@ from pathlib import Path
 
 import torch
 
+import compress
+from compress.io.manifest import write_manifest
+from compress.io.source import Source
+
 TEXT = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine."
 
 
@@ -65,9 +69,6 @@ def random_model(config, seed: int = 0, std: float = 0.05):
 def run_folder(folder, model, tokenizer=None, rtn: dict | None = None) -> Path:
     """``model`` (quantized with ``compress.RTNConfig(**rtn)`` first when given) saved by
     ``compress.save``, with the manifest a recipe run writes."""
-    import compress
-    from compress.manifest import write_manifest
-    from compress.source import Source
 
     if rtn is not None:
         compress.quantize(model, compress.RTNConfig(**rtn))

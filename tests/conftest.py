@@ -148,7 +148,7 @@ def make_tiny_model(seed: int = 0, **overrides):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from compress.source import convert_default_model
+    from compress.io.source import convert_default_model
 
     return AutoTokenizer.from_pretrained(convert_default_model())
 
@@ -184,8 +184,8 @@ TINY_OVERRIDES = [
 @pytest.fixture(scope="session")
 def distill_dirs(tmp_path_factory, tokenizer):
     """(teacher folder, student folder, text file) for the standalone distillation CLI."""
-    from compress.prune.importance import activation_importance
-    from compress.prune.prune import prune_model
+    from compress.methods.prune.importance import activation_importance
+    from compress.methods.prune.prune import prune_model
 
     root = tmp_path_factory.mktemp("distill")
     small = dict(

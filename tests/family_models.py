@@ -78,7 +78,7 @@ def family_model(family: str, seed: int = 0, **overrides):
     """A random model of ``family`` whose norms are not all ones (so a fold into a norm shows)."""
     from transformers import AutoModelForCausalLM
 
-    from compress.arch import spec_of
+    from compress.arch.spec import spec_of
 
     config = family_config(family, **overrides)
     offset = spec_of(config).norm_offset

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 import compress
-from compress.adapters import get_adapter
-from compress.checkpoint import load_run
+from compress.arch.adapters import get_adapter
 from compress.errors import CompressError
-from compress.quant.quantizer import quantize as rtn_reference
+from compress.formats.quantizer import quantize as rtn_reference
+from compress.io.checkpoint import load_run
 from tests.conftest import ROOT, make_tiny_model
 
 TINY = {"eval": {"windows": 2, "seqlen": 64}, "calib": {"samples": 4, "seqlen": 64}}
@@ -67,7 +67,7 @@ def test_run_checks_settings_before_work(tiny_dir, tmp_path):
 
 def test_override_values_round_trip_through_hydra():
     from compress.api import overrides_of
-    from compress.config import compose
+    from compress.recipe.config import compose
 
     odd = "it's a \\path with spaces, \\'quotes\\"
     cfg = compose(

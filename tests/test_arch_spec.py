@@ -1,4 +1,4 @@
-"""The architecture spec (``compress.arch``) against transformers' own modules built from the same
+"""The architecture spec (``compress.arch.spec``) against transformers' own modules built from the same
 config, and the refusals of what the decoder cannot run, before any weight is read."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from compress.adapters import ADAPTERS, get_adapter
-from compress.arch import spec_of
+from compress.arch.adapters import ADAPTERS, get_adapter
+from compress.arch.spec import spec_of
 from compress.decoder.model import load, rope_inv_freq
 from compress.errors import CompressError
 from tests.test_family_exactness import FAMILIES, family_config

@@ -1,4 +1,4 @@
-"""Attention conversion (compress/attn/): gqa, cla, mla against float64 references, the
+"""Attention conversion (compress/methods/attn/): gqa, cla, mla against float64 references, the
 transformers formats, and the bad inputs."""
 
 import json
@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compress.attn.checks import check_rope
-from compress.attn.cla import convert_cla
-from compress.attn.gqa import mean_pool_kv
-from compress.attn.mla import convert_mla
-from compress.attn.rope_select import qk_pair_scores, select_pairs
-from compress.checkpoint import load_run, save_checkpoint
 from compress.errors import CompressError
 from compress.formats.attention import folder_files
 from compress.formats.attention.absorb import absorb_output, absorb_query, expand_kv
+from compress.io.checkpoint import load_run, save_checkpoint
+from compress.methods.attn.checks import check_rope
+from compress.methods.attn.cla import convert_cla
+from compress.methods.attn.gqa import mean_pool_kv
+from compress.methods.attn.mla import convert_mla
+from compress.methods.attn.rope_select import qk_pair_scores, select_pairs
 from tests.conftest import make_tiny_model
 
 VOCAB = 49152
@@ -410,7 +410,7 @@ def test_direct_calls_refuse_bad_sizes():
 
 
 def run_recipe(recipe, model_dir, out, *extra):
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
     from tests.conftest import TINY_OVERRIDES, compose
 
     return run(compose(recipe, [f"model.path={model_dir}", *TINY_OVERRIDES, *extra]), out)
@@ -422,8 +422,8 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     calibration text, and the built-in decoder measures its cache: exactly the kind's bytes."""
     from safetensors.torch import load_file
 
-    from compress.data import calib_samples, read_text
-    from compress.source import load_model
+    from compress.io.data import calib_samples, read_text
+    from compress.io.source import load_model
     from tests.conftest import compose
 
     out = tmp_path / "run"

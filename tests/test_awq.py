@@ -6,9 +6,9 @@ import json
 import torch
 from torch import nn
 
-from compress.quant import awq as awq_mod
-from compress.quant.awq import apply_scale, search_clip, search_scale
-from compress.quant.quantizer import fake_quantize
+from compress.formats.quantizer import fake_quantize
+from compress.methods.quant import awq as awq_mod
+from compress.methods.quant.awq import apply_scale, search_clip, search_scale
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 from tests.test_packing import decode_awq_spec
 
@@ -78,7 +78,7 @@ def test_awq_saved_int4_reproduces_chosen_weights(tiny_dir, tmp_path, monkeypatc
     """Decode the saved tensors with the spec decoder: exactly the weights AWQ chose."""
     from safetensors.torch import load_file
 
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     chosen = {}
     real_quantize = awq_mod.quantize
@@ -116,9 +116,9 @@ def test_awq_saved_int4_reproduces_chosen_weights(tiny_dir, tmp_path, monkeypatc
     assert set(report["awq_alpha"][0]) == {"qkv", "gate_up", "down"}  # GQA: no v->o group
 
     # perplexity of the loaded packed checkpoint = that of the same model with W_hat in nn.Linear
-    from compress.adapters import set_module
-    from compress.checkpoint import load_run
+    from compress.arch.adapters import set_module
     from compress.eval.perplexity import evaluate
+    from compress.io.checkpoint import load_run
 
     packed, _ = load_run(tmp_path / "run")
     fake, _ = load_run(tmp_path / "run")
@@ -133,7 +133,7 @@ def test_awq_saved_int4_reproduces_chosen_weights(tiny_dir, tmp_path, monkeypatc
 
 def test_awq_beats_rtn_on_tiny_model(tiny_dir, tmp_path):
     """On the same calibration-free eval windows, AWQ INT3's KL to the source is below RTN's."""
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "eval.windows=4"]
     awq = run(compose("awq_int3", over + ["awq.batch=2"]), tmp_path / "awq")
@@ -143,7 +143,7 @@ def test_awq_beats_rtn_on_tiny_model(tiny_dir, tmp_path):
 
 def test_v_to_o_group_when_shapes_match():
     model = make_tiny_model(num_key_value_heads=4)
-    from compress.adapters import get_adapter
+    from compress.arch.adapters import get_adapter
 
     names = [
         g["name"] for g in awq_mod.scale_groups(model.model.layers[0], get_adapter(model.config))

@@ -106,7 +106,7 @@ def run(tmp_path_factory):
 
 
 def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypatch):
-    from compress import pipeline
+    from compress.recipe import pipeline
 
     def no_load(*a, **k):
         raise AssertionError("the model loaded before the eval text was checked")
@@ -143,7 +143,7 @@ def test_an_empty_eval_text_fails_before_the_model_loads(hf, tmp_path, monkeypat
 
 
 def test_count_tokens_in_chunks_matches_the_whole_text(tokenizer):
-    from compress.inputs import count_tokens
+    from compress.recipe.inputs import count_tokens
 
     text = (ROOT.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens").read_text()[
         :600_000
@@ -178,7 +178,7 @@ def test_the_writability_probe_never_enters_the_run_folder(tmp_path, monkeypatch
     """Each rank of ``accelerate launch`` checks the run folder that the other's Hydra may have
     made already: the probe goes beside it, so the folder never holds a file another rank's
     emptiness check could see."""
-    from compress import run_folder
+    from compress.io import run_folder
 
     run = tmp_path / "runs" / "two"
     run.mkdir(parents=True)  # the other rank's Hydra placeholder

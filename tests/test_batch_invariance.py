@@ -123,7 +123,7 @@ def test_cache_attention_matches_float64(dtype, shape):
 
 
 def quantized_folder(tmp_path):
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     return save(
         pack_model(tiny_hf(vocab_size=320), 4, 32),
@@ -219,7 +219,7 @@ def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folde
     batch-invariant in bfloat16 (W4A8 at every M, int8 head); an explicit dtype, kernel, head,
     prefill ranks or ``--no-batch-invariant``, another device, a plain folder or a vocabulary the
     int8 head cannot pack keep the float32 exact path."""
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
     from compress.serve.__main__ import parse_args, resolve_configuration
 
     q = quantized_folder(tmp_path)

@@ -202,9 +202,9 @@ def test_ctrl_c_before_anything_is_written(tiny_dir, tmp_path):
     args = [
         sys.executable,
         "-c",
-        "import time, compress.source as s; load = s.load_model; "
+        "import time, compress.io.source as s; load = s.load_model; "
         "s.load_model = lambda *a, **k: (print('loading', flush=True), time.sleep(60)); "
-        "import compress.pipeline as p; p.load_model = s.load_model; "
+        "import compress.recipe.pipeline as p; p.load_model = s.load_model; "
         "import sys; sys.argv = ['compress', *sys.argv[1:]]; "
         "from compress.__main__ import main; main()",
         "recipe=fp",

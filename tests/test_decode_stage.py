@@ -62,7 +62,7 @@ def test_measure_runs_with_decode_threads_and_restores(tiny_dir, monkeypatch, ca
 
 @pytest.mark.parametrize("bad", ["0", "abc", "1.5", "true"])
 def test_bad_threads_refused_before_work(tiny_dir, tmp_path, bad):
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     cfg = compose("rtn_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES, f"decode.threads={bad}"])
     with pytest.raises(CompressError, match="decode.threads"):

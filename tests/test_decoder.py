@@ -63,7 +63,7 @@ def tiny_hf(**overrides):
 
 
 def save(model, folder: Path, tokenizer=None, quantization_config=None) -> Path:
-    from compress.checkpoint import save_checkpoint
+    from compress.io.checkpoint import save_checkpoint
 
     save_checkpoint(model, tokenizer, folder, quantization_config)
     return folder
@@ -322,10 +322,10 @@ def test_empty_and_too_long_prompts(ours):
 @pytest.mark.parametrize("kind", ["int4", "int3", "int8", "int4-skip-k"])
 def test_quantized_run_folder_matches_load_run(kind, tmp_path):
     """Decoder logits vs the pipeline's own loader (transformers + QuantLinear / Int8Linear)."""
-    from compress.checkpoint import load_run
     from compress.decoder.model import Cast, Parallel
-    from compress.quant import llm_int8
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.io.checkpoint import load_run
+    from compress.methods.quant import llm_int8
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     hf = tiny_hf()
     if kind == "int8":
@@ -408,9 +408,9 @@ def test_compiled_step_matches_eager(ours):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_step_quantized(dtype, tmp_path):
     """int4 layers in the compiled step: the K-packed GEMV (fp32) and ATen's int4pack (bf16) forms."""
-    from compress.formats import QuantLinear
     from compress.kernels.cpu import Int4PackLinear, KPlanesLinear
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.layers import QuantLinear
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     folder = save(
         pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32)
@@ -438,8 +438,8 @@ def test_compiled_step_quantized(dtype, tmp_path):
 
 def test_lean_load_keeps_one_form(tmp_path):
     """``lean``: the packed codes are freed, the int4pack form computes what it computed before."""
-    from compress.formats import QuantLinear
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.layers import QuantLinear
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     folder = save(
         pack_model(tiny_hf(), 4, 32), tmp_path, quantization_config=quantization_config(4, 32)
@@ -532,7 +532,7 @@ def default_model():
     """(folder, our model, transformers' model, tokenizer) of the fp32 default model."""
     from transformers import AutoModelForCausalLM
 
-    from compress.source import convert_default_model
+    from compress.io.source import convert_default_model
 
     folder = convert_default_model()
     model, tok = load(folder)
@@ -603,8 +603,8 @@ def int4_folders():
 @pytest.mark.slow
 @pytest.mark.parametrize("folder", int4_folders())
 def test_default_model_int4_matches_load_run(folder, default_model, tmp_path):
-    from compress.checkpoint import load_run
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.io.checkpoint import load_run
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     src, _, _, tok = default_model
     if folder == "rtn_int4":

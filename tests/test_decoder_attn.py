@@ -14,10 +14,10 @@ from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
 def convert(kind: str):
     """(converted HF model, files its folder carries) of a tiny 4-layer Llama, head_dim 16."""
-    from compress.attn.cla import convert_cla
-    from compress.attn.gqa import mean_pool_kv
-    from compress.attn.mla import convert_mla, full_rank
     from compress.formats.attention import folder_files
+    from compress.methods.attn.cla import convert_cla
+    from compress.methods.attn.gqa import mean_pool_kv
+    from compress.methods.attn.mla import convert_mla, full_rank
 
     hf = tiny_hf(num_hidden_layers=4, max_position_embeddings=512)
     tokens = torch.randint(0, 300, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -133,7 +133,7 @@ def test_quantized_cross_layer_folder_composes(tiny_dir, tmp_path):
     """rtn_int4 on a cla run folder: the pipeline quantizes it and evaluates it, and the decoder
     runs the result as transformers' loader of the same folder does."""
     import compress
-    from compress.checkpoint import load_run
+    from compress.io.checkpoint import load_run
 
     tiny = {
         "eval": {"windows": 2, "seqlen": 64},

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from compress.adapters import get_adapter
-from compress.data import eval_windows, read_text
+from compress.arch.adapters import get_adapter
 from compress.eval.perplexity import evaluate
-from compress.pipeline import run
-from compress.quant.quantizer import fake_quantize
-from compress.source import load_model
+from compress.formats.quantizer import fake_quantize
+from compress.io.data import eval_windows, read_text
+from compress.io.source import load_model
+from compress.recipe.pipeline import run
 from tests.conftest import DATA, compose
 
 pytestmark = pytest.mark.slow

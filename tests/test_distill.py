@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.train.distill import ce_loss, check_vocab, distill_loss, kl_loss, run_distill
-from compress.train.trainer import Sampler, TrainConfig, latest_checkpoint, lr_factor
+from compress.methods.distill.distill import (
+    ce_loss,
+    check_vocab,
+    distill_loss,
+    kl_loss,
+    run_distill,
+)
+from compress.methods.distill.trainer import Sampler, TrainConfig, latest_checkpoint, lr_factor
 from tests.conftest import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

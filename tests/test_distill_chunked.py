@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.train.distill import distill_loss, resolve_chunk
-from compress.train.trainer import TrainConfig, plan_batch
+from compress.methods.distill.distill import distill_loss, resolve_chunk
+from compress.methods.distill.trainer import TrainConfig, plan_batch
 from tests.conftest import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

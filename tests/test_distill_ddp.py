@@ -57,7 +57,7 @@ def test_two_processes_match_one(distill_dirs, tmp_path):
             "--dynamo_backend",
             "no",
             "-m",
-            "compress.train.distill",
+            "compress.cli.distill",
             *common,
             "--batch-size",
             "1",
@@ -75,7 +75,7 @@ def test_two_processes_match_one(distill_dirs, tmp_path):
             [
                 sys.executable,
                 "-m",
-                "compress.train.distill",
+                "compress.cli.distill",
                 *common,
                 "--batch-size",
                 "2",

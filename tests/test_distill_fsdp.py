@@ -77,7 +77,7 @@ def test_fsdp_two_processes_match_one(distill_dirs, tmp_path, kl_chunk):
             *LAUNCH,
             *FSDP,
             "-m",
-            "compress.train.distill",
+            "compress.cli.distill",
             *args,
             "--batch-size",
             "1",
@@ -95,7 +95,7 @@ def test_fsdp_two_processes_match_one(distill_dirs, tmp_path, kl_chunk):
             [
                 sys.executable,
                 "-m",
-                "compress.train.distill",
+                "compress.cli.distill",
                 *args,
                 "--batch-size",
                 "2",
@@ -139,7 +139,7 @@ def test_fsdp_kill_and_resume_reaches_the_same_weights(distill_dirs, tmp_path):
         *LAUNCH,
         *FSDP,
         "-m",
-        "compress.train.distill",
+        "compress.cli.distill",
         *common(teacher, student, text, 1280),
         "--batch-size",
         "1",
@@ -226,7 +226,7 @@ def fsdp_env(monkeypatch):
     ],
 )
 def test_cli_refuses_what_fsdp_cannot_run(fsdp_env, tmp_path, capsys, setting, message):
-    from compress.train.distill import main
+    from compress.cli.distill import main
 
     argv = [
         "--student",
@@ -252,8 +252,8 @@ def test_cli_refuses_what_fsdp_cannot_run(fsdp_env, tmp_path, capsys, setting, m
 
 
 def test_pipeline_refuses_before_work(fsdp_env):
-    from compress.config import check_distributed
     from compress.errors import CompressError
+    from compress.recipe.config import check_distributed
     from tests.conftest import compose
 
     assert check_distributed(compose("minitron_width", ["distill.kl_chunk=4096"])) == 2

@@ -16,7 +16,7 @@ def cli(teacher, student, text, out, ckpt, *extra):
     return [
         sys.executable,
         "-m",
-        "compress.train.distill",
+        "compress.cli.distill",
         "--student",
         str(student),
         "--teacher",

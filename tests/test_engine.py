@@ -172,8 +172,8 @@ def test_weight_formats(kind, tmp_path):
     """The same engine over bfloat16, int4 (RTN-packed) and LLM.int8 weights equals ``generate``
     alone: batched for bf16 and int4; one request at a time for LLM.int8, whose outlier columns
     are picked over the whole batch's activations, so its logits depend on the batch."""
-    from compress.quant import llm_int8
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant import llm_int8
+    from compress.methods.quant.rtn import pack_model, quantization_config
 
     hf, qcfg = tiny_hf(), None
     if kind == "int8":

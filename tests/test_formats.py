@@ -10,16 +10,16 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.formats import LAYERS, Int8Linear, QuantLinear, quantized_layer
+from compress.layers import LAYERS, Int8Linear, QuantLinear, quantized_layer
 
 METHOD_PACKAGES = (
-    "compress.quant",
-    "compress.prune",
-    "compress.train",
+    "compress.methods.quant",
+    "compress.methods.prune",
+    "compress.methods.distill",
     "compress.decoder",
-    "compress.pipeline",
-    "compress.source",
-    "compress.checkpoint",
+    "compress.recipe.pipeline",
+    "compress.io.source",
+    "compress.io.checkpoint",
 )
 
 
@@ -40,7 +40,7 @@ def test_formats_import_no_method_package():
     """Building both layers and running their forwards (kernels included) loads no method."""
     loaded = modules_after("""
         import torch
-        from compress.formats import Int8Linear, QuantLinear, quantized_layer
+        from compress.layers import Int8Linear, QuantLinear, quantized_layer
         lin = torch.nn.Linear(64, 32)
         for qcfg in ({"quant_method": "awq", "bits": 4, "group_size": 32},
                      {"quant_method": "compress", "bits": 3, "group_size": 32},
@@ -48,7 +48,7 @@ def test_formats_import_no_method_package():
             layer = quantized_layer(qcfg, lin)
             layer(torch.randn(2, 64))
     """)
-    assert "compress.formats" in loaded and "compress.kernels.cpu" in loaded
+    assert "compress.layers" in loaded and "compress.kernels.cpu" in loaded
     assert "compress.kernels.int8_cpu" in loaded
     assert not [m for m in loaded if m.startswith(METHOD_PACKAGES)]
 
@@ -62,7 +62,7 @@ def test_kernels_import_no_method_package():
         for info in pkgutil.iter_modules(k.__path__):
             importlib.import_module(f"compress.kernels.{info.name}")
     """)
-    assert {"compress.kernels.packkv", "compress.kernels.dequant_matmul"} <= set(loaded)
+    assert {"compress.kernels.packkv_triton", "compress.kernels.dequant_matmul"} <= set(loaded)
     assert not [m for m in loaded if m.startswith(METHOD_PACKAGES)]
 
 

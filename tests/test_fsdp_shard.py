@@ -1,4 +1,4 @@
-"""``compress.train.fsdp.shard`` in this process (gloo, one rank): the student's copy is never
+"""``compress.methods.distill.fsdp.shard`` in this process (gloo, one rank): the student's copy is never
 moved to the device whole; each unit reaches ``fully_shard`` still unsharded on the CPU, one
 decoder layer at a time, then the root with the rest, and computes what the student computes.
 On a GPU, ``fully_shard`` then moves only that unit before keeping its slice (checked by reading
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import DTensor
 
-from compress.train import fsdp
+from compress.methods.distill import fsdp
 from tests.conftest import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""The embedded models' GGUF files (``compress.embedded``): read from the wheels that ``pip
+"""The embedded models' GGUF files (``compress.io.embedded``): read from the wheels that ``pip
 download`` fetches (here tiny fake wheels in a local folder, through pip's own --find-links),
 or assembled from installed chunk packages, always checked by sha256; and, when the Gemma 3
 packages are installed, the real converted Gemma 3 270M read by transformers."""
@@ -10,9 +10,9 @@ import zipfile
 
 import pytest
 
-from compress import embedded, gguf_wheel
-from compress.embedded import EMBEDDED
+from compress.io import embedded, gguf_wheel
 from compress.errors import CompressError
+from compress.io.embedded import EMBEDDED
 
 SMOL, GEMMA = EMBEDDED["smollm2-135m"], EMBEDDED["gemma3-270m"]
 
@@ -125,7 +125,7 @@ def test_installed_chunks_are_assembled_and_checked(tmp_path, monkeypatch):
 
 
 def test_default_gguf_without_the_package_reads_the_cache(tmp_path, monkeypatch):
-    from compress.source import default_gguf
+    from compress.io.source import default_gguf
 
     monkeypatch.setattr(embedded, "installed_chunk", lambda c: None)
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
@@ -140,7 +140,7 @@ def test_default_gguf_without_the_package_reads_the_cache(tmp_path, monkeypatch)
 
 def test_gemma_model_path_is_checked_before_loading(tmp_path, monkeypatch):
     """``model.path=gemma3-270m`` without the packages: one clear error naming the install."""
-    from compress.source import check_path
+    from compress.io.source import check_path
 
     monkeypatch.setattr(embedded, "installed_chunk", lambda c: None)
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
@@ -151,7 +151,7 @@ def test_gemma_model_path_is_checked_before_loading(tmp_path, monkeypatch):
 
 
 def gemma_available() -> bool:
-    from compress.source import cache_dir
+    from compress.io.source import cache_dir
 
     installed = all(embedded.installed_chunk(c) for c in GEMMA.chunks)
     return installed or (cache_dir() / "gemma3-270m" / "config.json").is_file()
@@ -169,7 +169,7 @@ def test_real_gemma3_270m_converts_and_loads_in_transformers():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from compress.source import convert_embedded
+    from compress.io.source import convert_embedded
 
     folder = convert_embedded("gemma3-270m")
     src = json.loads((folder / "source.json").read_text())

@@ -1,4 +1,4 @@
-"""The quantized output head (``compress.quant.head``): its codes against the group-wise formula,
+"""The quantized output head (``compress.layers.head``): its codes against the group-wise formula,
 its logits against a float64 dequantize-then-matmul, the tied embedding kept exact, the
 pipeline's evaluation of the saved folder, and the decoder's fast default."""
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.formats import QuantLinear
-from compress.quant.head import quantize_head, recorded_head
+from compress.layers import QuantLinear
+from compress.layers.head import quantize_head, recorded_head
 from tests.conftest import compose
 
 BITS = {"int8": 8, "int4": 4}
@@ -115,11 +115,11 @@ def test_pipeline_evaluates_the_quantized_head(tiny_dir, tmp_path, monkeypatch):
     dequantized codes; the manifest records the setting, the stored head is unchanged."""
     from safetensors.torch import load_file
 
-    from compress.checkpoint import load_run
-    from compress.config import validate
-    from compress.data import eval_windows, read_text
     from compress.eval.perplexity import evaluate
-    from compress.pipeline import run
+    from compress.io.checkpoint import load_run
+    from compress.io.data import eval_windows, read_text
+    from compress.recipe.config import validate
+    from compress.recipe.pipeline import run
     from tests.conftest import TINY_OVERRIDES
 
     monkeypatch.setenv("COMPRESS_KERNELS", "eager")  # no compile of the head's kernels here
@@ -148,7 +148,7 @@ def test_pipeline_evaluates_the_quantized_head(tiny_dir, tmp_path, monkeypatch):
 
 def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
     from compress.decoder.__main__ import configuration, parse_args
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
     from tests.test_decoder import save, tiny_hf
 
     fp = save(tiny_hf(), tmp_path / "fp")

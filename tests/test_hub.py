@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from compress.errors import CompressError
-from compress.hub import push
-from compress.manifest import write_manifest
-from compress.model_card import write_model_card
+from compress.io.manifest import write_manifest
+from compress.recipe.hub import push
+from compress.recipe.model_card import write_model_card
 from tests.conftest import ROOT, TINY_OVERRIDES, compose
 from tests.hub_server import FakeHub
 
@@ -247,7 +247,7 @@ def test_cli_push_with_hf_endpoint(hub, run_dir):
         [
             sys.executable,
             "-m",
-            "compress.hub",
+            "compress.recipe.hub",
             "push",
             str(run_dir),
             "--repo-id",
@@ -269,7 +269,7 @@ def test_cli_push_with_hf_endpoint(hub, run_dir):
 def test_pipeline_writes_card_and_pushes(hub, tiny_dir, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     with pytest.raises(CompressError, match="hub.repo_id"):  # checked before any work
         run(compose("fp", [f"model.path={tiny_dir}", "hub.push=true"]), tmp_path / "never")

@@ -16,8 +16,8 @@ from test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError
-from compress.iam import map as iam_map
-from compress.iam.decode import IAMModel, load_iam
+from compress.methods.iam import map as iam_map
+from compress.methods.iam.decode import IAMModel, load_iam
 
 BIG = {"num_hidden_layers": 4}  # 4 heads, 2 KV heads, head_dim 16
 SMALL = {
@@ -249,11 +249,11 @@ def test_map_file_of_other_models_is_refused(pair, tmp_path):
 
 
 def test_iam_generate_cli(pair, tmp_path, capsys):
-    """``python -m compress.iam generate`` runs the decoder CLI with the pair: its text equals
+    """``python -m compress.cli.iam generate`` runs the decoder CLI with the pair: its text equals
     the pair's own greedy generation; the decoder's old ``--iam`` flag names the new command."""
+    from compress.cli.iam import main
     from compress.decoder.__main__ import main as decoder_main
     from compress.decoder.generate import generate
-    from compress.iam.__main__ import main
 
     folder_big, folder_small = pair[0], pair[1]
     path = iam_map.save_map(
@@ -274,13 +274,13 @@ def test_iam_generate_cli(pair, tmp_path, capsys):
     assert e.value.code == 2 and "leave out --draft and --compile" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         decoder_main([str(folder_big), "--prompt", "x", "--iam", str(folder_small)])
-    assert e.value.code == 2 and "python -m compress.iam generate" in capsys.readouterr().err
+    assert e.value.code == 2 and "python -m compress.cli.iam generate" in capsys.readouterr().err
 
 
 def test_iam_recipe_self_mapped_equals_the_source(tiny_dir, tmp_path):
     """The stage on the tiny model mapped onto itself, every layer: the report's ppl is the
     source's (transformers), its KL ~0, and the run folder carries the mapping."""
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     cfg = compose(
         "iam",
@@ -302,8 +302,8 @@ def test_iam_recipe_self_mapped_equals_the_source(tiny_dir, tmp_path):
 
 
 def test_iam_recipe_refuses_bad_settings_before_loading(tiny_dir, tmp_path, monkeypatch):
-    import compress.pipeline as pipeline
-    from compress.pipeline import run
+    import compress.recipe.pipeline as pipeline
+    from compress.recipe.pipeline import run
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the settings were checked")

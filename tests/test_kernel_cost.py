@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from compress.checkpoint import load_run
-from compress.data import eval_windows, read_text
 from compress.decoder.defaults import FAST_KERNEL
 from compress.eval.perplexity import evaluate
+from compress.io.checkpoint import load_run
+from compress.io.data import eval_windows, read_text
 from compress.kernels.w4a8_cpu import use
-from compress.quant.head import quantize_head
+from compress.layers.head import quantize_head
 from tests.conftest import DATA
 from tests.test_pipeline import run_recipe
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from compress import kernels
-from compress.formats import QuantLinear
 from compress.kernels import int8_cpu, int8_matmul, packkv_pv, packkv_qk, packkv_ref, quant_matmul
+from compress.layers import QuantLinear
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -15,11 +15,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from compress.errors import CompressError  # noqa: E402
-from compress.formats import QuantLinear  # noqa: E402
+from compress.formats.quantizer import quantize  # noqa: E402
 from compress.kernels import cpu, quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul import gemv, triton_quant_matmul  # noqa: E402
 from compress.kernels.dequant_matmul_ref import dequant_matmul_ref, dequantize_ref  # noqa: E402
-from compress.quant.quantizer import quantize  # noqa: E402
+from compress.layers import QuantLinear  # noqa: E402
 
 
 def make_layer(bits: int, k: int, n: int, g: int, seed: int) -> QuantLinear:
@@ -111,8 +111,8 @@ AOT_SCRIPT = textwrap.dedent("""
     driver.set_active(NoGPU())
 
     from compress.kernels import dequant_matmul as dm
-    from compress.formats import QuantLinear
-    from compress.quant.quantizer import quantize
+    from compress.layers import QuantLinear
+    from compress.formats.quantizer import quantize
 
     for bits in (4, 3):
         layer = QuantLinear.from_quantized(quantize(torch.randn(256, 256), bits, 128))

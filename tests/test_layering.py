@@ -1,11 +1,32 @@
-"""The package's import graph has no cycles: every module of compress, compress.kernels and
-compress.eval, read with ``ast`` (imports inside functions count too)."""
+"""The package's import graph: no cycles, and every import points down the layers
+(``docs/architecture.md``): formats, kernels, layers, arch, io, decoder, serve, eval, methods,
+recipe, command lines. Read with ``ast``; imports inside functions count too."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"compress": "compress", "kernels": "compress.kernels", "eval": "compress.eval"}
+PACKAGES = {"compress": "compress"}
+# lower layers never import higher ones; the runtime (decoder, serve) imports no method, loading
+# (io) knows formats and not methods, and methods import no command line
+LAYERS = [
+    ("compress.errors", "compress.version"),
+    ("compress.formats",),
+    ("compress.kernels",),
+    ("compress.layers",),
+    ("compress.arch",),
+    ("compress.io",),
+    ("compress.decoder",),
+    ("compress.serve",),
+    ("compress.eval",),
+    ("compress.methods",),
+    ("compress.recipe",),
+    ("compress.cli", "compress.api", "compress.__main__"),
+    ("compress", "compress.testing"),
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+# command lines inside the runtime's rooms: nothing below the command-line layer imports them
+CLI = ("compress.decoder.__main__", "compress.serve.__main__", "compress.decoder.speculative.cli")
 
 
 def modules() -> dict[str, Path]:
@@ -102,5 +123,42 @@ def test_graph_reads_relative_and_lazy_imports(tmp_path):
 
 def test_no_import_cycles():
     mods = modules()
-    assert {"compress.pipeline", "compress.kernels", "compress.eval.perplexity"} <= set(mods)
+    assert {"compress.recipe.pipeline", "compress.kernels", "compress.eval.perplexity"} <= set(mods)
     assert cycles(import_graph(mods)) == []
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return next(".".join(parts[:n]) for n in (2, 1) if ".".join(parts[:n]) in RANK)
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a lower layer into a higher one, and imports of a command line."""
+    out = []
+    for a, targets in graph.items():
+        for b in targets:
+            if b == "compress":
+                continue
+            if RANK[layer(b)] > RANK[layer(a)]:
+                out.append(f"{a} -> {b}")
+            elif b in CLI and RANK[layer(a)] < RANK["compress.cli"] and not a.startswith(layer(b)):
+                out.append(f"{a} -> {b} (a command line)")
+    return sorted(out)
+
+
+def test_layer_checker_finds_wrong_way_imports():
+    graph = {
+        "compress.decoder.model": {"compress.methods.quant.awq"},
+        "compress.methods.iam.map": {"compress.decoder.__main__", "compress.decoder.model"},
+        "compress.io.source": {"compress.formats.bitplanes", "compress"},
+    }
+    assert wrong_way(graph) == [
+        "compress.decoder.model -> compress.methods.quant.awq",
+        "compress.methods.iam.map -> compress.decoder.__main__ (a command line)",
+    ]
+
+
+def test_imports_point_down_the_layers():
+    mods = modules()
+    assert all(layer(m) for m in mods), [m for m in mods if not layer(m)]
+    assert wrong_way(import_graph(mods)) == []

@@ -16,14 +16,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from compress.adapters import get_adapter
-from compress.checkpoint import load_run, save_checkpoint
+from compress.arch.adapters import get_adapter
 from compress.errors import CompressError
-from compress.formats import Int8Linear
+from compress.io.checkpoint import load_run, save_checkpoint
 from compress.kernels.int8_cpu import int8_matmul_dequant_cpu
 from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref
-from compress.pipeline import run
-from compress.quant.llm_int8 import llm_int8
+from compress.layers import Int8Linear
+from compress.methods.quant.llm_int8 import llm_int8
+from compress.recipe.pipeline import run
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -256,7 +256,7 @@ def tiny_llama(seed: int = 0):
 
 
 class FakeCtx:
-    """What a stage reads and writes (compress.pipeline.Context), with random calibration tokens."""
+    """What a stage reads and writes (compress.recipe.pipeline.Context), with random calibration tokens."""
 
     def __init__(self, threshold, outlier_stats=True, samples=3, seqlen=16):
         self.cfg = OmegaConf.create(
@@ -381,7 +381,7 @@ def ppl_f64(model, windows) -> float:
 def test_auto_threshold_is_the_largest_within_tolerance():
     import copy
 
-    from compress.quant.llm_int8 import quantize_model
+    from compress.methods.quant.llm_int8 import quantize_model
 
     candidates = [64.0, 32.0, 8.0, 4.0, 2.0, 1.0]  # the planted dim reaches ~55: in int8 only at 64
     ctx = FakeCtx("auto", outlier_stats=False, samples=4, seqlen=24)

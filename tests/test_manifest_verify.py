@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from compress.errors import CompressError
-from compress.manifest import verify_folder
+from compress.io.manifest import verify_folder
 from compress.testing import (
     overwrite,
     random_model,
@@ -182,8 +182,8 @@ def test_server_cli_refuses_a_damaged_folder_before_loading(folders, tmp_path):
 
 
 def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
-    from compress.config import compose
-    from compress.pipeline import check_run, run
+    from compress.recipe.config import compose
+    from compress.recipe.pipeline import check_run, run
 
     _, _, fp = folders
     bad = copy(fp, tmp_path / "bad")

@@ -3,7 +3,7 @@ and windowed layer, qwen3's q/k norms, gemma3_text's local/global layers and fou
 each recipe runs, or is refused before any weight loads with a CompressError naming why.
 
 References: transformers' own modeling code (the saved folders loaded by ``from_pretrained``,
-or by ``compress.checkpoint.load_run``, which is transformers' model class with the quantized
+or by ``compress.io.checkpoint.load_run``, which is transformers' model class with the quantized
 layers swapped in) against our decoder (``compress.decoder.model.load``), float64 folds.
 """
 
@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from compress.arch import spec_of
-from compress.config import validate
+from compress.arch.spec import spec_of
 from compress.errors import CompressError
-from compress.pipeline import run
+from compress.recipe.config import validate
+from compress.recipe.pipeline import run
 from tests.conftest import compose
 from tests.family_models import FAMILIES, VOCAB, family_config, family_model
 
@@ -120,7 +120,7 @@ def test_awq_folds_keep_the_function(family, mha):
     """Every group's fold (norm -> q/k/v with (offset + w), post_norm -> gate/up, v -> o for MHA,
     up -> down) leaves transformers' logits unchanged in float64; folding Gemma's norms as if
     they were w * x_hat (offset 0) does not."""
-    from compress.quant.awq import apply_scale, scale_groups
+    from compress.methods.quant.awq import apply_scale, scale_groups
 
     extra = {"num_key_value_heads": 4} if mha else {}
     ids = tokens(40)
@@ -153,7 +153,7 @@ def test_awq_layer_kwargs_run_each_layer_as_the_model_does(family):
     """Run layer by layer with ``layer_kwargs`` (a prompt longer than the window: masks and
     Gemma's local/global RoPE differ per layer), the hidden states are transformers' own;
     with layer 0's arguments for every layer they are not, where layers differ."""
-    from compress.quant.awq import capture_inputs, layer_kwargs
+    from compress.methods.quant.awq import capture_inputs, layer_kwargs
 
     model = family_model(family)
     spec = spec_of(model.config)
@@ -188,8 +188,8 @@ def test_awq_stage_keeps_the_function_like_rtn(family):
 
     from omegaconf import OmegaConf
 
-    from compress.quant.awq import awq
-    from compress.quant.rtn import pack_model
+    from compress.methods.quant.awq import awq
+    from compress.methods.quant.rtn import pack_model
 
     cfg = OmegaConf.create({"awq": dict(bits=8, group_size="auto", duo_scaling=False, n_grid=4,
                                         clip=False, search_samples=2, batch=4)})  # fmt: skip
@@ -209,8 +209,9 @@ def test_gemma3_270m_shapes():
     o 640 x 1024); the head is tied, so no decoder linear of the quantized set is the head."""
     from transformers import Gemma3TextConfig
 
-    from compress.config import check_group_size, layer_in_features
-    from compress.quant.quantizer import auto_group_size
+    from compress.formats.quantizer import auto_group_size
+    from compress.arch.adapters import layer_in_features
+    from compress.formats.quantizer import check_group_size
 
     config = Gemma3TextConfig(
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
@@ -238,7 +239,7 @@ def test_gemma3_270m_shapes():
 def test_quantized_folder_agrees_with_transformers(family, recipe, family_dirs, tmp_path):
     """The folder loads with transformers' modeling code (load_run: the family's HF class with the
     quantized layers) and our decoder computes the same logits on 128 tokens (past the window)."""
-    from compress.checkpoint import load_run
+    from compress.io.checkpoint import load_run
 
     out = tmp_path / "run"
     report = run_on(recipe, family_dirs[family], out)
@@ -257,8 +258,8 @@ def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
     pytest.importorskip("gptqmodel", reason="the interop extra: pip install -e '.[interop]'")
     from transformers import AutoModelForCausalLM
 
-    from compress.checkpoint import load_run
-    from compress.formats.quant_linear import QuantLinear
+    from compress.io.checkpoint import load_run
+    from compress.layers.quant_linear import QuantLinear
 
     out = tmp_path / "run"
     run_on("awq_int4", family_dirs[family], out)
@@ -307,7 +308,7 @@ def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
 def test_llm_int8_folder_loads_through_bitsandbytes(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from compress.checkpoint import load_run
+    from compress.io.checkpoint import load_run
 
     out = tmp_path / "run"
     run_on("llm_int8", family_dirs[family], out)
@@ -360,7 +361,7 @@ def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_p
     biases = spec.qkv_bias != spec.o_bias
     llama_like = not (spec.qk_norm or spec.sandwich or spec.windowed or biases)
     if not llama_like:
-        import compress.pipeline as pipeline
+        import compress.recipe.pipeline as pipeline
 
         monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded"))
         with pytest.raises(CompressError, match=f"'{family}' model has") as e:
@@ -369,7 +370,7 @@ def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_p
         return
     out = tmp_path / "run"
     run(cfg, out)
-    from compress.checkpoint import load_run
+    from compress.io.checkpoint import load_run
 
     ids = tokens()
     hf, _ = load_run(out)
@@ -401,8 +402,8 @@ def test_minitron_gemma_norms_and_embedding_scale():
     keeps the embedding's scale: the pruned embedding output equals the source's on the kept
     channels, and the tied head with the final norm computes, in float64, what the source's
     weights restricted to those channels compute."""
-    from compress.prune.importance import activation_importance
-    from compress.prune.prune import _top, layout_of, param_count, prune_model, sizes_of
+    from compress.methods.prune.importance import activation_importance
+    from compress.methods.prune.prune import _top, layout_of, param_count, prune_model, sizes_of
 
     model = family_model("gemma3_text").double()
     spec = spec_of(model.config)

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from compress.checkpoint import load_run
 from compress.errors import CompressError
-from compress.pipeline import run
-from compress.prune.prune import param_total
+from compress.io.checkpoint import load_run
+from compress.methods.prune.prune import param_total
+from compress.recipe.pipeline import run
 from tests.conftest import DATA, ROOT, TINY_OVERRIDES, compose
 
 DISTILL = [
@@ -29,7 +29,7 @@ def run_recipe(recipe, tiny_dir, out, *extra):
 def test_width_recipe(tiny_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    import compress.prune.importance as imp
+    import compress.methods.prune.importance as imp
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
@@ -141,7 +141,7 @@ def test_error_resume_from_another_recipe(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_depth_by_perplexity_drop(tiny_dir, tmp_path, monkeypatch):
-    from compress.prune.importance import load_scores
+    from compress.methods.prune.importance import load_scores
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
     report = run_recipe(

@@ -23,8 +23,8 @@ from test_bad_input import ROOT, assert_clear, in_process, one_paragraph
 
 import compress
 from compress.errors import CompressError
+from compress.io.tokenizer import check_ids, check_vocabulary, load_tokenizer
 from compress.testing import random_model, run_folder, tiny_config, tiny_tokenizer
-from compress.tokenizer import check_ids, check_vocabulary, load_tokenizer
 
 PROMPT = "the quick brown fox"
 
@@ -174,7 +174,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_by_the_pipeline(
         raise AssertionError("the weights loaded before the vocabulary was checked")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
-    monkeypatch.setattr("compress.checkpoint.open_lazy", no_weights)
+    monkeypatch.setattr("compress.io.checkpoint.open_lazy", no_weights)
     for offload in ("auto", "host"):
         msg = no_run(small_vocab, tmp_path / f"out-{offload}", f"offload={offload}")
         assert "holds 200" in msg and "past the embedding" in msg

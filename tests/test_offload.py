@@ -1,4 +1,4 @@
-"""Sequential onloading (compress.offload), sharded checkpoints (compress.shards), the stored
+"""Sequential onloading (compress.io.offload), sharded checkpoints (compress.io.shards), the stored
 dtype, and the device settings' errors."""
 
 import json
@@ -8,18 +8,18 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from compress import offload
-from compress.checkpoint import load_run, open_lazy, save_checkpoint, save_entries
+from compress.io import offload
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
-from compress.quant.awq import awq
-from compress.quant.llm_int8 import llm_int8
-from compress.quant.rtn import rtn
+from compress.io.checkpoint import load_run, open_lazy, save_checkpoint, save_entries
+from compress.methods.quant.awq import awq
+from compress.methods.quant.llm_int8 import llm_int8
+from compress.methods.quant.rtn import rtn
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
 
 class Ctx:
-    """What a stage reads and writes (compress.pipeline.Context), with fixed calibration tokens."""
+    """What a stage reads and writes (compress.recipe.pipeline.Context), with fixed calibration tokens."""
 
     def __init__(self, group: str, settings: dict, device="cpu"):
         self.cfg = OmegaConf.create({group: settings})
@@ -72,7 +72,11 @@ def test_disk_onloading_equals_whole_model(stage, tiny_dir, tmp_path, monkeypatc
         assert all(t.device.type == "meta" for t in model.model.layers.state_dict().values())
         return real_layer_on(model, i, device, write)
 
-    for mod in ("compress.quant.awq", "compress.quant.rtn", "compress.quant.llm_int8"):
+    for mod in (
+        "compress.methods.quant.awq",
+        "compress.methods.quant.rtn",
+        "compress.methods.quant.llm_int8",
+    ):
         monkeypatch.setattr(f"{mod}.layer_on", checked)
     ctx_lazy = Ctx(stage, settings)
     fn(lazy, ctx_lazy)
@@ -144,7 +148,7 @@ def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
 def test_stored_dtype_is_kept(tmp_path, tokenizer):
     """model.dtype=auto loads a bfloat16 folder in bfloat16; a disk-backed one keeps its
     embedding 16-bit and widens each layer to float32 exactly when it is onloaded."""
-    from compress.source import load_lazy, load_model
+    from compress.io.source import load_lazy, load_model
 
     model = make_tiny_model().to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
@@ -162,7 +166,7 @@ def test_stored_dtype_is_kept(tmp_path, tokenizer):
 
 def test_pipeline_offload_disk_run(tiny_dir, tmp_path):
     """A recipe with offload=disk writes the same run folder tensors as offload=host."""
-    from compress.pipeline import run
+    from compress.recipe.pipeline import run
 
     reports = {}
     for where in ("disk", "host"):
@@ -183,7 +187,7 @@ def test_pipeline_offload_disk_run(tiny_dir, tmp_path):
 def test_device_errors(tiny_dir, monkeypatch):
     """device=cuda without a GPU, offload=disk with a whole-model stage, and a GPU too small
     for one layer are refused before any work, naming the fix (and the layer's size)."""
-    from compress.config import validate
+    from compress.recipe.config import validate
 
     if not torch.cuda.is_available():
         with pytest.raises(CompressError, match="device=cuda.*no usable GPU"):
@@ -202,7 +206,7 @@ def test_device_errors(tiny_dir, monkeypatch):
 def test_accelerate_launch_refuses_single_process_stages(tiny_dir, monkeypatch):
     """Under `accelerate launch` (WORLD_SIZE > 1) a recipe whose stages run in one process is
     refused before any work; a distillation recipe passes the check."""
-    from compress.config import check_distributed, validate
+    from compress.recipe.config import check_distributed, validate
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(CompressError, match="started 2 processes.*\\['awq'\\].*python -m compress"):

@@ -1,7 +1,7 @@
 """Overrides checked before any work (issue 42, class 5), and the API edges of class 6.
 
 Every bad override gets one paragraph naming the key and the fix, exit status 2, no traceback,
-before the model loads (``compress.pipeline.load_source`` fails the test if it is reached); the
+before the model loads (``compress.recipe.pipeline.load_source`` fails the test if it is reached); the
 API refuses the same settings with a ``CompressError``. Each refusal has a passing twin, so a
 check that refused everything would fail here too."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import compress
-from compress.config import compose as checked_compose
-from compress.config import validate
 from compress.decoder.sampling import Sampling, check_sampling
 from compress.errors import CompressError
+from compress.recipe.config import compose as checked_compose
+from compress.recipe.config import validate
 from compress.testing import random_model, tiny_config, tiny_tokenizer
 from tests.conftest import compose
 from tests.test_bad_input import assert_clear, in_process
@@ -40,7 +40,7 @@ def hf(tmp_path_factory):
 @pytest.fixture
 def no_load(monkeypatch):
     """Reaching the model load fails the run (with a traceback, which ``assert_clear`` refuses)."""
-    import compress.pipeline as pipeline
+    import compress.recipe.pipeline as pipeline
 
     def load(*a, **k):
         raise AssertionError("the model loaded before the override was checked")
@@ -140,7 +140,7 @@ def test_good_overrides_pass_validation(hf, monkeypatch, recipe, overrides):
 
 def test_prune_round_and_tolerance_reach_the_solver_as_given(monkeypatch):
     """prune.tolerance=0 was replaced by 0.03 (``x or default``); now only null is."""
-    import compress.prune.stage as stage
+    import compress.methods.prune.stage as stage
 
     seen = []
     monkeypatch.setattr(stage, "solve_budget", lambda *a: seen.append(a[-2:]) or {})
@@ -166,7 +166,7 @@ def test_quantizing_twice_is_refused_naming_the_quantized_layer():
 
 
 def test_a_loaded_quantized_run_folder_is_refused(tmp_path):
-    from compress.checkpoint import load_run
+    from compress.io.checkpoint import load_run
 
     folder = compress.save(compress.quantize(random_model(tiny_config()), RTN), tmp_path / "q")
     model = load_run(folder)[0]
@@ -222,7 +222,7 @@ def test_awq_config_refuses_what_it_cannot_pass_on(kw, needle):
 
 
 def test_awq_options_are_checked_before_calibration(monkeypatch):
-    import compress.quant.awq as awq
+    import compress.methods.quant.awq as awq
 
     monkeypatch.setattr(awq, "capture_inputs", lambda *a, **k: pytest.fail("calibrated"))
     model = random_model(tiny_config())
@@ -255,7 +255,7 @@ def test_numpy_scalars_are_sampling_settings():
 
 
 def test_interpolations_that_resolve_pass_the_override_check(monkeypatch):
-    from compress.config import check_overrides
+    from compress.recipe.config import check_overrides
 
     monkeypatch.setenv("COMPRESS_TEST_SET", "out")
     check_overrides(

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from compress.formats import QuantLinear, pack_awq, pack_planes, unpack_awq, unpack_planes
-from compress.quant.quantizer import quantize
+from compress.formats.awq_gemm import pack_awq, unpack_awq
+from compress.formats.bitplanes import pack_planes, unpack_planes
+from compress.formats.quantizer import quantize
+from compress.layers import QuantLinear
 
 
 def decode_awq_spec(packed: torch.Tensor) -> torch.Tensor:

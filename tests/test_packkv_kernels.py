@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from compress.decoder.kv import make_cache  # noqa: E402
-from compress.kernels import packkv, packkv_ref  # noqa: E402
+from compress.kernels import packkv_ref, packkv_triton  # noqa: E402
 
 D = 64
 
@@ -38,7 +38,7 @@ def test_qk_matches_float64(n_chunks, M):
     p, x = packed(n_chunks, seed=n_chunks)
     q = torch.randn(p.tmin.shape[0], M, D, generator=torch.Generator().manual_seed(M))
     out = torch.full((q.shape[0], M, p.n), math.nan)  # poisoned: every element must be written
-    packkv.qk(q, p, out=out)
+    packkv_triton.qk(q, p, out=out)
     ref = q.double() @ x.transpose(1, 2)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
@@ -48,7 +48,7 @@ def test_pv_matches_float64(n_chunks, M, splits):
     p, x = packed(n_chunks, seed=10 + n_chunks)
     w = torch.rand(p.tmin.shape[0], M, p.n, generator=torch.Generator().manual_seed(M)).softmax(-1)
     out = torch.full((w.shape[0], M, D), math.nan)
-    packkv.pv(w, p, out=out, splits=splits)
+    packkv_triton.pv(w, p, out=out, splits=splits)
     ref = w.double() @ x
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
@@ -59,7 +59,7 @@ def test_cache_attends_the_same_through_the_kernels():
     k, v = torch.randn(B, HKV, L, D, generator=g), torch.randn(B, HKV, L, D, generator=g)
     q = torch.randn(B, 2 * HKV, L, D, generator=g)
     outs = []
-    for ops in (packkv_ref, packkv):
+    for ops in (packkv_ref, packkv_triton):
         cache = make_cache("packkv", 1, B, HKV, D, L, residual=32, block=32)
         cache.ops = ops
         cache.append(0, k[:, :, :100], v[:, :, :100])

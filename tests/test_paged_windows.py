@@ -277,7 +277,7 @@ def test_batch_invariant_windowed_model(tmp_path):
     import transformers as tf
 
     from compress.kernels.w4a8_cpu import use
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
     from tests.test_decoder import save, tiny_tokenizer
 
     torch.manual_seed(1)

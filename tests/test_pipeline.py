@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compress.__main__ import rewrite_argv
-from compress.checkpoint import load_run
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
-from compress.formats import unpack_awq
-from compress.pipeline import run
-from compress.quant.quantizer import quantize
+from compress.formats.awq_gemm import unpack_awq
+from compress.formats.quantizer import quantize
+from compress.io.checkpoint import load_run
+from compress.recipe.pipeline import run
 from tests.conftest import DATA, ROOT, TINY_OVERRIDES, compose
 
 
@@ -86,7 +86,7 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     assert "| decode_tok_s |" in (out / "report.md").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == names - {"manifest.json"}
-    from compress.run_folder import sha256_file
+    from compress.io.run_folder import sha256_file
 
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (out / name).stat().st_size
@@ -98,8 +98,8 @@ def test_packed_checkpoint_equals_fake_quant(tiny_dir, tmp_path, tokenizer):
     """Perplexity of the loaded packed checkpoint = perplexity of the in-memory fake-quant model."""
     from transformers import AutoModelForCausalLM
 
-    from compress.adapters import get_adapter
-    from compress.quant.quantizer import fake_quantize
+    from compress.arch.adapters import get_adapter
+    from compress.formats.quantizer import fake_quantize
 
     run_recipe("rtn_int3", tiny_dir, tmp_path / "run")
     packed, _ = load_run(tmp_path / "run")
@@ -179,7 +179,7 @@ def test_error_unknown_model_config():
 
 def refuse_model_load(monkeypatch):
     """Make the pipeline's model loading fail the test: the error must come before any work."""
-    import compress.pipeline as pipeline
+    import compress.recipe.pipeline as pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the config error")
@@ -313,7 +313,7 @@ def test_error_existing_run_folder(tiny_dir, tmp_path):
 
 
 def test_interrupted_run_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
-    import compress.pipeline as pipeline
+    import compress.recipe.pipeline as pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -10,8 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from compress.errors import CompressError
-from compress.prune.importance import activation_importance, cached_importance, layer_ppl_drop
-from compress.prune.prune import (
+from compress.methods.prune.importance import (
+    activation_importance,
+    cached_importance,
+    layer_ppl_drop,
+)
+from compress.methods.prune.prune import (
     check_sizes,
     layout_of,
     param_count,
@@ -121,7 +125,7 @@ def test_importance_streaming_equals_one_batch():
 MEMORY_SCRIPT = r"""
 import resource, sys, torch
 from transformers import LlamaConfig, AutoModelForCausalLM
-from compress.prune.importance import activation_importance
+from compress.methods.prune.importance import activation_importance
 cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=2048, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -146,7 +150,7 @@ def test_importance_peak_memory_does_not_grow_with_samples():
 
 
 def test_importance_cache_skips_calibration(tmp_path, monkeypatch):
-    import compress.prune.importance as imp
+    import compress.methods.prune.importance as imp
 
     model = make_tiny_model()
     settings = {"calib": "x", "samples": 3, "seqlen": 16, "seed": 0}
@@ -276,7 +280,7 @@ def test_pruned_hidden_channels_equal_zeroed_channels():
 def test_saved_pruned_folder_loads_in_transformers(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from compress.checkpoint import load_run, save_checkpoint
+    from compress.io.checkpoint import load_run, save_checkpoint
 
     model = make_tiny_model(**GQA)
     pruned = prune_model(
@@ -337,7 +341,7 @@ def test_param_count_formula_matches_models():
 @pytest.mark.parametrize("target", [0.9, 0.763, 0.7, 0.5, 101e6])
 @pytest.mark.parametrize("step", [8, 64])
 def test_budget_solver_hits_target(target, step):
-    from compress.prune.prune import Layout
+    from compress.methods.prune.prune import Layout
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
     full = param_count(lay, SMOL)
@@ -365,7 +369,7 @@ def test_budget_solver_hits_target(target, step):
 
 def test_budget_solver_recipe_sizes():
     """minitron_width's target on SmolLM2: hidden 504 (a multiple of 8 and of the 9 heads), MLP 1200."""
-    from compress.prune.prune import Layout
+    from compress.methods.prune.prune import Layout
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
     depth = param_count(lay, {**SMOL, "num_hidden_layers": 21})
@@ -377,7 +381,7 @@ def test_budget_solver_recipe_sizes():
 
 
 def test_budget_solver_with_heads_stays_valid():
-    from compress.prune.prune import Layout
+    from compress.methods.prune.prune import Layout
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
     for target in (0.95, 0.8, 0.6):
@@ -414,7 +418,7 @@ def test_error_hidden_not_multiple_of_heads():
     ):
         check_sizes(SMOL, {**SMOL, "hidden_size": 500})
     check_sizes(SMOL, {**SMOL, "hidden_size": 500}, hidden_per_head=False)  # mistral, qwen2
-    from compress.prune.prune import hidden_must_divide
+    from compress.methods.prune.prune import hidden_must_divide
     from tests.conftest import tiny_config
 
     assert hidden_must_divide(tiny_config())
@@ -435,7 +439,7 @@ def test_error_size_above_source():
 
 
 def test_error_budget_below_smallest_width():
-    from compress.prune.prune import Layout
+    from compress.methods.prune.prune import Layout
 
     lay = Layout(vocab=49152, head_dim=64, tied=True, bias=())
     with pytest.raises(

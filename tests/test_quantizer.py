@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.quant.quantizer import auto_group_size, check_group_size, fake_quantize, quantize
+from compress.formats.quantizer import auto_group_size, check_divides, fake_quantize, quantize
 
 
 def reference_fake_quant(w, bits, g, symmetric):
@@ -73,7 +73,7 @@ def test_auto_group_size():
 
 def test_group_size_error_names_layer():
     with pytest.raises(CompressError, match="model.layers.0.mlp.down_proj.*in_features=1536"):
-        check_group_size("model.layers.0.mlp.down_proj", 1536, 100)
+        check_divides("model.layers.0.mlp.down_proj", 1536, 100)
 
 
 @pytest.mark.parametrize("bits", [3, 8])
@@ -86,4 +86,4 @@ def test_per_row_group_matches_float64_reference(bits):
     ref = reference_fake_quant(w, bits, 96, False)
     got = qw.dequantize(torch.float64)
     assert ((got - ref).abs() > 1e-6).float().mean().item() < 1e-3
-    check_group_size("any", 96, -1)  # -1 is valid for every layer
+    check_divides("any", 96, -1)  # -1 is valid for every layer

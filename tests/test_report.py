@@ -14,8 +14,8 @@ from compress.errors import CompressError
 from compress.eval.layer_views import awq_alpha, outlier_dims
 from compress.eval.report import MISSING, main, pareto_front, write_comparison
 from compress.eval.run_report import write_report
-from compress.manifest import write_manifest
-from compress.model_card import render, write_model_card
+from compress.io.manifest import write_manifest
+from compress.recipe.model_card import render, write_model_card
 
 PNG = b"\x89PNG\r\n\x1a\n"
 AWQ4 = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}

@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 
 import compress
-from compress.checkpoint import load_run
 from compress.decoder.model import load
 from compress.errors import CompressError
-from compress.manifest import check_loadable, verify_folder
-from compress.pipeline import PAUSE_ENV, PAUSE_POINTS, run
-from compress.run_folder import (
+from compress.io.checkpoint import load_run
+from compress.io.manifest import check_loadable, verify_folder
+from compress.io.run_folder import (
     INCOMPLETE,
     atomic_dir,
     commit_dir,
@@ -34,6 +33,7 @@ from compress.run_folder import (
     lock_folder,
     lock_path,
 )
+from compress.recipe.pipeline import PAUSE_ENV, PAUSE_POINTS, run
 from compress.testing import overwrite, random_model, run_folder, tiny_config, tiny_tokenizer
 from tests.conftest import ROOT, TINY_OVERRIDES, compose
 
@@ -274,9 +274,9 @@ def no_space(code):
 def test_a_full_disk_during_a_run_is_one_paragraph_and_leaves_nothing(
     code, tiny_dir, tmp_path, monkeypatch
 ):
-    import compress.checkpoint
+    import compress.io.checkpoint
 
-    monkeypatch.setattr(compress.checkpoint, "write_sharded", no_space(code))
+    monkeypatch.setattr(compress.io.checkpoint, "write_sharded", no_space(code))
     out = tmp_path / "run"
     with pytest.raises(CompressError) as e:
         run(rtn_cfg(tiny_dir), out)
@@ -287,22 +287,22 @@ def test_a_full_disk_during_a_run_is_one_paragraph_and_leaves_nothing(
 
 
 def test_a_full_disk_writing_the_manifest(tiny_dir, tmp_path, monkeypatch):
-    import compress.pipeline
+    import compress.recipe.pipeline
 
     def full(folder, *a, **k):
         (Path(folder) / "manifest.json").write_text("{")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(compress.pipeline, "write_manifest", full)
+    monkeypatch.setattr(compress.recipe.pipeline, "write_manifest", full)
     with pytest.raises(CompressError, match="disk is full.*Free space"):
         run(rtn_cfg(tiny_dir), tmp_path / "run")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_full_disk_during_save(tmp_path, monkeypatch):
-    import compress.checkpoint
+    import compress.io.checkpoint
 
-    monkeypatch.setattr(compress.checkpoint, "write_sharded", no_space(errno.ENOSPC))
+    monkeypatch.setattr(compress.io.checkpoint, "write_sharded", no_space(errno.ENOSPC))
     with pytest.raises(CompressError, match=r"the folder '.*s' could not be written: the disk"):
         compress.save(random_model(tiny_config()), tmp_path / "s")
     assert list(tmp_path.iterdir()) == []
@@ -390,7 +390,7 @@ def test_loaders_verify_by_default(q, tmp_path):
 
 
 def test_a_verified_folder_is_not_hashed_twice_unless_it_changed(q, tmp_path, monkeypatch):
-    import compress.manifest as manifest
+    import compress.io.manifest as manifest
 
     d = copy(q, tmp_path / "d")
     assert verify_folder(d)

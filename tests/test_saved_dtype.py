@@ -8,9 +8,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from compress.adapters import get_adapter
-from compress.checkpoint import load_run, save_checkpoint, unquantized_dtype
-from compress.pipeline import Context, run
+from compress.arch.adapters import get_adapter
+from compress.io.checkpoint import load_run, save_checkpoint, unquantized_dtype
+from compress.recipe.pipeline import Context, run
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
 LINEAR_PARTS = ("qweight", "qzeros", "scales")
@@ -90,7 +90,7 @@ def test_out_of_fp16_range_goes_to_bf16():
 def test_awq_saved_model_is_the_in_memory_one_with_fp16_norms(tiny_dir, tmp_path, tokenizer):
     """AWQ folds its scales into the norms in fp32; the saved fp16 norms are their rounding, and the
     loaded folder computes exactly what the in-memory model computes with those rounded norms."""
-    from compress.quant.awq import awq
+    from compress.methods.quant.awq import awq
 
     cfg = compose("awq_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "awq.batch=2"])
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()

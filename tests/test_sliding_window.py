@@ -5,12 +5,12 @@ masked as transformers masks a window (the query at p sees p - w < k <= p); boun
 import pytest
 import torch
 
-from compress.checkpoint import read_config
 from compress.decoder.generate import generate
 from compress.decoder.kv import make_cache, new_cache, static_cache
 from compress.decoder.kv.fp16 import FP16Cache
 from compress.decoder.speculative.generate import speculative_generate
 from compress.errors import CompressError
+from compress.io.checkpoint import read_config
 
 B, HKV, H, D = 2, 2, 4, 32
 W, LOOK = 8, 2
@@ -243,7 +243,7 @@ def test_window_kv_bench_measures_the_bounded_cache(tmp_path):
     past its window match the analytic figure, and the all-global copy's match theirs."""
     import bench_window_kv as bench
 
-    from compress.arch import spec_of
+    from compress.arch.spec import spec_of
     from tests.family_models import family_model
 
     folder = tmp_path / "gemma"

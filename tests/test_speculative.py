@@ -539,7 +539,7 @@ def test_default_model_self_speculative_is_exact():
     target's own 48 tokens, or diverges only where the target's top-2 logits tie (< 1e-4)."""
     from bench_spec import first_divergence_is_tie
 
-    from compress.source import convert_default_model
+    from compress.io.source import convert_default_model
 
     model, tok = load(convert_default_model())
     ids = tok("The European lobster is a species of clawed lobster from the eastern").input_ids

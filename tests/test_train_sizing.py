@@ -1,12 +1,12 @@
 """``distill.tokens_per_step=auto`` sizes the micro-batch from the device memory left once the
-student, its gradients and AdamW's two moments are in place (``compress.train.trainer``), checked
+student, its gradients and AdamW's two moments are in place (``compress.methods.distill.trainer``), checked
 on the CPU with a fake CUDA memory query."""
 
 import pytest
 import torch
 
 from compress.errors import CompressError
-from compress.train.trainer import TrainConfig, plan_batch, training_bytes
+from compress.methods.distill.trainer import TrainConfig, plan_batch, training_bytes
 from tests.conftest import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

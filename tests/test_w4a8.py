@@ -11,8 +11,8 @@ import torch
 
 from compress.decoder.defaults import FAST_KERNEL
 from compress.errors import CompressError
-from compress.formats import QuantLinear
 from compress.kernels import cpu, native, w4a8_cpu, w4a8_ref
+from compress.layers import QuantLinear
 
 C_PATHS = [p for p in ("vnni", "avx2", "portable") if p in w4a8_cpu.available()]
 
@@ -283,7 +283,7 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
     from compress.decoder.__main__ import main
     from compress.decoder.generate import generate
     from compress.decoder.model import load
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
     from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
     folder = save(
@@ -358,7 +358,7 @@ def test_quantized_draft_default_is_exact(tmp_path, capsys):
     """``--draft Q4`` with no other flags: the draft runs its fast configuration (lean, compiled);
     the output is the float target's own greedy text."""
     from compress.decoder.__main__ import main
-    from compress.quant.rtn import pack_model, quantization_config
+    from compress.methods.quant.rtn import pack_model, quantization_config
     from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
     tok = tiny_tokenizer()

@@ -14,11 +14,11 @@ The compiled step is compiled once per machine and cache length, then read from 
 inductor's on-disk FX graph cache: on a busy 2-core machine the warm-up took 52.8 s cold and
 8.5 s warm (``python -m compress.decoder RUN --prompt hi --max-new-tokens 16 --threads 1``,
 run twice with a fresh ``TORCHINDUCTOR_CACHE_DIR``).
-``--head int8|int4`` quantizes the output head at load (``compress.quant.head``); by default
+``--head int8|int4`` quantizes the output head at load (``compress.layers.head``); by default
 the folder's recorded ``quant.lm_head``. IAM decoding (a small model alongside) is
-``python -m compress.iam generate``, which runs this CLI with its own loader (:func:`run`).
+``python -m compress.cli.iam generate``, which runs this CLI with its own loader (:func:`run`).
 A ``--prompt`` or ``--stop`` that is not UTF-8, a folder the loaders refuse (its config's values,
-weights, tokenizer or chat template: ``compress.hf_config``, ``compress.tokenizer``) and a stdout
+weights, tokenizer or chat template: ``compress.arch.hf_config``, ``compress.io.tokenizer``) and a stdout
 that cannot be written (a full disk, a closed pipe) are one line on stderr and exit status 2.
 """
 
@@ -30,9 +30,17 @@ import sys
 from pathlib import Path
 
 from compress.decoder.defaults import FAST_KERNEL, fast_head, group_quantized
+from compress.decoder.devices import check_device
+from compress.decoder.generate import peak_memory, peak_memory_reset
+from compress.decoder.kv import KV_KINDS, parse_options
+from compress.decoder.model import load, release_freed_memory
+from compress.decoder.sampling import Sampling, check_sampling
 from compress.decoder.speculative import cli as spec_cli
+from compress.decoder.speculative.generate import speculative_generate
 from compress.errors import ArgumentParser, CompressError
-from compress.tokenizer import chat_text, check_ids, check_vocabulary
+from compress.io.manifest import skip_verification, verify_folder
+from compress.io.tokenizer import chat_text, check_ids, check_vocabulary
+from compress.layers.head import recorded_head
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
@@ -44,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_parser(prog: str = "python -m compress.decoder", description=None, add_help=True):
-    """The decoder CLI's parser (``python -m compress.iam generate`` extends it)."""
+    """The decoder CLI's parser (``python -m compress.cli.iam generate`` extends it)."""
     p = ArgumentParser(
         prog=prog, description=description or __doc__.splitlines()[0], add_help=add_help
     )
@@ -59,7 +67,6 @@ def build_parser(prog: str = "python -m compress.decoder", description=None, add
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    from compress.decoder.kv import KV_KINDS
 
     p.add_argument(
         "--kv", choices=KV_KINDS, default="fp16", help="KV cache; full: the model's dtype, exact"
@@ -134,7 +141,7 @@ def build_parser(prog: str = "python -m compress.decoder", description=None, add
     p.add_argument(
         "--iam",
         metavar="SMALL",
-        help="moved: IAM decoding is `python -m compress.iam generate RUN --small SMALL ...` "
+        help="moved: IAM decoding is `python -m compress.cli.iam generate RUN --small SMALL ...` "
         "(the decoder imports no method)",
     )
     spec_cli.add_arguments(p)
@@ -152,7 +159,7 @@ def main(argv=None) -> None:
     if args.iam is not None:
         print(
             f"error: IAM decoding moved to the iam package (the decoder imports no method): "
-            f"run `python -m compress.iam generate {args.run} --small {args.iam} "
+            f"run `python -m compress.cli.iam generate {args.run} --small {args.iam} "
             f"[--iam-layers N|auto] [--iam-map FILE]` with the same decoder options.",
             file=sys.stderr,
         )
@@ -191,9 +198,6 @@ FLAGS = {
 def check_arguments(args) -> None:
     """The sampling settings (``sampling.check_sampling``, shared with the server and the API),
     the device, the cache length and the KV options, before anything loads."""
-    from compress.decoder.kv import parse_options
-    from compress.decoder.sampling import check_sampling
-    from compress.devices import check_device
 
     check_sampling(
         args.temperature,
@@ -259,7 +263,6 @@ def write_out(text: str) -> None:
 
 def verify_folders(args) -> None:
     """Check the run folder (and a --draft folder, or IAM's small one) against its manifest's hashes."""
-    from compress.manifest import skip_verification, verify_folder
 
     folders = [args.run] + [
         extra
@@ -287,7 +290,6 @@ def configuration(args) -> dict:
     ``--lean``/``--no-lean``, ``--compile``/``--no-compile``, ``--qdtype``, ``--kernel`` and
     ``--head`` override either.
     """
-    from compress.quant.head import recorded_head
 
     fast = args.dtype is None and args.device == "cpu" and group_quantized(args.run)
     dtype = args.dtype or ("bfloat16" if fast else "float32")
@@ -330,10 +332,6 @@ def run(args, load_model=None) -> None:
 
     import torch
 
-    from compress.decoder.generate import generate, peak_memory, peak_memory_reset
-    from compress.decoder.model import load, release_freed_memory
-    from compress.decoder.sampling import Sampling
-
     if args.threads:
         torch.set_num_threads(args.threads)
     conf = configuration(args)
@@ -371,14 +369,11 @@ def run(args, load_model=None) -> None:
     ids = tok(text, add_special_tokens=not args.chat).input_ids
     check_ids(ids, model.config.vocab_size)  # the server's check of a prompt
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    from compress.decoder.kv import parse_options
 
     kv_opts = parse_options(args.kv_opt)
     t1 = time.perf_counter()
     if args.draft is not None:
         from functools import partial
-
-        from compress.decoder.speculative.generate import speculative_generate
 
         load_kwargs = spec_cli.draft_load_kwargs(args, conf)
         if not args.json:

@@ -30,8 +30,9 @@ from torch import nn
 from compress.decoder.kv import FP16Cache
 from compress.decoder.model import Cast, Parallel
 from compress.errors import CompressError
-from compress.kernels import w4a8_cpu
+from compress.kernels import cpu, w4a8_cpu
 from compress.kernels.cpu import Eager, Int4PackLinear, KPlanesLinear
+from compress.layers import QuantLinear
 
 # "1": a compile failure raises (the test suite) instead of falling back to the eager step
 STRICT_ENV = "COMPRESS_STRICT_COMPILE"
@@ -39,8 +40,6 @@ STRICT_ENV = "COMPRESS_STRICT_COMPILE"
 
 def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A compile-friendly form of ``layer`` for inputs of ``dtype`` with ``batch`` rows, computing the same."""
-    from compress.formats import QuantLinear
-    from compress.kernels import cpu
 
     if isinstance(layer, nn.Linear):
         return layer

@@ -16,12 +16,12 @@ from pathlib import Path
 # (python eval/bench/bench_decode.py --int4 outputs/awq_int4 --systems
 # ours-int4-default ours-int4-bf16-lean-head8+compile llama.cpp --threads 2 1)
 FAST_KERNEL = "w4a8"
-FAST_HEAD = "int8"  # the head group-quantized to int8 at load (compress.quant.head)
+FAST_HEAD = "int8"  # the head group-quantized to int8 at load (compress.layers.head)
 
 
 def fast_head(folder) -> str:
     """``FAST_HEAD``, or none when the folder's vocabulary does not fill whole packed words
-    (``compress.quant.head`` needs a multiple of 32 rows)."""
+    (``compress.layers.head`` needs a multiple of 32 rows)."""
     path = Path(folder) / "config.json"
     vocab = json.loads(path.read_text()).get("vocab_size") if path.is_file() else None
     return FAST_HEAD if isinstance(vocab, int) and vocab % 32 == 0 else "none"

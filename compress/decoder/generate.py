@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compress.decoder.compiled import StaticDecoder
 from compress.decoder.kv import new_cache, static_cache
 from compress.decoder.sampling import Sampling, sample
 from compress.decoder.stopping import Detokenizer, Stopping  # noqa: F401 (Detokenizer: re-export)
@@ -201,7 +202,6 @@ STATIC_BUCKET = 256  # the compiled step's cache length is a multiple of this
 
 def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int, lookahead: int = 0):
     """``(step, cache)`` for compiled decoding: a :class:`StaticDecoder` kept on the model per batch size."""
-    from compress.decoder.compiled import StaticDecoder
 
     if kv not in ("fp16", "full") or kv_opts:
         raise CompressError(

@@ -1,6 +1,6 @@
 """Our own decoder-only transformer, in the spirit of gpt-fast's ``model.py``: one forward for every
-family of ``compress.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text and the converted
-cla / mla), reading only the architecture spec (``compress.arch.ArchSpec``, ``model.spec``).
+family of ``compress.arch.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text and the converted
+cla / mla), reading only the architecture spec (``compress.arch.spec.ArchSpec``, ``model.spec``).
 
 One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
 
@@ -26,7 +26,7 @@ nothing in it depends on a Python-side position. Attention is the cache's
 how they are stored and read. Module names are the HF checkpoint's, so a run folder's tensors
 load by name and validation errors name the tensor as it is stored. Linears are
 ``nn.Linear``, or the quantized layer the folder's ``quantization_config`` asks for
-(``compress.checkpoint.quantized_layer``), whose forward calls the kernels.
+(``compress.io.checkpoint.quantized_layer``), whose forward calls the kernels.
 After loading, q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj``
 (one matmul each: fewer calls per token). Sliding windows are the caches' (``compress.decoder.kv``
 takes each slot's window from :meth:`Transformer.kv_layout`).
@@ -39,8 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch import ArchSpec, spec_of
-from compress.checkpoint import (
+from compress.arch.spec import ArchSpec, spec_of
+from compress.errors import CompressError
+from compress.formats.attention.absorb import absorb_output, absorb_query
+from compress.io.checkpoint import (
+    check_finite,
     load_state,
     quantized_layer,
     read_config,
@@ -48,9 +51,12 @@ from compress.checkpoint import (
     read_tokenizer,
     swap_quantized,
 )
-from compress.errors import CompressError
+from compress.io.manifest import check_loadable
 from compress.kernels import linear, rms_norm
-from compress.quant.head import quantize_head
+from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
+from compress.kernels.w4a8_cpu import use
+from compress.layers import QuantLinear
+from compress.layers.head import quantize_head
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
@@ -168,7 +174,7 @@ class Attention(nn.Module):
 
 
 class LatentAttention(Attention):
-    """Multi-head latent attention (MHA2MLA layout, ``compress.attn.mla``), decoded absorbed.
+    """Multi-head latent attention (MHA2MLA layout, ``compress.methods.attn.mla``), decoded absorbed.
 
     Per layer (H query heads, G KV heads of width D, p RoPE pairs per KV head, latent width L,
     n = D - 2p), the checkpoint holds ``q_proj`` (each head's rows ``[2p rotated | n]``),
@@ -204,7 +210,6 @@ class LatentAttention(Attention):
 
     def absorb(self) -> None:
         """Fold ``k_b_proj`` into the query rows and ``v_b_proj`` into ``o_proj`` (see the class)."""
-        from compress.formats.attention.absorb import absorb_output, absorb_query
 
         H, G, D, r, L = self.n_heads, self.n_kv_heads, self.head_dim, self.rope, self.latent
         wq = self.q_proj.weight.view(H, D, -1).double()
@@ -246,7 +251,7 @@ class LatentAttention(Attention):
 
 
 class MappedAttention(Attention):
-    """A large-model layer under IAM attention mapping (``compress.iam.decode``): it projects V
+    """A large-model layer under IAM attention mapping (``compress.methods.iam.decode``): it projects V
     only; its cache (``kv.mapped.MappedCache``) mixes V with a small model's attention weights,
     ``y_h = P_small[m(l)][head(h)] V``, so q_proj and k_proj are loaded and then freed."""
 
@@ -512,7 +517,6 @@ class Cast(nn.Module):
 
 def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
     """Wrap every group-quantized projection (``QuantLinear``) in :class:`Cast` to ``dtype``."""
-    from compress.formats import QuantLinear
 
     for module in list(model.modules()):
         for name, child in module.named_children():
@@ -523,8 +527,6 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
 def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     """Keep one in-memory form per quantized layer: the W4A8 form where the layer takes it, else
     the bfloat16 int4pack form (see :func:`load`)."""
-    from compress.formats import QuantLinear
-    from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
 
     rest = [m for m in model.modules() if isinstance(m, QuantLinear) and not takes_w4a8(m)]
     if model.device.type == "cpu":
@@ -575,17 +577,14 @@ def load(
     that rounds their inputs, so the logits are no longer those of the pipeline's loader.
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
-    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.iam.decode`` loads them).
+    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.methods.iam.decode`` loads them).
     ``head`` (none, int8, int4) group-quantizes the output head at load
-    (``compress.quant.head``: the embedding stays exact); it then computes like the other
+    (``compress.layers.head``: the embedding stays exact); it then computes like the other
     quantized layers (``qdtype``, ``lean``). ``kernel`` "w4a8" rounds the quantized layers'
     inputs to int8 for the integer kernel (``compress.kernels.w4a8_cpu``); "exact" keeps them.
     ``verify`` checks the folder against its manifest first (``manifest.check_loadable``: an
     unfinished or edited run folder is refused); ``verify=False`` loads it as it is.
     """
-    from compress.checkpoint import check_finite
-    from compress.kernels.w4a8_cpu import use
-    from compress.manifest import check_loadable
 
     folder = Path(folder)
     if verify:

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from compress.decoder.generate import generate
+from compress.decoder.model import load
 from compress.errors import CompressError
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,7 @@ def torch_threads(n: int | None):
 def measure(folder, ids: list[int], cfg, loader=None, head: str = "none") -> dict:
     """Decode figures of the run folder ``folder``, prompting with the token ids ``ids``;
     ``loader(folder, dtype, **load_kw) -> (model, tokenizer)`` replaces the decoder's ``load``;
-    the output head quantized at load as ``head`` (none, int8, int4: ``compress.quant.head``)."""
-    from compress.decoder.generate import generate
-    from compress.decoder.model import load
+    the output head quantized at load as ``head`` (none, int8, int4: ``compress.layers.head``)."""
 
     start = time.perf_counter()
 

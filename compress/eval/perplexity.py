@@ -15,7 +15,7 @@ there (fp32 safetensors, ~400 MB a window of 2048 for a 49k vocabulary), keyed
 by the source's sha256 and the window's tokens, so that comparing many recipes
 runs the source once.
 
-When either model is disk-backed (``compress.offload``: its decoder layers read one at a time),
+When either model is disk-backed (``compress.io.offload``: its decoder layers read one at a time),
 the windows go through it layer by layer (``final_hidden``) and the log-probs are made
 ``chunk`` tokens at a time (``head_log_probs``), so ``[seqlen, V]`` float32 arrays exist for a
 chunk of tokens only; a cached source reads its log-probs a chunk at a time from the file, and
@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from compress.io.offload import final_hidden, head_log_probs, is_lazy
+from compress.io.shards import TensorStream
 
 
 def _log_probs(model, window: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,6 @@ class _Side:
     time."""
 
     def __init__(self, model, windows: torch.Tensor, device):
-        from compress.offload import is_lazy
 
         self.model, self.windows, self.device = model, windows, device
         self.lazy = is_lazy(model)
@@ -93,7 +95,6 @@ class _Side:
                 self.full, self.full_at = None, w
                 self.full = _log_probs(self.model, self.windows[w])
             return self.full[a:b]
-        from compress.offload import final_hidden, head_log_probs
 
         if self.hidden is None or not self.start <= w < self.start + self.group:
             self.hidden = None
@@ -107,8 +108,6 @@ class _Side:
 @torch.no_grad()
 def _evaluate_chunked(model, windows, source, desc, cache, source_sha, device) -> dict:
     from safetensors import safe_open
-
-    from compress.shards import TensorStream
 
     ours = _Side(model, windows, device)
     theirs = _Side(source, windows, device) if source is not None else None
@@ -178,7 +177,6 @@ def evaluate(
 
     ``device``: where a disk-backed model's layers run (default the CPU); a whole model runs
     where it is."""
-    from compress.offload import is_lazy
 
     if is_lazy(model) or is_lazy(source):
         device = torch.device(device or "cpu")

@@ -10,6 +10,8 @@ whatever the stages recorded (bits, group_size, ...).
 import json
 from pathlib import Path
 
+from compress.eval.layer_views import plot_run_views
+
 
 def _fmt(v) -> str:
     if v is None:
@@ -89,7 +91,6 @@ def metrics_table(report: dict) -> list[str]:
 
 def write_report(folder: Path, report: dict) -> None:
     """report.json, the per-layer plots the run recorded, and report.md that shows them."""
-    from compress.eval.layer_views import plot_run_views
 
     (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     lines = [

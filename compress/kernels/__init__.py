@@ -22,7 +22,7 @@ Every family picks its implementation by one rule, :func:`backend`: ``COMPRESS_K
 forces the PyTorch reference (for debugging); otherwise a CUDA input runs the Triton kernel and
 a CPU input the CPU path. ``COMPRESS_KERNELS=eager`` runs the CPU paths without
 ``torch.compile`` or other compiled code (PackKV's products then run the reference). Triton is
-imported only when a CUDA input needs it. The kernels own the bit layouts (``bitplanes.py``, ``awq_gemm.py``; ``compress.formats`` reads them)
+imported only when a CUDA input needs it. The kernels own the bit layouts (``bitplanes.py``, ``awq_gemm.py``; ``compress.layers`` reads them)
 and import no method package.
 """
 
@@ -31,6 +31,18 @@ import os
 import torch
 import torch.nn.functional as F
 
+from compress.kernels import (
+    cpu,
+    int8_cpu,
+    int8_matmul_ref,
+    kivi_cpu,
+    kivi_ref,
+    native,
+    packkv_cpu,
+    packkv_ref,
+    skinny_cpu,
+    w4a8_ref,
+)
 from compress.kernels.layout import check_inputs
 from compress.kernels.rms_norm_ref import rms_norm as rms_norm_reference
 
@@ -47,32 +59,24 @@ def quant_matmul(x: torch.Tensor, layer) -> torch.Tensor:
     where = backend(x)
     if where == "ref" or (x.requires_grad and torch.is_grad_enabled()):
         if where == "ref" and getattr(layer, "kernel", "exact") == "w4a8":  # its arithmetic
-            from compress.kernels.w4a8_ref import matmul
-
-            return matmul(x, layer, torch.float32).to(x.dtype)
+            return w4a8_ref.matmul(x, layer, torch.float32).to(x.dtype)
         return x @ layer.dequantize(x.dtype).t()  # the kernels have no backward
     check_inputs(x, layer)
     if x.shape[0] == 0:
         return x.new_empty(0, layer.out_features)
     if where == "triton":
         if getattr(layer, "kernel", "exact") == "w4a8":  # no CUDA kernel: the same arithmetic
-            from compress.kernels.w4a8_ref import matmul
-
-            return matmul(x, layer, torch.float32).to(x.dtype)
-        from compress.kernels.dequant_matmul import triton_quant_matmul
+            return w4a8_ref.matmul(x, layer, torch.float32).to(x.dtype)
+        from compress.kernels.dequant_matmul import triton_quant_matmul  # heavy: Triton
 
         return triton_quant_matmul(x, layer)
-    from compress.kernels.cpu import cpu_quant_matmul
-
-    return cpu_quant_matmul(x, layer)
+    return cpu.cpu_quant_matmul(x, layer)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear(x, weight, bias)``; fp32 CPU products of 2 to 8 rows through the skinny kernel
     (``skinny_cpu.chosen_path``), which reads the weight once for all rows."""
     if backend(x) == "cpu":
-        from compress.kernels import skinny_cpu
-
         if which := skinny_cpu.chosen_path(x, weight):
             return skinny_cpu.linear(x, weight, bias, which)
     return F.linear(x, weight, bias)
@@ -89,8 +93,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
-        from compress.kernels import native
-
         if native.ops():
             return torch.ops.compress.rms_norm(x, weight, eps, offset)
     return rms_norm_reference(x, weight, eps, offset)
@@ -108,34 +110,30 @@ def int8_matmul(
     ``out_dtype``, from int8 ``a [M, K]``, ``b [N, K]`` and absmax vectors ``[M]``, ``[N]``."""
     where = backend(a)
     if where == "ref":
-        from compress.kernels.int8_matmul_ref import int8_matmul_dequant_ref as fn
+        fn = int8_matmul_ref.int8_matmul_dequant_ref
     elif where == "triton":
-        from compress.kernels.int8_triton import int8_matmul_dequant_triton as fn
+        from compress.kernels.int8_triton import int8_matmul_dequant_triton as fn  # heavy: Triton
     else:
-        from compress.kernels.int8_cpu import int8_matmul_dequant_cpu as fn
+        fn = int8_cpu.int8_matmul_dequant_cpu
     return fn(a, b, row_absmax, col_absmax, bias, out_dtype)
 
 
 def _packkv(x: torch.Tensor, head_dim: int):
-    """The module computing PackKV's products for ``x``: ``packkv`` (Triton), ``packkv_cpu``
+    """The module computing PackKV's products for ``x``: ``packkv_triton``, ``packkv_cpu``
     (when it builds and ``COMPRESS_KERNELS`` is not ``eager``) or ``packkv_ref``."""
     where = backend(x)
     if where == "triton":
-        from compress.kernels import packkv
+        from compress.kernels import packkv_triton  # heavy: Triton
 
-        if packkv.supports(head_dim):
-            return packkv
+        if packkv_triton.supports(head_dim):
+            return packkv_triton
     elif (
         where == "cpu"
         and os.environ.get("COMPRESS_KERNELS") != "eager"
         and not (x.requires_grad and torch.is_grad_enabled())
     ):  # the kernel has no backward
-        from compress.kernels import native, packkv_cpu
-
         if native.library() is not None:
             return packkv_cpu
-    from compress.kernels import packkv_ref
-
     return packkv_ref
 
 
@@ -153,12 +151,8 @@ def packkv_order(codes: torch.Tensor) -> torch.Tensor:
     """PackKV's greedy permutation ``[N, T]`` of each block row of codes ``[N, T, C]`` (the rule
     in ``packkv_ref.order_greedy``): C++ on the CPU where it builds, else the reference."""
     if backend(codes) == "cpu" and os.environ.get("COMPRESS_KERNELS") != "eager":
-        from compress.kernels import native, packkv_cpu
-
         if native.library() is not None:
             return packkv_cpu.order_greedy(codes)
-    from compress.kernels import packkv_ref
-
     return packkv_ref.order_greedy(codes)
 
 
@@ -170,12 +164,8 @@ def _kivi(x: torch.Tensor, zero: torch.Tensor, head_dim: int, which: str):
         and os.environ.get("COMPRESS_KERNELS") != "eager"
         and not (x.requires_grad and torch.is_grad_enabled())
     ):
-        from compress.kernels import kivi_cpu, native
-
         if kivi_cpu.supports(x, zero, head_dim, which) and native.library() is not None:
             return kivi_cpu
-    from compress.kernels import kivi_ref
-
     return kivi_ref
 
 

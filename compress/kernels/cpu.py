@@ -58,7 +58,7 @@ from torch import nn
 import compress.kernels.native as native
 import compress.kernels.w4a8_cpu as w4a8_cpu
 from compress.errors import CompressError
-from compress.kernels.bitplanes import pack_planes
+from compress.formats.bitplanes import pack_planes
 from compress.kernels.layout import cached, check_layer, planes, stamp
 from compress.kernels.workspace import workspace
 

@@ -6,12 +6,12 @@ Bit ``p*i .. p*i+p-1`` of word ``j`` of a ``p``-bit plane holds column
 ``(32/p)*j + i`` (natural order), or ``8*j + AWQ_ORDER[i]`` for AWQ INT4;
 planes hold consecutive bit slices of the code, low bits first. Plain
 PyTorch in any float dtype (float64 for the tests); slow, for checking the
-kernels. It decodes on its own, without the unpacking of ``compress.formats``.
+kernels. It decodes on its own, without the unpacking of ``compress.layers``.
 """
 
 import torch
 
-from compress.kernels.awq_gemm import AWQ_ORDER
+from compress.formats.awq_gemm import AWQ_ORDER
 from compress.kernels.layout import planes
 
 

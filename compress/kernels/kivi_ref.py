@@ -4,7 +4,7 @@ Per row ``bh`` (batch x KV head), ``cap`` token slots of which ``0 .. n-1`` are 
 bits, ``G`` the group size::
 
     codes        int32 [BH, cap, D b / 32]  word j of token t holds channel (32 / b) j + i at
-                                            bits [b i, b i + b)  (compress.kernels.bitplanes)
+                                            bits [b i, b i + b)  (compress.formats.bitplanes)
     K zero/scale fp16  [BH, cap / G, D]     per G-token group and channel:
                                             K_hat[t, c] = z[t // G, c] + s[t // G, c] code[t, c]
     V zero/scale fp16  [BH, cap, D / G]     per token and G-channel group:
@@ -16,7 +16,7 @@ bits, ``G`` the group size::
 
 import torch
 
-from compress.kernels.bitplanes import unpack_planes
+from compress.formats.bitplanes import unpack_planes
 
 
 def codes(words: torch.Tensor, n: int, bits: int) -> torch.Tensor:

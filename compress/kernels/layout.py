@@ -1,7 +1,7 @@
 """How the kernels see a ``QuantLinear``: its bit planes, and the inputs they accept.
 
 Every packed weight is a list of bit planes, low bits first (the layouts are
-``compress.kernels.awq_gemm`` and ``compress.kernels.bitplanes``)::
+``compress.formats.awq_gemm`` and ``compress.formats.bitplanes``)::
 
     "awq"      (INT4): one 4-bit plane, qweight [in, out/8], nibbles in AWQ_ORDER
     "compress" (other): plane w{p} per p in plane_widths(bits), widest (low bits) first,
@@ -13,7 +13,7 @@ and ``W_hat[o, i] = (q[i, o] - z[i // g, o]) * s[i // g, o]`` with ``s = scales 
 import torch
 
 from compress.errors import CompressError
-from compress.kernels.bitplanes import plane_widths
+from compress.formats.bitplanes import plane_widths
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -20,7 +20,14 @@ import sys
 from pathlib import Path
 
 from compress.decoder.defaults import fast_head, group_quantized
+from compress.decoder.devices import check_device
+from compress.decoder.model import load
+from compress.decoder.sampling import check_sampling
 from compress.errors import ArgumentParser, CompressError
+from compress.kernels.w4a8_cpu import use
+from compress.layers.head import recorded_head
+from compress.serve.auth import check_key
+from compress.serve.engine import Engine, invariant_model
 from compress.serve.limits import (
     BODY_TIMEOUT_S,
     H11_MAX_HEADER_BYTES,  # noqa: F401  (imported from here by tests and the sweep)
@@ -28,6 +35,8 @@ from compress.serve.limits import (
     IDLE_TIMEOUT_S,
     MAX_BODY_BYTES,
 )
+from compress.serve.runahead import RunaheadPrefill
+from compress.serve.worker import Worker
 
 DTYPES = ("float32", "bfloat16", "float16")
 KEY_ENV = "COMPRESS_API_KEY"
@@ -154,8 +163,6 @@ def check_arguments(args) -> None:
     """Everything the server can check before the model loads: the numbers, the device, and
     that the address can be listened on (a port in use or out of range would fail only after
     the load, with an asyncio traceback)."""
-    from compress.decoder.sampling import check_sampling
-    from compress.devices import check_device
 
     for flag in (
         "num_blocks",
@@ -188,7 +195,6 @@ def check_arguments(args) -> None:
 def check_access(args) -> None:
     """Settle ``args.api_key`` (``--api-key``, else ``COMPRESS_API_KEY``, else None) and refuse
     to serve without one on an address other machines can reach, unless ``--allow-no-key``."""
-    from compress.serve.auth import check_key
 
     if args.api_key is not None:
         check_key(args.api_key)
@@ -294,7 +300,7 @@ def main(argv=None) -> None:
             )
         require_serve_extra()
         check_arguments(args)
-        from compress.manifest import skip_verification, verify_folder
+        from compress.io.manifest import skip_verification, verify_folder
 
         if args.no_verify:  # the loader checks again unless told
             skip_verification(args.run)
@@ -322,11 +328,6 @@ def load_model(args, device: str):
     """The model and tokenizer ``args`` describe, in the configuration
     ``resolve_configuration`` settles (logged)."""
     import torch
-
-    from compress.decoder.model import load
-    from compress.kernels.w4a8_cpu import use
-    from compress.quant.head import recorded_head
-    from compress.serve.engine import invariant_model
 
     default_invariant = resolve_configuration(args, device)
     head = args.head or recorded_head(args.run)
@@ -363,9 +364,7 @@ def serve(args) -> None:
     import torch
 
     from compress.serve.app import create_app
-    from compress.serve.engine import Engine
     from compress.serve.server import make_server
-    from compress.serve.worker import Worker
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -376,8 +375,6 @@ def serve(args) -> None:
     model, tok = load_model(args, device)
     runahead = None
     if args.prefill_ranks > 1:
-        from compress.serve.runahead import RunaheadPrefill
-
         runahead = RunaheadPrefill(
             model, args.run, args.prefill_ranks, args.dtype, args.qdtype, threads=args.threads or 1
         )

@@ -35,10 +35,10 @@ from compress.decoder.kv.paged import new_paged_cache, window_groups
 from compress.decoder.sampling import sample
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
+from compress.io.tokenizer import check_ids
 from compress.serve.block_manager import BlockManager, local_pool_blocks
 from compress.serve.memory import check_pool_memory
 from compress.serve.scheduler import Params, Scheduler, Sequence
-from compress.tokenizer import check_ids
 
 
 @dataclass

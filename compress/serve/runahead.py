@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from compress.decoder.kv import new_cache
+from compress.decoder.model import load
 from compress.errors import CompressError
 
 
@@ -119,7 +120,6 @@ def run_chunk(model, ids: torch.Tensor, bounds: list[int], rank: int, group=None
 def _helper(
     rank: int, world: int, port: int, folder: str, dtype: str, qdtype, threads: int
 ) -> None:
-    from compress.decoder.model import load
 
     torch.set_num_threads(threads)
     model, _ = load(  # the server verified the folder (or was told not to) before spawning

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from compress.attn.cla import convert_cla
-from compress.attn.gqa import mean_pool_kv
-from compress.attn.mla import convert_mla, full_rank
-from compress.data import calib_samples, eval_windows, read_text
 from compress.eval.perplexity import evaluate
-from compress.source import load_model
+from compress.io.data import calib_samples, eval_windows, read_text
+from compress.io.source import load_model
+from compress.methods.attn.cla import convert_cla
+from compress.methods.attn.gqa import mean_pool_kv
+from compress.methods.attn.mla import convert_mla, full_rank
 
 
 def variants(kind: str, config, d_kv: int, svd: str):

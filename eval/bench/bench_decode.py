@@ -82,7 +82,7 @@ from pathlib import Path
 
 import torch
 
-from compress.source import DEFAULT_MODEL
+from compress.io.source import DEFAULT_MODEL
 
 OURS = (
     "ours-int4",
@@ -178,8 +178,8 @@ def model_bytes(model) -> int:
 def prompt_ids(tokenizer, n: int, offset: int = 0, real: bool = False) -> list[int]:
     """``n`` tokens of WikiText-2 test from token ``offset`` (a fixed sentence, repeated, without
     the data, unless ``real``: then the data must be there)."""
-    from compress.data import wikitext_file
     from compress.errors import CompressError
+    from compress.io.data import wikitext_file
 
     f = Path(os.environ.get("COMPRESS_DATA_DIR", ".")) / "wikitext-2" / "wiki.test.raw"
     if real:
@@ -401,7 +401,7 @@ def make_system(name, args):
         )
     if name == "hf-fp32":
         return HF(args.fp)
-    from compress.source import embedded_gguf
+    from compress.io.source import embedded_gguf
 
     return LlamaCpp(embedded_gguf(args.model), args.threads[0])
 
@@ -491,7 +491,7 @@ class Worker:
 def disk_bytes(name: str, args) -> int:
     """The weights as stored: the run folder's safetensors files, or the GGUF file."""
     if name == "llama.cpp":
-        from compress.source import embedded_gguf
+        from compress.io.source import embedded_gguf
 
         return embedded_gguf(args.model).stat().st_size
     named = folder_system(name, args)
@@ -665,7 +665,7 @@ def parse_args(argv=None):
         "--model",
         default=DEFAULT_MODEL,
         help="the embedded model whose GGUF llama.cpp decodes and whose converted folder is "
-        "--fp's default (compress.embedded: smollm2-135m, gemma3-270m)",
+        "--fp's default (compress.io.embedded: smollm2-135m, gemma3-270m)",
     )
     p.add_argument("--fp", help="fp32 HF folder (default: --model's, converted)")
     p.add_argument(
@@ -719,7 +719,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.fp is None:
-        from compress.source import convert_embedded
+        from compress.io.source import convert_embedded
 
         args.fp = str(convert_embedded(args.model))
     if args.worker:

@@ -10,7 +10,7 @@
     (c) net KV bytes at those prompts: the small model's fp16 K/V + the large model's (K/V of the
         unmapped layers, V of the mapped ones), against the large model's fp16 K/V
 
-Everything runs the decoder's own forward (``compress.iam.decode``) in float32, ``--threads``
+Everything runs the decoder's own forward (``compress.methods.iam.decode``) in float32, ``--threads``
 torch threads (default 1). The mapping is read from ``--map`` (default: beside the large folder,
 made there on first use).
 
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress.data import eval_windows, read_text, tokenize, wikitext_file
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError
-from compress.iam.decode import load_iam
+from compress.io.data import eval_windows, read_text, tokenize, wikitext_file
+from compress.methods.iam.decode import load_iam
 
 
 @torch.no_grad()
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
 
 
 def run(args) -> None:
-    from compress.source import resolve_path
+    from compress.io.source import resolve_path
 
     large_dir = Path(args.large) if args.large else Path(resolve_path("smollm2-135m")[0])
     large, tok = load(large_dir)

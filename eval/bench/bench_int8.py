@@ -37,7 +37,7 @@ def layers(k: int, n: int, threshold: float) -> dict:
     """The four contenders, from one random fp32 weight ``[n, k]``."""
     import bitsandbytes as bnb
 
-    from compress.formats import Int8Linear
+    from compress.layers import Int8Linear
 
     fp32 = torch.nn.Linear(k, n, bias=False)
     torch.nn.init.normal_(fp32.weight, std=k**-0.5)

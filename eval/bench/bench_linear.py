@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from compress.formats import QuantLinear
+from compress.formats.quantizer import quantize
 from compress.kernels import cpu, quant_matmul, skinny_cpu, w4a8_cpu
-from compress.quant.quantizer import quantize
+from compress.layers import QuantLinear
 
 SMALL = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, k/v, gate/up, down
 HEAD = [(576, 49152)]  # SmolLM2-135M's output head

@@ -21,7 +21,7 @@ relative to the full model's float32 size (``fp32``).
     # quick check at tiny sizes
     python eval/bench/bench_scale.py --quick
 
-Distillation rows (``distill:SHAPE``) run ``python -m compress.train.distill`` with the model as
+Distillation rows (``distill:SHAPE``) run ``python -m compress.cli.distill`` with the model as
 its own teacher for ``--distill-tokens`` tokens and read tokens/s from ``distill.json``;
 MFU = tok/s x (6 N + 2 N) / ``--peak-tflops`` (teacher forward 2N, student forward and
 backward 6N, N the parameters without the embedding).
@@ -106,7 +106,7 @@ def hf_config(shape: str, layers: int | None = None):
 
 def n_params(config) -> int:
     """Parameters of the model of ``config`` (a tied head once)."""
-    from compress.offload import empty_model
+    from compress.io.offload import empty_model
 
     model = empty_model(config)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -120,9 +120,9 @@ def make_model(folder: Path, shape: str, layers: int | None = None, seed: int = 
     tensor at a time, with SmolLM2's tokenizer; reused when it exists."""
     from transformers import AutoTokenizer
 
-    from compress.offload import empty_model
-    from compress.shards import Entry, write_sharded
-    from compress.source import convert_default_model
+    from compress.io.offload import empty_model
+    from compress.io.shards import Entry, write_sharded
+    from compress.io.source import convert_default_model
 
     if (folder / "config.json").is_file():
         return folder
@@ -176,7 +176,7 @@ def run_recipe(recipe: str, folder: Path, out: Path, overrides: list[str]) -> di
 def distill_row(folder: Path, out: Path, tokens: int, device: str, peak_tflops: float | None):
     import os
 
-    from compress.data import read_text
+    from compress.io.data import read_text
 
     text = out.parent / "distill.txt"
     if not text.exists():
@@ -185,7 +185,7 @@ def distill_row(folder: Path, out: Path, tokens: int, device: str, peak_tflops: 
     cmd = [
         sys.executable,
         "-m",
-        "compress.train.distill",
+        "compress.methods.distill.distill",
         "--student",
         str(folder),
         "--teacher",

@@ -67,7 +67,7 @@ TIE = 1e-4
 
 def wiki_openings(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
     """The first ``n`` WikiText-2 validation articles' title and first paragraph, as token ids."""
-    from compress.data import wikitext_file
+    from compress.io.data import wikitext_file
 
     text = wikitext_file("wiki.valid.tokens").read_text(encoding="utf-8")
     out = []
@@ -93,7 +93,7 @@ class HFAssisted:
     """transformers' assisted generation with ``draft`` as assistant, timed with a streamer."""
 
     def __init__(self, target_folder, draft_folder):
-        from compress.checkpoint import load_run
+        from compress.io.checkpoint import load_run
 
         self.model, _ = load_run(target_folder)
         self.draft, _ = load_run(draft_folder)
@@ -295,7 +295,7 @@ def main(argv=None) -> None:
         "--draft-head",
         choices=("none", "int8", "int4"),
         default="none",
-        help="the drafts' output head quantized at load (compress.quant.head)",
+        help="the drafts' output head quantized at load (compress.layers.head)",
     )
     p.add_argument(
         "--draft-gammas", type=int, nargs="*", help="one row per γ for each draft (default --gamma)"
@@ -312,7 +312,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     from compress.decoder.model import load
     from compress.errors import CompressError
-    from compress.source import convert_default_model
+    from compress.io.source import convert_default_model
 
     try:
         args.target = args.target or str(convert_default_model())

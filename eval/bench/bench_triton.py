@@ -6,9 +6,9 @@ dense fp16 product of the same shape (``triton.testing.do_bench``, microseconds)
 
 import torch
 
-from compress.formats import QuantLinear
+from compress.formats.quantizer import quantize
 from compress.kernels import packkv_pv, packkv_qk, packkv_ref, quant_matmul
-from compress.quant.quantizer import quantize
+from compress.layers import QuantLinear
 
 
 def rel(a, b):

@@ -5,7 +5,7 @@
     python eval/bench/bench_verify.py --models tiny --rounds 2  # a check that it runs
 
 Each model is made into a run folder in a temporary directory (``--keep DIR`` keeps them there):
-- ``default``: the default model (SmolLM2-135M, fp32, as cached by ``compress.source``);
+- ``default``: the default model (SmolLM2-135M, fp32, as cached by ``compress.io.source``);
 - ``qwen0.5b``: a random model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query and 2 KV
   heads, intermediate 4864, vocabulary 151936, untied head), in ``--dtype`` (default bfloat16,
   the dtype Qwen ships);
@@ -55,8 +55,8 @@ def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool, layers=Non
         return folder
     q = {"bits": 4, "group_size": 64} if rtn else None
     if kind == "default":
-        from compress.checkpoint import read_tokenizer
-        from compress.source import convert_default_model, load_model
+        from compress.io.checkpoint import read_tokenizer
+        from compress.io.source import convert_default_model, load_model
 
         src = convert_default_model()
         model = load_model(str(src))[0]
@@ -77,7 +77,7 @@ def make_folder(kind: str, root: Path, dtype: torch.dtype, rtn: bool, layers=Non
 
 def measure(folder: Path, rounds: int) -> dict:
     from compress.decoder.model import load
-    from compress.manifest import verify_folder
+    from compress.io.manifest import verify_folder
 
     plain, verified, verify_only = [], [], []
     for _ in range(rounds):

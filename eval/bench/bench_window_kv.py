@@ -23,10 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compress.arch import spec_of
-from compress.checkpoint import read_config
+from compress.arch.spec import spec_of
 from compress.decoder.generate import generate
 from compress.decoder.model import load
+from compress.io.checkpoint import read_config
 
 NEW = 4
 
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.folder is None:
-        from compress.source import convert_embedded
+        from compress.io.source import convert_embedded
 
         args.folder = Path(convert_embedded("gemma3-270m"))
     spec = spec_of(read_config(args.folder)[0])

@@ -7,7 +7,7 @@ For each linear weight of the chosen layers and each group size g (along the inp
 as the group-wise quantizers group), a group is *on a 4-bit grid* when its distinct values are
 ``v_0 + k * step`` for integers ``0 <= k <= 15`` (``step``: their smallest gap). GGUF's own type
 of each tensor (read with the ``gguf`` package) is printed beside it, with RTN INT4's relative
-error ``||W_hat - W|| / ||W||`` at each g (``compress.quant.quantizer.fake_quantize``). A
+error ``||W_hat - W|| / ||W||`` at each g (``compress.formats.quantizer.fake_quantize``). A
 Q4_1/Q4_K tensor is on the grid at 32 and not beyond; a method with a scale or clip search can
 land on that grid at 32 and look better than it would on continuous weights.
 """
@@ -49,11 +49,13 @@ def main(argv=None) -> None:
     from gguf import GGUFReader
     from safetensors import safe_open
 
-    from compress.quant.quantizer import fake_quantize
-    from compress.source import convert_embedded, embedded_gguf
+    from compress.formats.quantizer import fake_quantize
+    from compress.io.source import convert_embedded, embedded_gguf
 
     p = argparse.ArgumentParser(prog="python eval/bench/gguf_grid.py")
-    p.add_argument("--model", default="gemma3-270m", help="an embedded model (compress.embedded)")
+    p.add_argument(
+        "--model", default="gemma3-270m", help="an embedded model (compress.io.embedded)"
+    )
     p.add_argument("--layers", type=int, nargs="+", default=[0, 5])
     p.add_argument("--blocks", type=int, default=2000, help="groups checked per tensor")
     p.add_argument("--json", help="write the rows here")

@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.folder is None:
-        from compress.source import convert_embedded
+        from compress.io.source import convert_embedded
 
         args.folder = Path(convert_embedded("gemma3-270m"))
     from transformers import AutoModelForCausalLM

@@ -5,8 +5,8 @@
 
 The pipeline's own evaluation (``compress.eval.perplexity.evaluate``, the first ``--windows``
 windows of the eval text, KL and top-1 against the source named in the folder's manifest) of
-the folder loaded as the pipeline loads it (``compress.checkpoint.load_run``), once per head
-setting (``compress.quant.head.quantize_head``). A recipe run with ``quant.lm_head=int8`` reports
+the folder loaded as the pipeline loads it (``compress.io.checkpoint.load_run``), once per head
+setting (``compress.layers.head.quantize_head``). A recipe run with ``quant.lm_head=int8`` reports
 the same figures for its own folder; this script measures an existing folder without running
 the recipe again. The table gives each setting's relative ppl change against the head as stored.
 The source's log-probs are cached as the pipeline's ``eval.cache_logprobs`` does, so the source
@@ -21,12 +21,12 @@ from pathlib import Path
 def main(argv=None) -> None:
     import torch
 
-    from compress.checkpoint import load_run, read_config
-    from compress.config import eval_device
-    from compress.data import eval_windows, read_text
     from compress.eval.perplexity import evaluate
-    from compress.quant.head import check_head, quantize_head
-    from compress.source import cache_dir, load_model
+    from compress.io.checkpoint import load_run, read_config
+    from compress.io.data import eval_windows, read_text
+    from compress.io.source import cache_dir, load_model
+    from compress.layers.head import check_head, quantize_head
+    from compress.recipe.config import eval_device
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", type=Path, help="a run folder (with manifest.json)")

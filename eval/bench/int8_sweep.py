@@ -11,20 +11,20 @@ picked here is not tuned on the test figures), against the source's log-probs:
     t=a            LLM.int8 with threshold a (t=0: pure vector-wise int8)
 
 The gap between weights-only and t=a is what per-token activation int8 costs. Each setting is
-scored by ``compress.quant.llm_int8.score``, as ``llm_int8.threshold=auto`` scores its candidates.
+scored by ``compress.methods.quant.llm_int8.score``, as ``llm_int8.threshold=auto`` scores its candidates.
 """
 
 import argparse
 
 import torch
 
-from compress.adapters import get_adapter
-from compress.data import eval_windows, read_text, wikitext_file
+from compress.arch.adapters import get_adapter
 from compress.eval.perplexity import evaluate
-from compress.formats.int8_linear import quantize_rowwise
-from compress.quant.llm_int8 import quantize_model, score
-from compress.quant.quantizer import fake_quantize
-from compress.source import cache_dir, convert_default_model, load_model
+from compress.formats.quantizer import fake_quantize
+from compress.io.data import eval_windows, read_text, wikitext_file
+from compress.io.source import cache_dir, convert_default_model, load_model
+from compress.layers.int8_linear import quantize_rowwise
+from compress.methods.quant.llm_int8 import quantize_model, score
 
 
 def weights_only(model):

@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress.data import read_text, tokenize, wikitext_file
 from compress.decoder.kv import make_cache
 from compress.decoder.kv.base import Cache, hidden, masked_softmax
 from compress.errors import CompressError
+from compress.io.data import read_text, tokenize, wikitext_file
 
 
 def configs(args) -> list[tuple[str, str, dict]]:
@@ -347,7 +347,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from compress.decoder.model import load
-    from compress.source import convert_default_model
+    from compress.io.source import convert_default_model
 
     data = args.data or str(wikitext_file("wiki.test.raw"))  # checked before the model loads
     torch.set_num_threads(args.threads)

@@ -3,7 +3,7 @@
     fp16     the baseline (``fp16.py``)          full    fp16's layout in the model's dtype: exact
     kivi     KIVI 2-/4-bit (``kivi.py``)         packkv  PackKV (``packkv.py``)
 
-``mapped.py`` holds the two caches of IAM decoding (``compress.iam.decode`` builds them; they
+``mapped.py`` holds the two caches of IAM decoding (``compress.methods.iam.decode`` builds them; they
 are not ``--kv`` kinds). The CLI's ``--kv``, the pipeline's ``decode.kv`` check and
 ``eval/bench/kv_quality.py`` take their names from :data:`KV_KINDS`; ``base.py`` has the interface.
 """

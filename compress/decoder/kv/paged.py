@@ -37,6 +37,7 @@ import torch
 
 from compress.decoder.kv.base import Cache, fused_attention, hidden
 from compress.errors import CompressError
+from compress.kernels import native, paged_attn_cpu
 
 PAGED_KINDS = ("fp16", "full")
 
@@ -173,8 +174,6 @@ class PagedCache(Cache):
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
         B, L = s["gather"].shape
         if self.invariant:
-            from compress.kernels import paged_attn_cpu
-
             w = self.windows[layer]
             if "hi" not in s:  # the same for every layer of the group in the step
                 if w is None:
@@ -244,8 +243,6 @@ def new_paged_cache(
         )
     device = model.device
     if invariant:
-        from compress.kernels import native
-
         if device.type != "cpu" or native.library() is None:
             raise CompressError(
                 "batch-invariant serving computes attention with the C++ CPU kernel: serve on "

@@ -17,6 +17,8 @@ is μ_k = E[X_k] / c_k, and X_k ∈ [1, γ+1] bounds the noise.
 
 import math
 
+from compress.decoder.speculative.drafts import LayerSkipDraft
+from compress.decoder.speculative.layer_skip import layer_costs, unified_skip
 from compress.errors import CompressError
 
 
@@ -141,8 +143,6 @@ def default_skip_counts(n_layers: int) -> list[int]:
 def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6), costs=None):
     """A bandit of ``kind`` (:data:`BANDITS`) over the unified skip sets of ``skip_counts`` x
     ``gammas``; ``costs``: ``layer_costs(model)`` if measured already."""
-    from compress.decoder.speculative.drafts import LayerSkipDraft
-    from compress.decoder.speculative.layer_skip import layer_costs, unified_skip
 
     if kind not in BANDITS:
         raise CompressError(f"--adapt {kind}: use one of {sorted(BANDITS)}.")

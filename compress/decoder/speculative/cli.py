@@ -12,8 +12,19 @@ fast kernel and head, and compiled decode steps. Its tokens are only proposals: 
 verifies each, so the output is the target's alone.
 """
 
-from compress.decoder.speculative.gamma import check_confidence
+from compress.decoder import defaults
+from compress.decoder.speculative.bandit import self_bandit
+from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
+from compress.decoder.speculative.gamma import check_confidence, schedule_for
+from compress.decoder.speculative.layer_skip import (
+    calibration_ids,
+    parse_layers,
+    searched_skip,
+    skip_file,
+    unified_skip,
+)
 from compress.errors import CompressError
+from compress.layers.head import recorded_head
 
 
 def add_arguments(p) -> None:
@@ -96,8 +107,6 @@ def draft_load_kwargs(args, conf: dict) -> dict:
     target's configuration ``conf``."""
     import torch
 
-    from compress.decoder import defaults
-
     flag = getattr(args, "compile_flag", args.compile)  # --compile as given (None: not given)
     kw = dict(
         dtype=getattr(torch, conf["dtype"]),
@@ -114,8 +123,6 @@ def draft_load_kwargs(args, conf: dict) -> dict:
         and defaults.group_quantized(args.draft)
     )
     if fast:
-        from compress.quant.head import recorded_head
-
         head = recorded_head(args.draft)
         kw.update(
             dtype=torch.bfloat16,
@@ -138,16 +145,6 @@ def describe_draft(kw: dict) -> str:
 
 def draft_schedule(args, model, tokenizer, load_kwargs: dict):
     """The schedule ``speculative.speculative_generate`` takes, from the options."""
-    from compress.decoder.speculative.bandit import self_bandit
-    from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
-    from compress.decoder.speculative.gamma import schedule_for
-    from compress.decoder.speculative.layer_skip import (
-        calibration_ids,
-        parse_layers,
-        searched_skip,
-        skip_file,
-        unified_skip,
-    )
 
     if args.draft != "self":
         load_kwargs = dict(load_kwargs)

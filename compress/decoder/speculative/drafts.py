@@ -24,9 +24,13 @@ from pathlib import Path
 
 import torch
 
+from compress.decoder.generate import static_step
+from compress.decoder.kv import new_cache
+from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.speculative.gamma import check_confidence
 from compress.errors import CompressError
+from compress.io.checkpoint import read_config, read_tokenizer
 
 
 def draw(logits: torch.Tensor, sampling: Sampling, gen) -> tuple[int, torch.Tensor | None]:
@@ -95,8 +99,6 @@ class ModelDraft:
         self.compile, self.step, self.stop_below = compile, None, stop_below
 
     def prefill(self, ids: list[int], max_len: int) -> None:
-        from compress.decoder.generate import static_step
-        from compress.decoder.kv import new_cache
 
         if self.compile:
             self.step, self.cache = static_step(
@@ -184,8 +186,6 @@ def check_draft(target, draft) -> None:
 def load_draft(folder, target, tokenizer=None, **load_kwargs):
     """Load the draft model folder ``folder`` (``model.load`` keywords), checked against
     ``target``."""
-    from compress.checkpoint import read_config, read_tokenizer
-    from compress.decoder.model import load
 
     folder = Path(folder)
     if not folder.is_dir() or not (folder / "config.json").is_file():

@@ -29,7 +29,9 @@ import torch
 
 from compress.decoder.generate import Result, cache_size, eos_ids_of, sync
 from compress.decoder.kv import new_cache
+from compress.decoder.model import Transformer
 from compress.decoder.sampling import Sampling, logits_to_probs, sample
+from compress.decoder.speculative.drafts import ModelDraft, check_draft
 from compress.decoder.speculative.gamma import schedule_for
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
@@ -82,8 +84,6 @@ class SpecResult(Result):
 def as_schedule(target, draft, gamma=5):
     """A schedule from ``draft``: a loaded model (a :class:`ModelDraft` of it, checked against the
     target's vocabulary), a drafter (``compress.decoder.speculative.drafts``) or a schedule as it is."""
-    from compress.decoder.model import Transformer
-    from compress.decoder.speculative.drafts import ModelDraft, check_draft
 
     if hasattr(draft, "next"):
         return draft

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
+from compress.decoder.kv import new_cache
+from compress.decoder.model import load
 from compress.errors import CompressError
+from compress.io.data import wikitext_file
 
 CALIBRATION_TOKENS = 96  # of WikiText-2 validation text for the skip-set search
 
@@ -67,7 +70,6 @@ def skip_file(run: Path) -> Path:
 def agreement(model, ids: list[int], skip) -> float:
     """Greedy acceptance α: how often the draft (``model`` without ``skip``), reading the target's
     K/V of the text before each position, predicts the target's argmax next token."""
-    from compress.decoder.kv import new_cache
 
     device, skip = model.device, frozenset(skip)
     cache = new_cache(model, "full", 1, len(ids))
@@ -86,7 +88,6 @@ def agreement(model, ids: list[int], skip) -> float:
 
 def layer_costs(model, reps: int = 5) -> tuple[float, float]:
     """``(c_0, c_layer)`` seconds of one decode step: the part outside the layers and one layer."""
-    from compress.decoder.kv import new_cache
 
     L, device = model.config.num_hidden_layers, model.device
     cache = new_cache(model, "fp16", 1, 64)
@@ -152,7 +153,6 @@ def searched_skip(run, model, ids: list[int], gamma: int = 4, log=None) -> list[
 def calibration_ids(tokenizer) -> list[int]:
     """The last ``CALIBRATION_TOKENS`` tokens of WikiText-2 validation, the project's calibration
     split (the speculative benchmark's prompts are its openings, far from here)."""
-    from compress.data import wikitext_file
 
     path = wikitext_file("wiki.valid.tokens")
     if not path.is_file():
@@ -168,8 +168,6 @@ def main(argv=None) -> None:
     count, the greedy agreement α on the calibration text and the modelled tokens per second."""
     import argparse
     import sys
-
-    from compress.decoder.model import load
 
     p = argparse.ArgumentParser(
         prog="python -m compress.decoder.speculative.layer_skip",

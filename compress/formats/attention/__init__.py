@@ -1,4 +1,4 @@
-"""Formats of converted attention (``compress.attn``) for transformers.
+"""Formats of converted attention (``compress.methods.attn``) for transformers.
 
 Each kind has a config and a modeling file that import only transformers, so a run folder
 carries copies of them with an ``auto_map`` (``trust_remote_code=True`` loads it anywhere).

@@ -1,0 +1,189 @@
+"""Architecture adapters: the registry of supported families, one :class:`Adapter` entry each.
+
+An entry names where the family keeps its layers, projections and norms, and says what of its
+computation the HF config does not (norm kind and placement, q/k norms, which config field holds
+the activation, biases, embedding and attention scales). ``compress.arch.spec.spec_of`` reads an entry
+together with the config into the frozen :class:`compress.arch.spec.ArchSpec` that the decoder and the
+methods read. Methods never hard-code module names; they ask the adapter. One decoder layer::
+
+    h = x + o_post(o_proj(attn(q_proj(n1(x)), k_proj(n1(x)), v_proj(n1(x)))))   n1 = input_norm
+    y = h + m_post(down_proj(act(gate_proj(n2(h))) * up_proj(n2(h))))          n2 = post_norm
+
+    n(x) = (offset + w) * x / sqrt(mean(x^2) + eps)      offset 0 (Llama), 1 (Gemma: ``(1+w)``)
+
+``o_post`` / ``m_post`` are the identity in the Llama family (llama, mistral, qwen2, qwen3) and
+``attn_out_norm`` / ``mlp_out_norm`` in Gemma 3 (four norms per block; there ``post_norm`` is
+``pre_feedforward_layernorm``, the norm feeding the MLP). Qwen3 and Gemma 3 normalize each head
+of q and k (``q_norm``, ``k_norm``, width head_dim) before RoPE.
+
+A new family is an entry in :data:`ADAPTERS` plus tests (``tests/test_family_exactness.py``).
+"""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from compress.errors import CompressError
+
+
+@dataclass(frozen=True)
+class Adapter:
+    family: str
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
+    attn: str = "self_attn"  # the attention block: (hidden_states, **layer kwargs) -> (out, ...)
+    mlp: str = "mlp"  # the MLP block: x -> y
+    # role -> path inside one decoder layer
+    linears: tuple = (
+        ("q", "self_attn.q_proj"),
+        ("k", "self_attn.k_proj"),
+        ("v", "self_attn.v_proj"),
+        ("o", "self_attn.o_proj"),
+        ("gate", "mlp.gate_proj"),
+        ("up", "mlp.up_proj"),
+        ("down", "mlp.down_proj"),
+    )
+    optional: tuple = ()  # roles some layers lack (cross-layer attention: k and v)
+    # -- the norms beyond input_norm / post_norm (None: the family has none) --
+    attn_out_norm: str | None = None  # on the attention's output, before the residual add
+    mlp_out_norm: str | None = None  # on the MLP's output, before the residual add
+    q_norm: str | None = None  # per-head RMSNorm of q before RoPE (path inside the layer)
+    k_norm: str | None = None
+    # -- what the HF config does not say --
+    norm_offset: float = 0.0  # RMSNorm weight is (norm_offset + w): 1.0 for Gemma's (1 + w)
+    act_field: str = "hidden_act"  # config field naming the MLP's activation
+    qkv_bias: bool | None = None  # q/k/v biases; None: config.attention_bias
+    o_bias: bool | None = None  # o_proj bias; None: config.attention_bias
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    attn_scalar: str | None = None  # config field s: attention scale s**-0.5 (None: head_dim)
+    attention: str = "gqa"  # "gqa", "cla" (config.cla_share), "mla" (config.kv_lora_rank)
+
+    def norms(self) -> tuple[str, ...]:
+        """Paths inside a layer of its hidden-width norms, in the order the forward runs them."""
+        return tuple(
+            n
+            for n in (self.input_norm, self.attn_out_norm, self.post_norm, self.mlp_out_norm)
+            if n is not None
+        )
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.get_submodule(self.layers)
+
+    def linear(self, layer: nn.Module, role: str) -> nn.Module:
+        return layer.get_submodule(dict(self.linears)[role])
+
+    def named_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """``{path inside the layer: module}`` for the layer's projections."""
+        return {
+            path: layer.get_submodule(path)
+            for role, path in self.linears
+            if role not in self.optional or _has(layer, path)
+        }
+
+    def linear_shapes(self, config) -> dict[str, tuple[int, int]]:
+        """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
+        from an HF config (no weights needed)."""
+        hidden, inter = config.hidden_size, config.intermediate_size
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        shapes = {
+            "q": (q, hidden),
+            "k": (kv, hidden),
+            "v": (kv, hidden),
+            "o": (hidden, q),
+            "gate": (inter, hidden),
+            "up": (inter, hidden),
+            "down": (hidden, inter),
+        }
+        return {path: shapes[role] for role, path in self.linears}
+
+    def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
+        """``{full module name: module}`` for every projection of every decoder layer."""
+        out = {}
+        for i, layer in enumerate(self.decoder_layers(model)):
+            for path, mod in self.named_linears(layer).items():
+                out[f"{self.layers}.{i}.{path}"] = mod
+        return out
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+LLAMA = Adapter(family="llama")
+MISTRAL = Adapter(family="mistral")  # the sliding window is in the config (compress.arch.spec)
+QWEN2 = Adapter(family="qwen2", qkv_bias=True, o_bias=False)
+QWEN3 = Adapter(family="qwen3", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+GEMMA3 = Adapter(
+    family="gemma3_text",
+    post_norm="pre_feedforward_layernorm",
+    attn_out_norm="post_attention_layernorm",
+    mlp_out_norm="post_feedforward_layernorm",
+    q_norm="self_attn.q_norm",
+    k_norm="self_attn.k_norm",
+    norm_offset=1.0,
+    act_field="hidden_activation",
+    embed_scale=True,
+    attn_scalar="query_pre_attn_scalar",
+)
+# compress.methods.attn's converted Llamas: CLA layers after a group's first lack k/v; MLA (DeepSeek-like
+# names) has a RoPE key projection, a latent down-projection and the K/V up-projections.
+CLA = Adapter(family="compress_cla", optional=("k", "v"), attention="cla")
+MLA = Adapter(
+    family="compress_mla",
+    attention="mla",
+    linears=(
+        ("q", "self_attn.q_proj"),
+        ("k_rope", "self_attn.k_rope_proj"),
+        ("kv_a", "self_attn.kv_a_proj"),
+        ("k_b", "self_attn.k_b_proj"),
+        ("v_b", "self_attn.v_b_proj"),
+        ("o", "self_attn.o_proj"),
+        ("gate", "mlp.gate_proj"),
+        ("up", "mlp.up_proj"),
+        ("down", "mlp.down_proj"),
+    ),
+)
+ADAPTERS = {a.family: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, CLA, MLA)}
+
+
+def get_adapter(config) -> Adapter:
+    """The adapter for an HF config (or anything with ``model_type``)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise CompressError(
+            f"unsupported architecture '{model_type}'. compress supports: "
+            f"{', '.join(sorted(ADAPTERS))}. A new family is an Adapter entry in "
+            f"compress/arch/adapters.py (its decoder layers, projections and norms by name; norm "
+            f"kind and placement, q/k norms, activation field, biases, embedding and attention "
+            f"scales) plus a tiny-model test against transformers in "
+            f"tests/test_family_exactness.py."
+        )
+    return ADAPTERS[model_type]
+
+
+def head_dim(config) -> int:
+    """Width of one attention head: ``config.head_dim``, else hidden size / query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted path ``name``."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+def layer_in_features(hf_config) -> dict[str, int]:
+    """``{'model.layers.0.self_attn.q_proj [OUTxIN]': IN, ...}``: the first layer's projections."""
+
+    adapter = get_adapter(hf_config)
+    shapes = adapter.linear_shapes(hf_config)
+    return {f"{adapter.layers}.0.{p} [{o}x{i}]": i for p, (o, i) in shapes.items()}

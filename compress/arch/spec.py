@@ -1,0 +1,291 @@
+"""The architecture spec: one frozen description of a decoder-only model, built once from an HF config.
+
+``spec_of(config)`` reads the config together with its family's entry (``compress.arch.adapters``)
+and checks, before any weight is read, that the decoder can run it. Everything downstream (the
+decoder's one forward, its caches, the methods) reads the spec, never the raw config::
+
+    spec.layers[i].window        None (global attention) or w: the query at position p sees the
+                                 keys at positions p - w < k <= p (transformers' sliding window)
+    spec.layers[i].rope          the layer's RoPE parameters (Gemma 3: local theta 10k, global 1M
+                                 with its own scaling); spec.layers[i].kind the HF layer type
+    spec.norm_offset             RMSNorm weight (offset + w): 0 (Llama), 1 (Gemma's (1 + w))
+    spec.sandwich                norms after attention and MLP too (Gemma 3's four per block)
+    spec.qk_norm                 per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    spec.activation              "silu", "gelu_tanh" or "gelu" of the gated MLP
+    spec.embed_scale             None, or the factor the embeddings are multiplied by (Gemma:
+                                 sqrt(hidden), rounded to the embedding's dtype as transformers does)
+    spec.attn_scale              the attention scale of q K^T (Gemma: query_pre_attn_scalar**-0.5, else
+                                 head_dim**-0.5)
+    spec.final_softcap           None, or c: logits = c * tanh(logits / c) (Gemma 2 style)
+    spec.adapter                 the family entry: module names of the checkpoint
+
+Sliding windows are read the same way for every family: ``config.layer_types`` (qwen2, qwen3,
+gemma3_text) gives each layer "sliding_attention" (window ``config.sliding_window``) or
+"full_attention"; without it (mistral) ``config.sliding_window`` applies to every layer unless
+``use_sliding_window`` is false. RoPE parameters come from ``config.rope_parameters``: keyed by
+layer type (Gemma 3) or one dict for all layers.
+"""
+
+import math
+from dataclasses import dataclass
+
+from compress.arch.adapters import Adapter, get_adapter
+from compress.errors import CompressError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its attention and position encoding."""
+
+    index: int
+    attention: str  # "gqa", "cla" (reads another layer's K/V), "mla" (latent), "mapped" (IAM)
+    kind: str  # the HF layer type: "full_attention" or "sliding_attention"
+    window: int | None  # sliding window in tokens; None: global
+    rope: tuple  # the RoPE parameters as sorted (key, value) pairs; rope_parameters() as a dict
+    kv_slot: int  # the cache slot it reads (CLA: the first layer of its group's)
+    writes_kv: bool  # it projects and caches K/V (CLA: only a group's first layer)
+
+    def rope_parameters(self) -> dict:
+        return dict(self.rope)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Every architectural fact the decoder and the methods need (see the module docstring)."""
+
+    family: str
+    adapter: Adapter
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    norm_offset: float
+    sandwich: bool
+    qk_norm: bool
+    activation: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    embed_scale: float | None
+    attn_scale: float
+    final_softcap: float | None
+    tied: bool
+    max_positions: int | None
+    layers: tuple[LayerSpec, ...]
+    mla_rope_pairs: int | None = None  # latent attention (compress_mla)
+    kv_lora_rank: int | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_slots(self) -> int:
+        """KV cache slots: layers that write K/V (CLA shares one slot per group)."""
+        return max(layer.kv_slot for layer in self.layers) + 1
+
+    def slot_windows(self) -> list[int | None]:
+        """The sliding window of each KV cache slot (None: global)."""
+        out = [None] * self.n_slots
+        for layer in self.layers:
+            out[layer.kv_slot] = layer.window
+        return out
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends within a sliding window."""
+        return any(layer.window is not None for layer in self.layers)
+
+    def rope_groups(self) -> list[tuple]:
+        """The distinct RoPE parameter sets, in order of first use (one cos/sin table each)."""
+        out = []
+        for layer in self.layers:
+            if layer.rope not in out:
+                out.append(layer.rope)
+        return out
+
+
+def _frozen(d: dict) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+def _refuse(config, problem: str, fix: str):
+    raise CompressError(
+        f"the '{config.model_type}' config {problem}, which compress's decoder cannot run; {fix}"
+    )
+
+
+def _layer_kinds(config, n: int) -> list[tuple[str, int | None]]:
+    """``(layer type, window)`` per layer, read as the module docstring says."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        on = window is not None and getattr(config, "use_sliding_window", True)
+        types = ["sliding_attention" if on else "full_attention"] * n
+    if len(types) != n:
+        _refuse(config, f"lists {len(types)} layer_types for {n} layers", "fix config.json.")
+    out = []
+    for t in types:
+        if t not in LAYER_TYPES:
+            _refuse(
+                config,
+                f"has layer type '{t}'",
+                f"the decoder runs {' and '.join(LAYER_TYPES)} layers.",
+            )
+        w = window if t == "sliding_attention" else None
+        if t == "sliding_attention" and (w is None or int(w) < 1):
+            _refuse(
+                config,
+                f"has sliding-attention layers with sliding_window={window}",
+                "set sliding_window to a positive number of tokens.",
+            )
+        out.append((t, None if w is None else int(w)))
+    return out
+
+
+def _rope_of(config, kind: str, head_dim: int) -> tuple:
+    params = getattr(config, "rope_parameters", None) or {}
+    if kind in params or any(t in params for t in LAYER_TYPES):
+        params = params.get(kind) or {}
+    params = dict(params)
+    if "rope_theta" not in params:
+        theta = getattr(config, "rope_theta", None)
+        if theta is None:
+            _refuse(config, "gives no rope_theta", "set rope_parameters.rope_theta.")
+        params["rope_theta"] = theta
+    theta = params["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        _refuse(
+            config,
+            f"has rope_theta={theta!r}",
+            "RoPE's base must be a finite number > 0 (10000 to 1e6 in most models).",
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        _refuse(
+            config,
+            f"asks for RoPE type '{rope_type}'",
+            f"the decoder computes {', '.join(ROPE_TYPES)}.",
+        )
+    params["rope_type"] = rope_type
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        _refuse(config, f"rotates {partial} of each head", "the decoder rotates whole heads only.")
+    if head_dim % 2:
+        _refuse(config, f"has odd head_dim={head_dim}", "RoPE needs an even head width.")
+    return _frozen(params)
+
+
+def spec_of(config) -> ArchSpec:
+    """The :class:`ArchSpec` of an HF config; a :class:`CompressError` for anything the decoder
+    cannot run (raised before any weight is read)."""
+    adapter = get_adapter(config)
+    n = config.num_hidden_layers
+    H, G = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    if G < 1 or H % G:
+        _refuse(
+            config,
+            f"has {H} query heads over {G} KV heads",
+            "the number of query heads must be a multiple of num_key_value_heads.",
+        )
+    act_name = getattr(config, adapter.act_field, None)
+    if act_name not in ACTIVATIONS:
+        _refuse(
+            config,
+            f"asks for activation {adapter.act_field}='{act_name}'",
+            f"the decoder computes {', '.join(sorted(ACTIVATIONS))}.",
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        _refuse(
+            config,
+            "softcaps attention logits (attn_logit_softcapping, Gemma 2)",
+            "the decoder's caches do not; Gemma 3 has none.",
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        _refuse(config, "attends bidirectionally", "the decoder is causal.")
+    share = int(getattr(config, "cla_share", None) or 1) if adapter.attention == "cla" else 1
+    mapped = set(getattr(config, "iam_mapped", None) or ())  # set by decoder.model.load (IAM)
+    layers = []
+    for i, (kind, window) in enumerate(_layer_kinds(config, n)):
+        attention = adapter.attention
+        if i in mapped:
+            attention = "mapped"
+        if attention == "mapped" and window is not None:
+            _refuse(
+                config,
+                f"has a sliding window on IAM-mapped layer {i}",
+                "IAM maps global-attention layers only.",
+            )
+        layers.append(
+            LayerSpec(
+                index=i,
+                attention=attention,
+                kind=kind,
+                window=window,
+                rope=_rope_of(config, kind, D),
+                kv_slot=i // share,
+                writes_kv=i % share == 0,
+            )
+        )
+    for layer in layers:
+        first = layers[layer.kv_slot * share]
+        if layer.window != first.window:
+            _refuse(
+                config,
+                f"shares layer {first.index}'s K/V (CLA) in layer {layer.index}, whose "
+                f"sliding window differs",
+                "group only layers of one attention kind.",
+            )
+    scalar = getattr(config, adapter.attn_scalar, None) if adapter.attn_scalar else None
+    bias = bool(getattr(config, "attention_bias", False))
+    qkv_bias = bias if adapter.qkv_bias is None else adapter.qkv_bias
+    o_bias = bias if adapter.o_bias is None else adapter.o_bias
+    return ArchSpec(
+        family=adapter.family,
+        adapter=adapter,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=D,
+        norm_eps=float(config.rms_norm_eps),
+        norm_offset=adapter.norm_offset,
+        sandwich=adapter.attn_out_norm is not None,
+        qk_norm=adapter.q_norm is not None,
+        activation=ACTIVATIONS[act_name],
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        embed_scale=math.sqrt(config.hidden_size) if adapter.embed_scale else None,
+        attn_scale=(scalar if scalar else D) ** -0.5,
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        max_positions=getattr(config, "max_position_embeddings", None),
+        layers=tuple(layers),
+        mla_rope_pairs=getattr(config, "mla_rope_pairs", None)
+        if adapter.attention == "mla"
+        else None,
+        kv_lora_rank=getattr(config, "kv_lora_rank", None) if adapter.attention == "mla" else None,
+    )
+
+
+def model_spec(model) -> ArchSpec:
+    """The spec of a model (ours: ``model.spec``; an HF model: built from ``model.config``)."""
+    spec = getattr(model, "spec", None)
+    return spec if isinstance(spec, ArchSpec) else spec_of(model.config)

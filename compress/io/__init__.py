@@ -1,0 +1,2 @@
+"""Reading and writing models: sources (Hub folders, GGUF), checkpoints, shards, layer offload,
+tokenizers, text data, run folders and their manifests. Knows formats, not methods."""

@@ -1,0 +1,109 @@
+"""The attention-conversion stages ``gqa``, ``cla`` and ``mla`` (``(model, ctx) -> model``).
+
+Recipe keys::
+
+    attn.kv_heads:   gqa: KV heads after mean-pooling (null keeps the model's)
+    attn.share:      cla: layers sharing one layer's K/V (1: no sharing)
+    attn.cla_init:   cla: lstsq | first
+    mla.d_kv:        mla: latent values per KV head (the layer's latent: d_kv x KV heads)
+    mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
+    mla.rope_select: mla: 2norm | uniform | high | low
+    mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
+
+``cla`` and ``mla`` give models of their own type (``compress.formats.attention``), whose modeling files
+the run folder carries. report.json gets ``attn`` (what was converted, with which settings).
+"""
+
+import logging
+
+from compress.formats.attention import folder_files
+from compress.methods.attn.checks import check_llama_layers, check_rope, check_source
+from compress.methods.attn.cla import check_share, convert_cla
+from compress.methods.attn.gqa import check_kv_heads, mean_pool_kv
+from compress.methods.attn.mla import check_mla, convert_mla
+
+log = logging.getLogger(__name__)
+
+
+def _record(ctx, **fields) -> None:
+    ctx.record.setdefault("attn", {}).update(fields)
+
+
+def gqa(model, ctx):
+    """Mean-pool K/V heads to ``attn.kv_heads`` (a no-op when null or equal to the model's)."""
+
+    check_source(model.config, "gqa")
+    kv_heads = ctx.cfg.attn.get("kv_heads")
+    source = model.config.num_key_value_heads
+    if kv_heads is not None:
+        check_kv_heads(model.config, int(kv_heads))
+    if kv_heads is None or int(kv_heads) == source:
+        return model
+    log.info("gqa: %d -> %d KV heads (mean-pooled)", source, int(kv_heads))
+    _record(ctx, kv_heads=int(kv_heads), source_kv_heads=source)
+    return mean_pool_kv(model, int(kv_heads))
+
+
+def cla(model, ctx):
+    """Share each group of ``attn.share`` layers' K/V (``attn.cla_init`` initialisation)."""
+
+    a = ctx.cfg.attn
+    share, init = int(a.get("share") or 1), str(a.get("cla_init") or "lstsq")
+    check_source(model.config, "cla")
+    check_llama_layers(model.config, "cla")
+    check_share(model.config, share, init)
+    tokens = ctx.calibration() if init == "lstsq" and share > 1 else None
+    log.info("cla: K/V shared by groups of %d layers (%s)", share, init)
+    out = convert_cla(model, share, init, tokens)
+    ctx.files.update(folder_files(out.config.model_type))
+    _record(ctx, share=share, cla_init=init, kv_heads=out.config.num_key_value_heads)
+    return out
+
+
+def mla(model, ctx):
+    """Partial RoPE + joint low-rank K/V (``mla.*``)."""
+
+    m = ctx.cfg.mla
+    d_kv, pairs, select = int(m.d_kv), int(m.rope_pairs), str(m.rope_select)
+    svd = str(m.get("svd") or "weights")
+    check_source(model.config, "mla")
+    check_llama_layers(model.config, "mla")
+    check_rope(model.config, "mla")
+    check_mla(model.config, d_kv, pairs, select, svd)
+    tokens = ctx.calibration() if select == "2norm" or svd == "activations" else None
+    log.info("mla: d_kv %d per KV head, %d RoPE pairs (%s), svd %s", d_kv, pairs, select, svd)
+    out = convert_mla(model, d_kv, pairs, select, tokens, svd)
+    ctx.files.update(folder_files(out.config.model_type))
+    _record(
+        ctx,
+        d_kv=d_kv,
+        kv_lora_rank=out.config.kv_lora_rank,
+        rope_pairs=pairs,
+        rope_select=select,
+        svd=svd,
+        kv_heads=out.config.num_key_value_heads,
+    )
+    return out
+
+
+def check_gqa_stage(cfg, hf_config=None) -> None:
+    """Refuse ``attn.kv_heads`` that mean-pooling cannot meet, from config.json alone."""
+    kv_heads = (cfg.get("attn") or {}).get("kv_heads")
+    if hf_config is not None and kv_heads is not None:
+        check_kv_heads(hf_config, int(kv_heads))
+
+
+def check_cla_stage(cfg, hf_config=None) -> None:
+    """Refuse a family the converted Llama cannot compute, or a share the layers cannot meet."""
+    if hf_config is not None:
+        attn = cfg.get("attn") or {}
+        check_source(hf_config, "cla")
+        check_llama_layers(hf_config, "cla")
+        check_share(hf_config, int(attn.get("share") or 1), str(attn.get("cla_init") or "lstsq"))
+
+
+def check_mla_stage(cfg, hf_config=None) -> None:
+    """Refuse a family the converted Llama cannot compute."""
+    if hf_config is not None:
+        check_source(hf_config, "mla")
+        check_llama_layers(hf_config, "mla")

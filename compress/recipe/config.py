@@ -1,0 +1,588 @@
+"""Recipes: find them, compose one with overrides, and check the result before any work.
+
+A recipe is ``recipes/NAME.yaml``, a Hydra primary config on top of ``recipes/base.yaml``.
+``check_overrides`` compares each ``KEY=VALUE`` with the composed recipe: an unknown key gets
+the nearest known ones (difflib), a value of the wrong kind names the key and the kind it
+takes. ``validate(cfg)`` then checks what the run will need (data files, the model path,
+group sizes, bit widths, the decoder and Hub settings) in milliseconds, before the model loads.
+"""
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from compress.arch.hf_config import config_from_dict
+from compress.arch.spec import spec_of
+from compress.decoder.kv import KV_KINDS
+from compress.errors import CompressError
+from compress.eval.decode_speed import check_threads
+from compress.io.data import check_source
+from compress.io.source import check_path
+from compress.kernels.w4a8_cpu import KERNELS
+from compress.layers.head import check_head
+from compress.recipe.hub import check_config
+from compress.recipe.stages import STAGES, get_stage
+
+if TYPE_CHECKING:
+    import torch
+
+# recipes/ ships inside the installed package as compress/recipes (pyproject's package-dir);
+# a checkout or editable install reads the top-level folder
+_PACKAGED = Path(__file__).resolve().parent / "recipes"
+RECIPES = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+QUANT_STAGES = ("rtn", "awq")  # stages with ``bits`` and ``group_size``
+_ABSENT = object()
+
+
+def available(group: str | None = None) -> list[str]:
+    """Recipe names (``group=None``), or the config names of a group folder (``model``...)."""
+    folder = RECIPES / group if group else RECIPES
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "base")
+
+
+def groups() -> list[str]:
+    """Config group folders under ``recipes/`` (selected with ``GROUP=NAME``)."""
+    return sorted(p.name for p in RECIPES.iterdir() if p.is_dir())
+
+
+def summary(recipe: str) -> str:
+    """The first comment line of ``recipes/NAME.yaml``: what the recipe does, in one line."""
+    for line in (RECIPES / f"{recipe}.yaml").read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in available():
+        raise CompressError(
+            f"unknown recipe '{recipe}'. Available recipes: {', '.join(available())} "
+            f"(files in recipes/). Run e.g. `python -m compress recipe=awq_int4`."
+        )
+
+
+def _stage_names() -> list[str]:
+
+    return list(STAGES)
+
+
+def _compose(recipe: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+            return hydra_compose(
+                config_name=recipe, overrides=list(overrides), return_hydra_config=with_hydra
+            )
+    except HydraException as e:  # what check_overrides could not foresee
+        raise CompressError(f"recipe {recipe} with {' '.join(overrides)}: {e}") from None
+
+
+def _leaves(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of a config that holds a value (not a group of keys)."""
+    out = []
+    for k, v in node.items_ex(resolve=False):
+        if isinstance(v, DictConfig) and not v._is_none():
+            out += _leaves(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def did_you_mean(key: str, known: list[str]) -> list[str]:
+    """Known keys close to ``key`` (difflib's ratio), a key with the same last part ranking higher
+    (quant.bits -> rtn.bits); the best and those almost as close."""
+    leaf = key.rpartition(".")[2]
+
+    def score(k: str) -> float:
+        bonus = 0.2 if k.rpartition(".")[2] == leaf else 0.0
+        return difflib.SequenceMatcher(None, key, k).ratio() + bonus
+
+    ranked = sorted(((score(k), k) for k in known), reverse=True)
+    if not ranked or ranked[0][0] < 0.6:
+        return []
+    return [k for s, k in ranked[:3] if s >= ranked[0][0] - 0.1]
+
+
+_KINDS = (
+    (bool, "true or false"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+    ((list, ListConfig), "a list [a,b]"),
+    ((dict, DictConfig), "a group of keys"),
+)
+
+
+def _kind(value) -> str:
+    return next(name for t, name in _KINDS if isinstance(value, t))
+
+
+def _spell(value) -> str:
+    """A value as an override writes it: true, null, [a,b]."""
+    if isinstance(value, list):
+        return "[" + ",".join(map(_spell, value)) + "]"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _fits(value, ref) -> bool:
+    """Whether an override's ``value`` may replace the recipe's ``ref`` (null always may)."""
+    if ref is None or value is None or (isinstance(value, str) and "${" in value):
+        return True
+    if isinstance(ref, bool) or isinstance(value, bool):
+        return isinstance(ref, bool) and isinstance(value, bool)
+    if isinstance(ref, int):
+        return isinstance(value, int)
+    if isinstance(ref, float):  # llm_int8.threshold also takes auto
+        return isinstance(value, (int, float)) or value == "auto"
+    if isinstance(ref, str):  # group_size: auto also takes 128
+        return isinstance(value, (str, int, float))
+    if isinstance(ref, (list, ListConfig)):
+        return isinstance(value, list)
+    return isinstance(value, dict)
+
+
+# keys that take null although a recipe sets them: what null means is in the recipe's comment
+NULLABLE = (
+    "eval.windows",
+    "eval.device",
+    "awq.search_samples",
+    "decode.threads",
+    "prune.target_params",
+    "prune.export.",
+    "prune.calib.",
+    "attn.kv_heads",
+    "distill.data",
+    "distill.checkpoint_dir",
+    "hub.repo_id",
+    "hub.revision",
+    "iam.small",
+)
+
+
+def _nullable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NULLABLE)
+
+
+def _refuse_removal(o, ref, recipe: str) -> None:
+    """``~KEY``, or ``KEY=null`` where null means nothing: the run would read a missing value."""
+    key = o.key_or_group
+    if isinstance(ref, ListConfig):
+        ref = OmegaConf.to_container(ref, resolve=False)
+    if isinstance(ref, (DictConfig, dict)):
+        keys = ", ".join(f"{key}.{k}" for k in list(ref)[:3])
+        raise CompressError(
+            f"{o.input_line}: {key} is a group of keys ({keys}, ...) that the run reads; set "
+            f"one of them instead (`python -m compress recipe={recipe} --cfg job` prints them)."
+        )
+    if o.is_delete():
+        raise CompressError(
+            f"{o.input_line}: the run reads {key} (the recipe has {key}={_spell(ref)}), so it "
+            f"cannot be removed; set {key}=VALUE instead."
+        )
+    raise CompressError(
+        f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={_spell(ref)}) and "
+        f"has no null setting; give a value, or leave the override out to keep the recipe's."
+    )
+
+
+def _check_interpolations(cfg: DictConfig, parsed) -> None:
+    """Resolve every override that interpolates (``${oc.env:NAME}``, ``${now:...}``) now, before
+    Hydra or the run reads it (``${hydra:...}`` exists only once Hydra runs)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    todo = [
+        o
+        for o in parsed
+        if isinstance(o.value(), str) and "${" in o.value() and "${hydra:" not in o.value()
+    ]
+    if not todo:
+        return
+    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for o in todo:
+        OmegaConf.update(trial, o.key_or_group, o.value(), merge=False, force_add=True)
+    for o in todo:
+        try:
+            OmegaConf.select(trial, o.key_or_group, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as e:
+            raise CompressError(
+                f"{o.input_line}: the interpolation cannot be resolved "
+                f"({str(e).splitlines()[0]}). Set the environment variable it reads, give it a "
+                f"default (${{oc.env:NAME,DEFAULT}}), or write the value itself."
+            ) from None
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every interpolation of the composed config resolves (an environment variable a recipe
+    reads without a default is unset: found now, not when a stage reads the key)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "a key"
+        raise CompressError(
+            f"{key}: its interpolation cannot be resolved ({str(e).splitlines()[0]}). Set the "
+            f"environment variable it reads, or override {key} with a value."
+        ) from None
+
+
+def check_overrides(recipe: str, overrides: list[str]) -> None:
+    """Refuse an override whose key the recipe lacks (with did-you-mean) or whose value is of the
+    wrong kind, ``~KEY`` and ``KEY=null`` where the run needs a value, an interpolation that does
+    not resolve, and a group selection (``model=NAME``) with no such config."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    check_recipe(recipe)
+    parser, parsed = OverridesParser.create(), []
+    for line in overrides:
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as e:
+            raise CompressError(
+                f"cannot read the override '{line}': {str(e).splitlines()[0]}. Write "
+                f"KEY=VALUE (a list: KEY=[a,b]; quotes around text with spaces)."
+            ) from None
+    group_names = groups()
+    selections = [o.input_line for o in parsed if o.key_or_group in group_names]
+    for o in parsed:
+        if o.key_or_group in group_names and o.is_delete():
+            group = o.key_or_group
+            raise CompressError(
+                f"{o.input_line}: the run needs a {group} config; select another with "
+                f"{group}=NAME ({', '.join(available(group))}) or set its keys ({group}.KEY=VALUE)."
+            )
+        if o.key_or_group in group_names:
+            if o.value() not in available(o.key_or_group):
+                group = o.key_or_group
+                raise CompressError(
+                    f"unknown {group} config '{o.value()}'. Available: "
+                    f"{', '.join(available(group))} (files in recipes/{group}/). "
+                    f"To use another model, keep the default config and "
+                    f"set model.path=FOLDER_OR_HUB_ID."
+                )
+    cfg = _compose(recipe, selections, with_hydra=True)
+    known = _leaves(cfg)
+    for o in parsed:
+        key = o.key_or_group
+        if key in group_names or key.startswith("hydra/"):  # a group selection
+            continue
+        ref = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_resolution_failure=False)
+        if o.is_add() and ref is not _ABSENT:
+            raise CompressError(
+                f"{o.input_line}: {key} is in the recipe already; write {key}=VALUE."
+            )
+        if ref is _ABSENT:  # compress reads only the recipe's keys, so '+key' adds nothing it reads
+            near = did_you_mean(key, known)
+            hint = f"; did you mean {' or '.join(near)}?" if near else "."
+            group = key.partition(".")[0]
+            if group in _stage_names() and group not in cfg.stages:
+                hint += (
+                    f" Recipe {recipe} runs the stages {list(cfg.stages)}; "
+                    f"{group}.* is read by the {group} stage."
+                )
+            raise CompressError(
+                f"unknown key '{key}' in recipe {recipe}{hint} `python -m compress "
+                f"recipe={recipe} --cfg job` prints every key."
+            )
+        removal = o.is_delete() or (o.value() is None and ref is not None and not _nullable(key))
+        if removal and not key.startswith("hydra."):
+            _refuse_removal(o, ref, recipe)
+        if o.is_delete() or o.is_sweep_override():
+            continue
+        if isinstance(ref, (DictConfig, ListConfig)):
+            ref = OmegaConf.to_container(ref, resolve=False)
+        value = o.value()
+        if not _fits(value, ref):
+            shown = _spell(ref)
+            raise CompressError(
+                f"{o.input_line}: {key} takes {_kind(ref)} (the recipe has {key}={shown}), "
+                f"not {_kind(value)} {value!r}."
+            )
+    _check_interpolations(cfg, parsed)
+
+
+def compose(recipe: str, overrides=()) -> DictConfig:
+    """The recipe's config with ``overrides`` (``KEY=VALUE`` strings), checked first."""
+    check_overrides(recipe, list(overrides))
+    return _compose(recipe, list(overrides))
+
+
+def _positive_int(cfg, key: str, null_ok=False, low=1, why="", group="") -> None:
+    """``cfg[key]`` is an integer >= ``low`` (or null); ``group`` prefixes the key shown."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None and null_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+        key = group + key
+        raise CompressError(
+            f"{key}={value!r}: {key} takes {kind}{' or null' if null_ok else ''}{why}."
+        )
+
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed's largest seed
+
+
+def check_sizes(cfg) -> None:
+    """``seed`` and the token counts every run reads (``eval.*``, ``calib.*``)."""
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise CompressError(
+            f"seed={seed!r}: the seed is an integer from 0 to 2**64-1 ({SEED_MAX}), the range "
+            f"torch.manual_seed takes."
+        )
+    pairs = " (a window scores each token after the first: 2 tokens at least)"
+    _positive_int(cfg, "eval.seqlen", low=2, why=pairs)
+    _positive_int(cfg, "calib.seqlen", low=2, why=pairs.replace("a window scores", "a sample"))
+    _positive_int(cfg, "calib.samples")
+    _positive_int(cfg, "eval.windows", null_ok=True)
+
+
+def _recipes_with(stage: str) -> list[str]:
+    """Recipes whose ``stages:`` line names ``stage``."""
+    out = []
+    for name in available():
+        for line in (RECIPES / f"{name}.yaml").read_text().splitlines():
+            if line.startswith("stages:") and stage in line.split("#")[0]:
+                out.append(name)
+    return out
+
+
+def check_stage_list(cfg) -> None:
+    """Known stage names whose settings group the recipe has, each once, and at most one
+    quantization stage, the last: what it writes (packed integer layers) no stage can
+    quantize again or train."""
+
+    stages = list(cfg.stages)
+    for name in stages:
+        get_stage(name)
+        group = {"gqa": "attn", "cla": "attn"}.get(name, name)
+        if not isinstance(cfg.get(group), DictConfig):
+            has = ", ".join(_recipes_with(name)) or "none"
+            raise CompressError(
+                f"stages={_spell(stages)}: the {name} stage reads its settings from {group}.*, "
+                f"which recipe {cfg.name} does not have. Use a recipe that runs it ({has})."
+            )
+    shown = _spell(stages)
+    twice = [s for i, s in enumerate(stages) if s in stages[:i]]
+    if twice:
+        raise CompressError(
+            f"stages={shown}: {twice[0]} is listed twice; a stage runs once, with the settings "
+            f"of its group ({twice[0]}.*). List it once."
+        )
+    quant = [s for s in stages if s in LAYERWISE_STAGES]
+    if len(quant) > 1 or (quant and stages[-1] != quant[0]):
+        raise CompressError(
+            f"stages={shown}: {quant[0]} replaces the linears by quantized ones, which no later "
+            f"stage can quantize again or change. Use one of {', '.join(LAYERWISE_STAGES)}, "
+            f"as the last stage."
+        )
+
+
+def eval_device(name: str, key: str = "eval.device") -> "torch.device":
+    """A device setting: ``auto`` is the GPU when there is one, else the CPU."""
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise CompressError(f"{key}={name}: use auto, cpu, or cuda.")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError(
+            f"{key}=cuda, but this machine has no usable GPU (torch.cuda.is_available() is "
+            f"false: no device, no driver, or a CPU-only torch). Use {key}=auto or {key}=cpu."
+        )
+    return torch.device(name)
+
+
+def recipe_device(cfg) -> "torch.device":
+    """``device``: where every calibration runs, one decoder layer at a time (auto, cpu, cuda)."""
+    return eval_device(cfg.get("device", "auto"), "device")
+
+
+def run_eval_device(cfg) -> "torch.device":
+    """``eval.device`` when set (an override), else the recipe's ``device``."""
+    name = cfg.eval.get("device")
+    return eval_device(name, "eval.device") if name not in (None, "") else recipe_device(cfg)
+
+
+DISTRIBUTED_STAGES = ("distill",)  # split across the processes of `accelerate launch`
+REPEATED_STAGES = ("prune", "gqa", "cla", "mla")  # deterministic: every process computes the same
+
+
+def check_distributed(cfg) -> int:
+    """The number of processes (``WORLD_SIZE``, set by ``accelerate launch``/torchrun); refuse,
+    before any work, a recipe with a stage that runs in one process only."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return world
+    alone = [s for s in cfg.stages if s not in DISTRIBUTED_STAGES + REPEATED_STAGES]
+    if alone or "distill" not in cfg.stages:
+        what = f"its stage(s) {alone} run" if alone else "it has no distill stage, so it runs"
+        raise CompressError(
+            f"`accelerate launch` started {world} processes, but recipe {cfg.name}: {what} in "
+            f"one process (only distill splits across processes; {', '.join(REPEATED_STAGES)} "
+            f"are repeated by each). Run it with `python -m compress recipe={cfg.name} ...` "
+            f"(one process; device=cuda puts calibration on the GPU)."
+        )
+
+    return world
+
+
+LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder layer at a time
+
+
+def layerwise(cfg) -> bool:
+    """Whether the recipe has stages and every one works one decoder layer at a time (llm_int8
+    with a numeric threshold: ``auto`` compares whole-model perplexities)."""
+    int8 = cfg.get("llm_int8") or {}
+    if "llm_int8" in cfg.stages and int8.get("threshold", 6.0) == "auto":
+        return False
+    return bool(cfg.stages) and all(s in LAYERWISE_STAGES for s in cfg.stages)
+
+
+def check_offload(cfg) -> str:
+    """``offload``: auto, disk or host."""
+    value = cfg.get("offload", "auto")
+    if value not in ("auto", "disk", "host"):
+        raise CompressError(
+            f"offload={value}: use auto (the source's decoder layers stay on disk when every "
+            f"stage works layer by layer), disk (require that), or host (load the whole model)."
+        )
+    if value == "disk" and not layerwise(cfg):
+        raise CompressError(
+            f"offload=disk, but the stages {list(cfg.stages)} need the whole model in memory "
+            f"(only {', '.join(LAYERWISE_STAGES)} work one layer at a time; llm_int8 with a "
+            f"numeric threshold). Use offload=auto or offload=host."
+        )
+    return value
+
+
+def validate(cfg: DictConfig) -> None:
+    """Everything a run can check before loading the model: costs milliseconds."""
+
+    check_resolvable(cfg)
+    check_stage_list(cfg)
+    check_distributed(cfg)
+    check_sizes(cfg)
+    if cfg.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise CompressError(
+            f"model.dtype={cfg.model.dtype}: use auto (the stored dtype), float32, bfloat16 or "
+            f"float16."
+        )
+    check_offload(cfg)
+
+    config = check_path(str(cfg.model.path))
+    hf_config = None
+    if config is not None:
+        hf_config = config_from_dict(config, str(cfg.model.path))
+        spec_of(hf_config)  # the decoder's own checks: a family or layout it cannot run
+    for name in cfg.stages:  # each stage refuses its own settings
+        get_stage(name).check(cfg, hf_config)
+    check_source(cfg.data.eval.source, role="eval")
+    if needs_calibration(cfg):
+        check_source(cfg.data.calib.source, role="calib")
+
+    recipe_device(cfg)
+    run_eval_device(cfg)
+
+    head = (cfg.get("quant") or {}).get("lm_head", "none")
+    check_head(head)
+    if head != "none" and "iam" in cfg.stages:
+        raise CompressError(
+            f"quant.lm_head={head} with the iam stage: the IAM pair is evaluated with the heads "
+            f"as stored. Leave quant.lm_head=none for an iam recipe."
+        )
+    if cfg.decode.enabled:
+        check_decode(cfg.decode)
+
+    check_config(cfg.get("hub"))
+    if hf_config is not None:
+        check_positions(cfg, hf_config)
+
+
+def check_positions(cfg, hf_config) -> None:
+    """Sequence lengths within the model's ``max_position_embeddings`` (config.json): a window
+    beyond it is scored at positions the model never had; the decoder's prompt and prefill
+    (the start of the first eval window) must leave room for a generated token."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit < 2:
+        return
+    lengths = [("eval.seqlen", cfg.eval.seqlen)]
+    if needs_calibration(cfg):
+        lengths.append(("calib.seqlen", cfg.calib.seqlen))
+    if "distill" in cfg.stages:
+        lengths.append(("distill.seqlen", cfg.distill.get("seqlen", 512)))
+    for key, n in lengths:
+        if n > limit:
+            raise CompressError(
+                f"{key}={n} is beyond the model's max_position_embeddings={limit} "
+                f"(config.json of {cfg.model.path}): it would run positions the model was never "
+                f"trained on. Use {key}={limit} or less."
+            )
+    if cfg.decode.enabled:
+        for key in ("decode.prompt_tokens", "decode.prefill_tokens"):
+            n = min(OmegaConf.select(cfg, key), cfg.eval.seqlen)
+            if n >= limit:
+                raise CompressError(
+                    f"{key}: the decoder's prompt of {n} tokens (the start of the first eval "
+                    f"window) fills the model's max_position_embeddings={limit}, leaving no "
+                    f"position to generate in. Set {key}={limit - 1} or less."
+                )
+
+
+def needs_calibration(cfg) -> bool:
+    """Whether a stage of the recipe reads calibration text."""
+    int8 = cfg.get("llm_int8") or {}
+    int8_calib = (
+        "llm_int8" in cfg.stages
+        and int8.get("outlier_stats", True)
+        and int8.get("threshold", 6.0) != 0
+    )
+    return int8_calib or bool({"awq", "prune", "distill", "iam"} & set(cfg.stages))
+
+
+def check_decode(dcfg) -> None:
+    """Refuse a ``decode`` group the decoder cannot run."""
+
+    if dcfg.kv not in KV_KINDS or dcfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise CompressError(
+            f"decode.kv={dcfg.kv}, decode.dtype={dcfg.dtype}: use kv one of {list(KV_KINDS)} "
+            f"and dtype float32, bfloat16 or float16 (or decode.enabled=false)."
+        )
+    off = "; or decode.enabled=false to skip the decoder's figures"
+    for key in ("prompt_tokens", "prefill_tokens"):
+        _positive_int(dcfg, key, why=off, group="decode.")
+    first = " (decode_tok_s times the tokens after the first)"
+    _positive_int(dcfg, "new_tokens", low=2, why=first + off, group="decode.")
+    if dcfg.get("compile") and dcfg.kv not in ("fp16", "full"):
+        raise CompressError(
+            f"decode.compile=true with decode.kv={dcfg.kv}: the compiled decode step keeps an "
+            f"uncompressed cache. Use decode.kv=fp16 (or full) to measure it compiled, or "
+            f"decode.compile=false to measure the {dcfg.kv} cache."
+        )
+
+    kernel = dcfg.get("kernel", "exact")
+    if kernel not in KERNELS:
+        raise CompressError(
+            f"decode.kernel={kernel}: the quantized layers compute exactly (exact, weight-only) "
+            f"or with int8 activations (w4a8, whose ppl cost the evaluation then reports); use "
+            f"one of {', '.join(KERNELS)}."
+        )
+    if dcfg.get("lean") and dcfg.dtype != "bfloat16" and kernel == "exact":
+        raise CompressError(
+            f"decode.lean=true keeps only the bfloat16 int4pack form of the int layers, so it "
+            f"needs decode.dtype=bfloat16 (got {dcfg.dtype}); or set decode.lean=false."
+        )
+
+    check_threads(dcfg.get("threads", 1))
