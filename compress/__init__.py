@@ -4,11 +4,12 @@ The Python API (``compress/api.py``), imported on first use so ``import compress
 
     result = compress.run("awq_int4", model="FOLDER_OR_HUB_ID", eval={"windows": 4})
     compress.quantize(model, compress.RTNConfig(bits=4, group_size=128))
+    model, tokenizer, runtime = compress.load("outputs/awq_int4")  # the decoder's configuration
 """
 
 from compress.version import __version__
 
-_API = ("run", "quantize", "save", "RunResult", "RTNConfig", "AWQConfig", "Int8Config")
+_API = ("run", "quantize", "save", "load", "RunResult", "RTNConfig", "AWQConfig", "Int8Config")
 __all__ = ["__version__", *_API]
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from compress.arch.adapters import get_adapter
+from compress.decoder.model import load as load_model
+from compress.decoder.runtime import resolve_runtime
 from compress.errors import CompressError
 from compress.io.checkpoint import save_checkpoint, unquantized_dtype
 from compress.io.data import check_source
@@ -326,3 +328,16 @@ def save(model, folder, tokenizer=None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return folder
+
+
+def load(folder, device: str = "cpu", **settings):
+    """``(model, tokenizer, runtime)``: a run folder (or an HF folder of a supported family)
+    loaded in the built-in decoder's model, in the configuration ``python -m compress.decoder``
+    resolves for it (``compress.decoder.runtime.resolve_runtime``): the fast choice for every
+    setting not named in ``settings`` (dtype, qdtype, kernel, head, lean, compile, threads).
+    The model's ``generate`` is ``compress.decoder.generate.generate``."""
+    if not Path(folder).is_dir():
+        raise CompressError(f"'{folder}' is not a folder; pass a run folder or an HF folder.")
+    runtime = resolve_runtime(folder, device, settings)
+    model, tok = load_model(folder, device=device, runtime=runtime)
+    return model, tok, runtime

@@ -12,6 +12,14 @@ import compress
 from compress.io.manifest import write_manifest
 from compress.io.source import Source
 
+# prompts of the greedy-equivalence checks (tests/test_decoder.py, eval/bench/fast_vs_faithful.py)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Water boils at",
+]
 TEXT = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine."
 
 
@@ -32,24 +40,17 @@ def tiny_tokenizer(vocab: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
 
 
+# the tiny models' sizes: hidden 64, 4 query heads of 16 over 2 KV heads, MLP 128
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+TOKENS = dict(pad_token_id=0, bos_token_id=None)  # the tiny tokenizer's pad, and no BOS
+
+
 def tiny_config(**overrides):
+    """A 2-layer Llama of :data:`SIZES` over 300 tokens, tied head, eos 1."""
     from transformers import LlamaConfig
 
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rope_theta=1e5,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
+    kw = dict(SIZES, head_dim=16, vocab_size=300, num_hidden_layers=2, **TOKENS, eos_token_id=1)
+    kw.update(max_position_embeddings=128, rope_theta=1e5, tie_word_embeddings=True)
     kw.update(overrides)
     return LlamaConfig(**kw)
 

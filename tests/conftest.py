@@ -3,7 +3,6 @@
 import os
 import queue
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -11,8 +10,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# the benchmark scripts (eval/bench/, not a package) import each other by file name; so do their tests
-sys.path.insert(0, str(ROOT / "eval" / "bench"))
+BENCH = ROOT / "eval" / "bench"  # the benchmark scripts: tests run them, never import them
 if (
     not torch.cuda.is_available()
 ):  # Triton decides at import whether to interpret: before any test imports a kernel
@@ -114,17 +112,9 @@ def read_until(stream, found, timeout: float) -> str | None:
 def tiny_config(**overrides):
     from transformers import LlamaConfig
 
-    kw = dict(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
+    kw = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    kw.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    kw.update(tie_word_embeddings=True, rope_theta=10000.0)
     kw.update(overrides)
     return LlamaConfig(**kw)
 

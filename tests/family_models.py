@@ -3,15 +3,10 @@ download): hidden 64, SmolLM2's vocabulary (49152) so the recipes' tokenizer fit
 
 import torch
 
+from compress.testing import SIZES
+
 VOCAB = 49152
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+COMMON = dict(SIZES, vocab_size=VOCAB, max_position_embeddings=512)
 
 
 def family_config(family: str, **overrides):

@@ -216,9 +216,10 @@ def test_16_concurrent_greedy_requests_equal_one_at_a_time(server):
 
 def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folder(tmp_path):
     """``python -m compress.serve RUN`` on a group-quantized folder on the CPU serves
-    batch-invariant in bfloat16 (W4A8 at every M, int8 head); an explicit dtype, kernel, head,
-    prefill ranks or ``--no-batch-invariant``, another device, a plain folder or a vocabulary the
-    int8 head cannot pack keep the float32 exact path."""
+    batch-invariant in bfloat16 (W4A8 at every M, int8 head); a named setting that rules it out
+    (``--dtype float32``, ``--kernel exact``, ``--head none``, prefill ranks,
+    ``--no-batch-invariant``) or a vocabulary the int8 head cannot pack turns only invariance
+    off; ``--dtype float32``, another device or a plain folder keep the float32 exact path."""
     from compress.methods.quant.rtn import pack_model, quantization_config
     from compress.serve.__main__ import parse_args, resolve_configuration
 
@@ -227,23 +228,24 @@ def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folde
 
     def resolved(folder, *flags, device="cpu"):
         args = parse_args([str(folder), *flags])
-        chosen = resolve_configuration(args, device)
-        return chosen, args.batch_invariant, args.dtype, args.kernel
+        conf = resolve_configuration(args, device)
+        assert (args.batch_invariant, args.dtype, args.kernel) == (
+            conf.batch_invariant, conf.dtype, conf.kernel
+        )  # fmt: skip
+        return conf.fast, conf.batch_invariant, conf.dtype, conf.kernel
 
-    assert resolved(q) == (True, True, "bfloat16", "exact")
-    assert resolved(q, "--batch-invariant") == (False, True, "float32", "exact")
-    explicit = (
-        ["--dtype", "float32"],
-        ["--kernel", "w4a8"],
-        ["--head", "none"],
-        ["--qdtype", "bfloat16"],
-        ["--prefill-ranks", "2"],
-        ["--no-batch-invariant"],
-    )
-    for flags in explicit:
-        assert resolved(q, *flags)[:3] == (False, False, "float32"), flags
+    assert resolved(q) == (True, True, "bfloat16", "w4a8")
+    assert resolved(q, "--batch-invariant") == (True, True, "bfloat16", "w4a8")
+    assert resolved(q, "--dtype", "bfloat16") == (True, True, "bfloat16", "w4a8")
+    assert resolved(q, "--dtype", "float32") == (False, False, "float32", "exact")
+    for flags in (["--kernel", "exact"], ["--head", "none"], ["--qdtype", "float32"],
+                  ["--prefill-ranks", "2"], ["--no-batch-invariant"]):  # fmt: skip
+        assert resolved(q, *flags)[1] is False, flags  # ruled out; the rest stays fast
+        assert resolved(q, *flags)[2] == "bfloat16", flags
+    with pytest.raises(CompressError, match="batch invariance computes"):
+        resolved(q, "--batch-invariant", "--kernel", "exact")
     assert resolved(q, device="cuda") == (False, False, "float32", "exact")
     assert resolved(plain) == (False, False, "float32", "exact")
     odd = save(pack_model(tiny_hf(), 4, 32), tmp_path / "v300", tiny_tokenizer(),
                quantization_config(4, 32))  # fmt: skip
-    assert resolved(odd)[:2] == (False, False)  # 300 rows: the head cannot be packed
+    assert resolved(odd)[1] is False  # 300 rows: the head cannot be packed, so no invariance

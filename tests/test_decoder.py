@@ -14,6 +14,7 @@ from compress.decoder.kv import new_cache, static_cache
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.errors import CompressError
+from compress.testing import tiny_config
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,27 +40,11 @@ def tiny_tokenizer():
 
 
 def tiny_hf(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    kw = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rope_theta=1e5,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    kw.update(overrides)
+    config = tiny_config(initializer_range=0.2, eos_token_id=None, **overrides)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    return LlamaForCausalLM(config).eval()
 
 
 def save(model, folder: Path, tokenizer=None, quantization_config=None) -> Path:
@@ -524,7 +509,7 @@ def test_compile_failure_is_an_error_in_strict_mode(ours, monkeypatch, when):
 # --- the default model (minutes) ---------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-from fast_vs_faithful import PROMPTS  # noqa: E402  (the equivalence prompts)
+from compress.testing import PROMPTS  # noqa: E402  (the equivalence prompts)
 
 
 @pytest.fixture(scope="module")

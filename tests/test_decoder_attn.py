@@ -9,6 +9,7 @@ import torch
 from compress.decoder.generate import generate
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
+from compress.eval.kv_quality import HistoryMix
 from tests.test_decoder import rel_err, save, tiny_hf, tiny_tokenizer
 
 
@@ -100,8 +101,6 @@ def test_latent_attention_refuses_compressed_caches(tmp_path):
 def test_kv_quality_parallel_pass_runs_converted_models(kind, tmp_path):
     """kv_quality --models: the one-pass view of an fp16 cache gives a converted model's logits as
     its real fp16 cache does, with the same bytes (cross-layer slots read twice, a latent key)."""
-    from kv_quality import HistoryMix
-
     hf, ours = converted(kind, tmp_path)
     ids = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(3))
     mix = HistoryMix("fp16", {}, torch.zeros(40, dtype=torch.long), 2, ours.kv_layout())

@@ -20,25 +20,14 @@ from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params
+from compress.testing import SIZES, TOKENS
 
 TOL, FP16_TOL = 1e-4, 3e-3
 STEPS, WINDOW = 64, 16
 PROMPTS = [40, 27]  # longer than the window; the second row left-padded by 13 in a batch
 
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+COMMON = dict(SIZES, **TOKENS, vocab_size=300, head_dim=16, max_position_embeddings=512)
+COMMON.update(initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None)
 
 
 def family_config(family: str):

@@ -10,8 +10,8 @@ import zipfile
 
 import pytest
 
-from compress.io import embedded, gguf_wheel
 from compress.errors import CompressError
+from compress.io import embedded, gguf_wheel
 from compress.io.embedded import EMBEDDED
 
 SMOL, GEMMA = EMBEDDED["smollm2-135m"], EMBEDDED["gemma3-270m"]

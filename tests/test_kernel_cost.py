@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from compress.decoder.defaults import FAST_KERNEL
+from compress.decoder.runtime import FAST_KERNEL
 from compress.eval.perplexity import evaluate
 from compress.io.checkpoint import load_run
 from compress.io.data import eval_windows, read_text
@@ -27,8 +27,9 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     assert report["kernel_kl_vs_source"] > 0
     assert report["decode_config"]["kernel"] == "w4a8"
     assert report["decoder_default"] == dict(
-        dtype="bfloat16", lean=True, compile=True, kernel=FAST_KERNEL, head="int8"
-    )
+        dtype="bfloat16", qdtype="bfloat16", kernel=FAST_KERNEL, head="int8", lean=True,
+        compile=True, batch_invariant=False, threads=None, fast=True,
+    )  # fmt: skip
     assert json.loads((out / "report.json").read_text())["kernel_ppl"] == report["kernel_ppl"]
     assert "w4a8" in (out / "README.md").read_text()
     # the same windows through the kernel's PyTorch arithmetic

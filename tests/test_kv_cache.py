@@ -17,6 +17,7 @@ import torch
 
 from compress.decoder.kv import make_cache
 from compress.errors import CompressError
+from compress.eval.kv_quality import run, run_parallel
 from compress.kernels import packkv_ref
 
 
@@ -470,8 +471,6 @@ def test_user_errors_name_the_fix():
 
 def test_kv_quality_parallel_equals_token_by_token(tmp_path):
     """kv_quality --parallel (one pass per cache) gives the figures of feeding tokens one at a time."""
-    from kv_quality import run, run_parallel
-
     from compress.decoder.model import load
     from tests.conftest import make_tiny_model
 

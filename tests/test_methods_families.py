@@ -209,9 +209,8 @@ def test_gemma3_270m_shapes():
     o 640 x 1024); the head is tied, so no decoder linear of the quantized set is the head."""
     from transformers import Gemma3TextConfig
 
-    from compress.formats.quantizer import auto_group_size
     from compress.arch.adapters import layer_in_features
-    from compress.formats.quantizer import check_group_size
+    from compress.formats.quantizer import auto_group_size, check_group_size
 
     config = Gemma3TextConfig(
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

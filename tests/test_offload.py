@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from compress.io import offload
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
+from compress.io import offload
 from compress.io.checkpoint import load_run, open_lazy, save_checkpoint, save_entries
 from compress.methods.quant.awq import awq
 from compress.methods.quant.llm_int8 import llm_int8

@@ -18,21 +18,11 @@ from compress.kernels import native
 from compress.serve.block_manager import BlockManager
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params, Sequence
+from compress.testing import SIZES, TOKENS
 
 W, BS = 8, 4  # window, block size: a window of two blocks
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    pad_token_id=0,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+COMMON = dict(SIZES, **TOKENS, vocab_size=300, head_dim=16, max_position_embeddings=256)
+COMMON.update(initializer_range=0.2, eos_token_id=None)
 
 
 def build(family: str, folder):
@@ -317,11 +307,17 @@ def test_bytes_bench_quick(tmp_path):
     """The bench script's quick run (a tiny Gemma 3 at 300 tokens): the held bytes within the
     bound and under the all-global figure, the pools smaller than one pool for every slot."""
     import json
+    import subprocess
+    import sys
 
-    import paged_window_bytes
+    from tests.conftest import BENCH, ROOT
 
     out = tmp_path / "bytes.json"
-    assert paged_window_bytes.main(["--quick", "--json", str(out)]) == 0
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "paged_window_bytes.py"), "--quick", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["measured_bytes"] <= res["bound_bytes"] < res["all_global_bytes"]
     assert res["pool_bytes"] < res["pool_bytes_all_global"]

@@ -2,6 +2,10 @@
 masked as transformers masks a window (the query at p sees p - w < k <= p); bounded bytes; rollback
 (speculative decoding) across the window; and the decoder's generation past Mistral's window."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -239,22 +243,29 @@ def test_gemma_like_kv_bytes(tmp_path):
 
 
 def test_window_kv_bench_measures_the_bounded_cache(tmp_path):
-    """``bench_window_kv``: the fp16 cache's bytes per token of a windowed model after a prompt
-    past its window match the analytic figure, and the all-global copy's match theirs."""
-    import bench_window_kv as bench
-
+    """``eval/bench/bench_window_kv.py``: the fp16 cache's bytes per token of a windowed model
+    after a prompt past its window match the analytic figure (per layer, min(tokens, window)
+    slots of K and V), and the all-global copy's match theirs."""
     from compress.arch.spec import spec_of
+    from compress.testing import tiny_tokenizer
+    from tests.conftest import BENCH, ROOT
     from tests.family_models import family_model
 
-    folder = tmp_path / "gemma"
+    folder, out = tmp_path / "gemma", tmp_path / "window.json"
     family_model("gemma3_text").save_pretrained(folder)
-    glob = bench.all_global(folder, tmp_path / "all-global")
-    ids = torch.randint(0, 200, (96,), generator=torch.Generator().manual_seed(1)).tolist()
-    local, full = bench.measure(folder, "fp16", ids), bench.measure(glob, "fp16", ids)
-    spec, gspec = (spec_of(read_config(f)[0]) for f in (folder, glob))
+    tiny_tokenizer().save_pretrained(folder)
+    argv = ["--folder", str(folder), "--prompt-tokens", "96", "--json", str(out)]
+    res = subprocess.run([sys.executable, str(BENCH / "bench_window_kv.py"), *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(out.read_text())
+    spec = spec_of(read_config(folder)[0])
     assert sum(layer.window is not None for layer in spec.layers) == 5
-    assert all(layer.window is None for layer in gspec.layers)
-    a, ag = bench.analytic(spec, len(ids)), bench.analytic(gspec, len(ids))
+    per_slot = 2 * spec.n_kv_heads * spec.head_dim * 2
+    a = sum(min(96, layer.window or 96) for layer in spec.layers) * per_slot / 96
+    ag = len(spec.layers) * per_slot
+    assert (got["analytic"], got["analytic_all_global"]) == pytest.approx((a, ag))
     assert a < ag / 2  # five of six layers keep 16 of 96 tokens
+    local, full = got["rows"][0]["measured"], got["rows"][0]["measured_all_global"]
     # the caches hold the prompt plus the new tokens (and a local ring its window + lookahead)
     assert a <= local < a * 1.15 and ag <= full < ag * 1.15, (a, local, ag, full)

@@ -4,6 +4,8 @@ identical to the target's own, the sampling rule's output distribution equal to 
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -31,6 +33,8 @@ from compress.decoder.speculative.layer_skip import (
     unified_skip,
 )
 from compress.errors import CompressError
+from compress.eval.ties import first_divergence_is_tie
+from tests.conftest import BENCH, ROOT
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 PROMPT = [[5, 17, 33, 2, 99, 7, 8]]
@@ -172,15 +176,8 @@ def vocab8_pair(folder):
     """(target, draft): a 2-layer and an unrelated 1-layer random Llama over 8 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        initializer_range=0.2,
-    )
+    kw = dict(vocab_size=8, hidden_size=32, intermediate_size=64, head_dim=16)
+    kw.update(num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)
     target = load(save(tiny_hf(num_hidden_layers=2, **kw), folder / "t"))[0]
     torch.manual_seed(7)
     other = LlamaForCausalLM(
@@ -506,39 +503,36 @@ def test_cli(pair, capsys):
 def test_bench_spec_quick(tmp_path, tokenizer, capsys):
     """The benchmark end to end on tiny folders with the real tokenizer (chat template): every
     system's row, exact greedy output, and the JSON."""
-    from bench_spec import main as bench
-
     from tests.conftest import make_tiny_model
 
     hf = make_tiny_model(num_hidden_layers=4)
     for name, model in (("target", hf), ("draft", noisy_copy(hf, 0.01))):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    bench(
-        [
-            "--target",
-            str(tmp_path / "target"),
-            "--drafts",
-            str(tmp_path / "draft"),
-            "--quick",
-            "--json",
-            str(tmp_path / "out.json"),
-        ]
-    )
+    argv = [
+        "--target",
+        str(tmp_path / "target"),
+        "--drafts",
+        str(tmp_path / "draft"),
+        "--quick",
+        "--json",
+        str(tmp_path / "out.json"),
+    ]
+    res = subprocess.run([sys.executable, str(BENCH / "bench_spec.py"), *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
     table = json.loads((tmp_path / "out.json").read_text())["table"]
     names = [t["system"] for t in table]
     assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"]
     assert {"bandit", "ucb1"} <= set(names)
     assert all(t["prompts"] == 2 and t["identical"] + t["ties"] == 2 for t in table)
-    assert "speed-up" in capsys.readouterr().out
+    assert "speed-up" in res.stdout
 
 
 @pytest.mark.slow
 def test_default_model_self_speculative_is_exact():
     """SmolLM2-135M: greedy self-speculative decoding (unified skip, fixed and auto γ) gives the
     target's own 48 tokens, or diverges only where the target's top-2 logits tie (< 1e-4)."""
-    from bench_spec import first_divergence_is_tie
-
     from compress.io.source import convert_default_model
 
     model, tok = load(convert_default_model())

@@ -3,11 +3,12 @@ generation stop at the same token with the same text on a stop string, an EOS id
 the expectation taken from the tokenizer's own decode of an unstopped greedy run."""
 
 import pytest
+import torch
 
 from compress.decoder.generate import generate
 from compress.decoder.model import load
 from compress.decoder.speculative.generate import speculative_generate
-from compress.decoder.stopping import Stopping
+from compress.decoder.stopping import Detokenizer, Stopping
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
@@ -103,3 +104,77 @@ def test_utf8_is_held_until_complete():
     s = Stopping(5, eos={7})
     assert s.feed(3) == (True, "") and s.feed(7) == (False, "") and s.finish_reason == "stop"
     assert s.feed(4) == (False, "") and s.tokens == [3]
+
+
+TEXTS = (
+    "naïve café — 東京の天気は晴れ 🌤️ and 😀🎉 emoji; Ünïcödé ß ﬁ Ωμέγα",
+    "  leading spaces,   runs of spaces\nnewlines\n\n\ttabs and 'quotes' \"too\"...",
+    "don't won't it's — merges: thethe the.the, 1234567 3.14159 x=y+z",
+)
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style BPE (``▁`` for a space, the first word's space dropped on decode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"])
+    tk.train_from_iterator(list(TEXTS) * 5, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+
+
+class Counting:
+    """A tokenizer whose ``decode`` counts the ids it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.ids = tok, 0
+
+    def decode(self, ids, **kw):
+        self.ids += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def streamed(tok, ids) -> tuple[list[str], str]:
+
+    d = Detokenizer(tok)
+    pieces = [d.push(i) for i in ids]
+    pieces.append(d.flush())
+    return pieces, d.text
+
+
+@pytest.mark.parametrize("which", ["byte-level", "smollm2", "metaspace"])
+def test_incremental_text_equals_decode_of_the_whole_row(which, request):
+    """Streamed pieces concatenate to ``tokenizer.decode`` of all the ids, for multi-byte text
+    (split over byte tokens), leading spaces and merges, and random ids (special tokens among
+    them); nothing streamed is ever taken back."""
+    tok = {
+        "byte-level": tiny_tokenizer,
+        "smollm2": lambda: request.getfixturevalue("tokenizer"),
+        "metaspace": metaspace_tokenizer,
+    }[which]()
+    g = torch.Generator().manual_seed(0)
+    rows = [tok(t, add_special_tokens=False).input_ids for t in TEXTS]
+    rows.append(torch.randint(0, len(tok), (300,), generator=g).tolist())
+    rows.append(rows[0] + rows[1] + rows[2])
+    for ids in rows:
+        whole = tok.decode(ids, skip_special_tokens=True)
+        pieces, text = streamed(tok, ids)
+        assert "".join(pieces) == text
+        if not whole.endswith("\ufffd"):  # a row ending inside a character keeps it back
+            assert text == whole, (which, ids)
+        for k in range(len(pieces)):
+            assert whole.startswith("".join(pieces[: k + 1]))
+
+
+def test_detokenizing_reads_a_bounded_window_per_token():
+    """O(1) amortized: the ids decoded per pushed id stay bounded (today's whole-row decoding
+    reads n(n+1)/2 ids for n tokens)."""
+    tok = tiny_tokenizer()
+    ids = tok(" ".join(TEXTS) * 20, add_special_tokens=False).input_ids
+    counting = Counting(tok)
+    pieces, text = streamed(counting, ids)
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 1000 and counting.ids <= 8 * len(ids), counting.ids

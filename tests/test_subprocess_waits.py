@@ -143,3 +143,39 @@ def test_the_audit_finds_each_kind_of_unbounded_wait():
         "        stop(p)\n"
     )
     assert sorted(int(w.split()[0]) for w in waits_without_timeout(src)) == [2, 3, 4, 5, 6, 7]
+
+
+HOLD = (
+    "import sys, time; from pathlib import Path; from compress.kernels.native import build_lock\n"
+    "with build_lock(Path(sys.argv[1])):\n"
+    "    (Path(sys.argv[1]) / 'lock').write_text('')  # torch's lock, as a build in flight\n"
+    "    print('held', flush=True); time.sleep(600)\n"
+)
+
+
+def test_a_killed_kernel_build_leaves_no_wait_behind(tmp_path):
+    """A build killed while it holds the lock (torch's ``lock`` file left in the build folder,
+    which torch alone would wait on forever) does not block the next build: the OS drops the
+    flock with its holder, and the next holder removes the stale file."""
+    from compress.kernels.native import build_lock
+
+    build = tmp_path / "ext"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(build)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert read_until(holder.stdout, lambda line: "held" in line, 60) is not None
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", HOLD.replace("time.sleep(600)", "pass"), str(build)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        assert waiter.poll() is None  # one build at a time: it waits while the holder lives
+        holder.kill()
+        assert waiter.wait(timeout=60) == 0
+    finally:
+        stop(holder)
+    assert (build / "lock").exists()  # the waiter's own torch lock, as it left it on exit
+    with build_lock(build):
+        assert not (build / "lock").exists()  # found under the flock: stale, removed

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compress.decoder.defaults import FAST_KERNEL
+from compress.decoder.runtime import FAST_KERNEL
 from compress.errors import CompressError
 from compress.kernels import cpu, native, w4a8_cpu, w4a8_ref
 from compress.layers import QuantLinear
@@ -267,7 +267,7 @@ def test_no_compiler_keeps_the_exact_path_with_one_warning(monkeypatch):
 
 
 def test_fast_head_needs_whole_words(tmp_path):
-    from compress.decoder.defaults import FAST_HEAD, fast_head
+    from compress.decoder.runtime import FAST_HEAD, fast_head
 
     for vocab, head in ((320, FAST_HEAD), (300, "none")):
         (tmp_path / "config.json").write_text(json.dumps({"vocab_size": vocab}))
@@ -339,17 +339,20 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
             [str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags]
         )
         conf = configuration(args)
-        args.compile_flag, args.compile = args.compile, conf["compile"]
+        args.compile_flag, args.compile = args.compile, conf.compile
         return conf, draft_load_kwargs(args, conf)
 
     conf, kw = kwargs()
-    assert conf["dtype"] == "float32" and conf["kernel"] == "exact" and not conf["compile"]
+    assert conf.dtype == "float32" and conf.kernel == "exact" and not conf.compile
     assert kw == dict(dtype=torch.bfloat16, qdtype=torch.bfloat16, device="cpu", lean=True,
                       kernel=FAST_KERNEL, head="int8", compile=True)  # fmt: skip
     _, kw = kwargs("--no-compile", "--kernel", "w4a8", "--no-lean")
     assert not kw["compile"] and kw["kernel"] == "w4a8" and not kw["lean"]
-    _, kw = kwargs("--dtype", "float32")  # an explicit dtype: the draft runs as the target
-    assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and "head" not in kw
+    _, kw = kwargs("--dtype", "float32")  # the bit-faithful path, for the draft as the target
+    assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and kw["head"] == "none"
+    assert not kw["compile"] and not kw["lean"]
+    _, kw = kwargs("--dtype", "bfloat16")  # naming one setting keeps the fast choice for the rest
+    assert kw["kernel"] == FAST_KERNEL and kw["head"] == "int8" and kw["compile"] and kw["lean"]
 
 
 @pytest.mark.slow

@@ -88,8 +88,8 @@ class Adapter:
         """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
         from an HF config (no weights needed)."""
         hidden, inter = config.hidden_size, config.intermediate_size
-        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        D = head_dim(config)
+        q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
         shapes = {
             "q": (q, hidden),
             "k": (kv, hidden),

@@ -29,7 +29,7 @@ layer type (Gemma 3) or one dict for all layers.
 import math
 from dataclasses import dataclass
 
-from compress.arch.adapters import Adapter, get_adapter
+from compress.arch.adapters import Adapter, get_adapter, head_dim
 from compress.errors import CompressError
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -86,6 +86,7 @@ class ArchSpec:
     tied: bool
     max_positions: int | None
     layers: tuple[LayerSpec, ...]
+    eos_ids: tuple[int, ...] = ()  # config.eos_token_id: one id, a list, or none
     mla_rope_pairs: int | None = None  # latent attention (compress_mla)
     kv_lora_rank: int | None = None
 
@@ -196,7 +197,7 @@ def spec_of(config) -> ArchSpec:
     adapter = get_adapter(config)
     n = config.num_hidden_layers
     H, G = config.num_attention_heads, config.num_key_value_heads
-    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    D = head_dim(config)
     if G < 1 or H % G:
         _refuse(
             config,
@@ -278,6 +279,7 @@ def spec_of(config) -> ArchSpec:
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=getattr(config, "max_position_embeddings", None),
         layers=tuple(layers),
+        eos_ids=eos_ids(getattr(config, "eos_token_id", None)),
         mla_rope_pairs=getattr(config, "mla_rope_pairs", None)
         if adapter.attention == "mla"
         else None,
@@ -289,3 +291,10 @@ def model_spec(model) -> ArchSpec:
     """The spec of a model (ours: ``model.spec``; an HF model: built from ``model.config``)."""
     spec = getattr(model, "spec", None)
     return spec if isinstance(spec, ArchSpec) else spec_of(model.config)
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """``config.eos_token_id`` (an id, a list of ids or None) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)

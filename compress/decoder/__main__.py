@@ -29,18 +29,17 @@ import os
 import sys
 from pathlib import Path
 
-from compress.decoder.defaults import FAST_KERNEL, fast_head, group_quantized
 from compress.decoder.devices import check_device
-from compress.decoder.generate import peak_memory, peak_memory_reset
+from compress.decoder.generate import generate, peak_memory, peak_memory_reset
 from compress.decoder.kv import KV_KINDS, parse_options
 from compress.decoder.model import load, release_freed_memory
+from compress.decoder.runtime import RuntimeConfig, named_settings, resolve_runtime
 from compress.decoder.sampling import Sampling, check_sampling
 from compress.decoder.speculative import cli as spec_cli
 from compress.decoder.speculative.generate import speculative_generate
 from compress.errors import ArgumentParser, CompressError
 from compress.io.manifest import skip_verification, verify_folder
 from compress.io.tokenizer import chat_text, check_ids, check_vocabulary
-from compress.layers.head import recorded_head
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("none", "int8", "int4")
@@ -103,7 +102,7 @@ def build_parser(prog: str = "python -m compress.decoder", description=None, add
         choices=KERNELS,
         help="how the quantized layers compute: exact (weight-only) or w4a8 (activations rounded "
         "to int8 per token and 32 channels, integer dot products; CPU); default: "
-        f"{FAST_KERNEL} in the fast configuration, else exact",
+        "the fast configuration's for a group-quantized folder on the CPU, else exact",
     )
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument(
@@ -276,53 +275,12 @@ def verify_folders(args) -> None:
             verify_folder(folder)
 
 
-def configuration(args) -> dict:
-    """The configuration that runs: ``dtype``, ``qdtype``, ``lean``, ``compile``, ``head``,
-    ``kernel``, and ``fast`` (whether the fast default chose it).
-
-    Without ``--dtype``, a group-quantized folder on the CPU runs the fast configuration: the
-    model in bfloat16 (the int layers through ATen's int4pack kernel, as AutoAWQ and vLLM compute
-    in 16-bit), lean weights, and the compiled step (fp16 or full cache, no draft; its compiled
-    code is kept in torch inductor's on-disk FX graph cache, so later runs skip the C++ compile).
-    The fast configuration also computes the quantized layers with ``FAST_KERNEL`` and
-    quantizes the head to ``FAST_HEAD`` when the folder records none (``compress.decoder.defaults``).
-    ``--dtype float32`` keeps the bit-faithful path of the pipeline's evaluation; explicit
-    ``--lean``/``--no-lean``, ``--compile``/``--no-compile``, ``--qdtype``, ``--kernel`` and
-    ``--head`` override either.
-    """
-
-    fast = args.dtype is None and args.device == "cpu" and group_quantized(args.run)
-    dtype = args.dtype or ("bfloat16" if fast else "float32")
-    qdtype = args.qdtype or dtype
-    lean = args.lean if args.lean is not None else fast and qdtype == "bfloat16"
-    static_ok = args.kv in ("fp16", "full") and args.draft is None
-    compile_ = args.compile if args.compile is not None else fast and static_ok
-    head = args.head or recorded_head(args.run)
-    if fast and args.head is None and head == "none":
-        head = fast_head(args.run)
-    kernel = getattr(args, "kernel", None) or (FAST_KERNEL if fast else "exact")
-    return {
-        "dtype": dtype,
-        "qdtype": qdtype,
-        "lean": lean,
-        "compile": compile_,
-        "head": head,
-        "kernel": kernel,
-        "fast": fast,
-    }
-
-
-def describe(conf: dict) -> str:
-    """One line naming the configuration, for stderr."""
-    flags = [f"dtype {conf['dtype']}", f"qdtype {conf['qdtype']}", f"head {conf['head']}"]
-    flags += [f"kernel {conf['kernel']}"] if conf.get("kernel", "exact") != "exact" else []
-    flags += [name for name in ("lean", "compile") if conf[name]]
-    how = (
-        "the fast default; --dtype float32 for the bit-faithful path"
-        if conf["fast"]
-        else "as given"
-    )
-    return f"[config: {', '.join(flags)} ({how})]"
+def configuration(args) -> RuntimeConfig:
+    """The configuration that runs (``compress.decoder.runtime.resolve_runtime``): the fast
+    choice for every setting not named on the command line. The compiled step needs an fp16 or
+    full cache and no draft."""
+    static = args.kv in ("fp16", "full") and args.draft is None
+    return resolve_runtime(args.run, args.device, named_settings(args), static_cache=static)
 
 
 def run(args, load_model=None) -> None:
@@ -335,24 +293,17 @@ def run(args, load_model=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     conf = configuration(args)
-    args.compile_flag, args.compile = args.compile, conf["compile"]
+    args.compile_flag, args.compile = args.compile, conf.compile
     if not args.json:
-        print(describe(conf), file=sys.stderr, flush=True)
+        print(conf.describe(), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    load_kw = dict(
-        dtype=getattr(torch, conf["dtype"]),
-        device=args.device,
-        qdtype=getattr(torch, conf["qdtype"]),
-        lean=conf["lean"],
-        head=conf["head"],
-        kernel=conf["kernel"],
-    )
+    load_kw = dict(device=args.device, **conf.load_kwargs())
     model, tok = (load_model or load)(args.run, **load_kw)
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
-    check_vocabulary(tok, model.config.vocab_size, args.run)
+    check_vocabulary(tok, model.spec.vocab_size, args.run)
     text = args.prompt
     if args.chat and not getattr(tok, "chat_template", None):
         raise CompressError(
@@ -367,11 +318,12 @@ def run(args, load_model=None) -> None:
             ". Leave out --chat to continue the prompt as plain text",
         )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
-    check_ids(ids, model.config.vocab_size)  # the server's check of a prompt
+    check_ids(ids, model.spec.vocab_size)  # the server's check of a prompt
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
     kv_opts = parse_options(args.kv_opt)
     t1 = time.perf_counter()
+    decode = generate
     if args.draft is not None:
         from functools import partial
 
@@ -379,12 +331,12 @@ def run(args, load_model=None) -> None:
         if not args.json:
             print(spec_cli.describe_draft(load_kwargs), file=sys.stderr, flush=True)
         schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
-        generate = partial(speculative_generate, draft=schedule)
+        decode = partial(speculative_generate, draft=schedule)
     if (
         not args.no_warmup
     ):  # kernels prepare their weight forms, and compile (for this cache size), at first use
         warm = 2 if args.draft is None else 3  # 3: a draft step runs (and compiles)
-        generate(
+        decode(
             model,
             [ids],
             warm,
@@ -401,7 +353,7 @@ def run(args, load_model=None) -> None:
 
     release_freed_memory()
     peak_memory_reset()
-    r = generate(
+    r = decode(
         model,
         [ids],
         args.max_new_tokens,
@@ -422,7 +374,7 @@ def run(args, load_model=None) -> None:
         "prefill_tok_s": r.prefill_tok_s,
         "peak_mem_bytes": peak,
         "kv_bytes_per_token": r.kv_bytes_per_token,
-        "config": dict(conf),
+        "config": conf.as_dict(),
     }
     if args.draft is not None:
         stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)

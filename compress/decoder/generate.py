@@ -26,7 +26,7 @@ import torch
 from compress.decoder.compiled import StaticDecoder
 from compress.decoder.kv import new_cache, static_cache
 from compress.decoder.sampling import Sampling, sample
-from compress.decoder.stopping import Detokenizer, Stopping  # noqa: F401 (Detokenizer: re-export)
+from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 
 
@@ -93,8 +93,7 @@ def left_pad(
 
 
 def eos_ids_of(model, tokenizer) -> set[int]:
-    ids = getattr(model.config, "eos_token_id", None)
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    ids = set(model.spec.eos_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -102,7 +101,7 @@ def eos_ids_of(model, tokenizer) -> set[int]:
 
 def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
     """The cache length for a prompt, per the module docstring's rule."""
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    limit = model.spec.max_positions or 1 << 30
     max_len = min(max_len or prompt_len + max_new_tokens, limit)
     if prompt_len >= max_len:
         raise CompressError(
@@ -213,6 +212,6 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int, 
     )  # a plain dict: not registered as a submodule
     if batch not in steps:
         steps[batch] = StaticDecoder(model, batch)
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    limit = model.spec.max_positions or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
     return steps[batch], static_cache(new_cache(model, kv, batch, size, lookahead=lookahead))

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch.spec import ArchSpec, spec_of
+from compress.decoder.runtime import RuntimeConfig
 from compress.errors import CompressError
 from compress.formats.attention.absorb import absorb_output, absorb_query
 from compress.io.checkpoint import (
@@ -567,8 +568,12 @@ def load(
     head: str = "none",
     kernel: str = "exact",
     verify: bool = True,
+    runtime: RuntimeConfig | None = None,
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF folder of a supported family as ``(model, tokenizer)``.
+
+    ``runtime`` (``compress.decoder.runtime.resolve_runtime``'s configuration) sets ``dtype``,
+    ``qdtype``, ``lean``, ``head`` and ``kernel`` at once, as the CLIs and the server load.
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point
     parameters (embedding, norms, unquantized linears) take ``dtype``; quantized layers keep
@@ -586,6 +591,11 @@ def load(
     unfinished or edited run folder is refused); ``verify=False`` loads it as it is.
     """
 
+    if runtime is not None:
+        kw = runtime.load_kwargs()
+        dtype, qdtype, lean, head, kernel = (
+            kw[k] for k in ("dtype", "qdtype", "lean", "head", "kernel")
+        )
     folder = Path(folder)
     if verify:
         check_loadable(folder)

@@ -17,31 +17,60 @@ is done the rest is emitted with the token that ended it.
 class Detokenizer:
     """Incremental text of one generated row; ``push(id)`` returns the text that became final.
 
-    Text that could still begin a stop string, or that ends inside a UTF-8 sequence, is held
-    back. Once a stop string appears, the text is cut before it and ``stopped`` is set.
+    Each push decodes a window of a few ids, not the whole row (O(1) amortized per token): with
+    ``p <= r <= n`` (``ids[p:r]`` the ids decoded last, ``ids[r:]`` the new ones)::
+
+        piece = decode(ids[p:]) minus its prefix decode(ids[p:r]);   then p, r = r, n
+
+    Decoding the window together with the ids before the new ones keeps what depends on a
+    neighbour (a SentencePiece word's leading space) as ``decode(ids)`` gives it. A window whose
+    text ends in U+FFFD ends inside a UTF-8 sequence: nothing is final until a later id
+    completes it. Text that could still begin a stop string (the last ``max(len(stop)) - 1``
+    characters) is held back; once a stop string appears, the text is cut before it and
+    ``stopped`` is set. A stop string can only end in the new piece, and then begins within the
+    held-back text, so only ``held + piece`` is searched.
     """
 
     def __init__(self, tokenizer, stop=()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.ids, self.text, self.emitted, self.stopped = [], "", 0, False
+        self.ids: list[int] = []
+        self.stopped = False
+        self._p = self._r = 0  # the window: ids[_p:_r] decoded last, ids[_r:] not yet text
+        self._final: list[str] = []  # text returned so far
+        self._held = ""  # text decoded, held back for the stop strings
+        self._keep = max((len(s) - 1 for s in self.stop), default=0)
+
+    @property
+    def text(self) -> str:
+        """The row's text so far: returned and held back (cut before a stop string)."""
+        return "".join(self._final) + self._held
+
+    def _piece(self) -> str | None:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self._p : self._r], skip_special_tokens=True)
+        full = decode(self.ids[self._p :], skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return None
+        self._p, self._r = self._r, len(self.ids)
+        return full[len(prefix) :]
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        piece = None if self.stopped else self._piece()
+        if piece is None:
             return ""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        window = self._held + piece
+        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
         if hits:
-            text, self.stopped = text[: min(hits)], True
-        self.text = text
-        hold = 0 if self.stopped else max((len(s) - 1 for s in self.stop), default=0)
-        out = text[self.emitted : max(self.emitted, len(text) - hold)]
-        self.emitted += len(out)
+            window, self.stopped = window[: min(hits)], True
+        cut = len(window) if self.stopped else max(0, len(window) - self._keep)
+        out, self._held = window[:cut], window[cut:]
+        self._final.append(out)
         return out
 
     def flush(self) -> str:
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
+        out, self._held = self._held, ""
+        self._final.append(out)
         return out
 
 

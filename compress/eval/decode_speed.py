@@ -13,8 +13,8 @@ and run by ``compress.decoder`` (its own model and kernels, not transformers), b
 
 Settings come from the recipe's ``decode`` group (``recipes/base.yaml``); the prompt is the
 start of the first eval window. ``decode.threads`` (default 1) is torch's thread count for the
-measurement, restored afterwards: on a busy 2-core machine batch-1 decoding ran 0.4 tok/s with
-torch's default threads against 9.8 with one (``python -m compress.decoder RUN --threads N``).
+measurement, restored afterwards: one thread is steadier than torch's default on a busy machine
+(BENCHMARKS.md).
 Each phase logs a line as it starts. Absolute speeds on a shared machine are noisy: compare runs
 with ``eval/bench/bench_decode.py``, which times systems side by side.
 """

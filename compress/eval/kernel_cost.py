@@ -12,7 +12,7 @@ weight-only path of the main evaluation. On the same windows it reports::
                         is compared)
 
 and, when the recipe keeps the head as stored, the same for the decoder's whole default (the
-kernel with the head quantized to ``default_head``, ``compress.decoder.defaults``)::
+kernel with the head quantized to ``default_head``, ``compress.decoder.runtime``)::
 
     default_head, default_ppl, default_ppl_cost, default_kl_vs_source
 

@@ -71,8 +71,7 @@ def _windows_at_once(seqlen: int, hidden: int, budget: int = 2**28) -> int:
 
 def _chunk_tokens(vocab: int, budget: int = 2**27) -> int:
     """Tokens of ``[tokens, vocab]`` float32 log-probs within ``budget`` bytes; each chunk reads
-    the whole head, so Gemma 3's 262k vocabulary at 32 tokens (2**25 bytes) evaluated a
-    disk-backed window 1.7x slower than at 128 (31 s against 18 s, ``offload=disk``)."""
+    the whole head, so a large vocabulary wants chunks of more tokens (BENCHMARKS.md)."""
     return max(16, budget // (vocab * 4))
 
 

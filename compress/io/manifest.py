@@ -48,7 +48,7 @@ _SKIPPED: set[str] = set()  # folders the user chose to load unverified (--no-ve
 
 
 def git_commit() -> str | None:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parent.parent.parent  # compress/io/ -> the checkout
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=40"],

@@ -17,7 +17,9 @@ ninja, a compile error) :func:`library` warns once with the reason and returns N
 called through ``ctypes``.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import warnings
@@ -92,17 +94,35 @@ def _compile(name: str, sources: list[Path], capability: str | None = None) -> s
         [(capability if capability in ISA_FLAGS else None, True), (None, True), (None, False)]
     ):
         flags = ["-O3", "-ffp-contract=fast"] + ISA_FLAGS.get(isa, []) + ["-fopenmp"] * omp
+        full = name + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t")
         try:
-            return cpp_extension.load(
-                name + (f"_{isa.lower()}" if isa else "") + ("" if omp else "_1t"),
-                [str(s) for s in sources],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"] * omp,
-                is_python_module=False,
-            )
+            with build_lock(Path(cpp_extension._get_build_directory(full, verbose=False))):
+                return cpp_extension.load(
+                    full,
+                    [str(s) for s in sources],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"] * omp,
+                    is_python_module=False,
+                )
         except Exception as e:
             first = first or e
     raise first
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """One build of an extension at a time across processes, under an ``flock`` that the OS
+    releases when its holder dies. torch's own lock (``build_dir/lock``, a plain file that a
+    waiting process polls) outlives a killed build and would keep every later process waiting
+    forever; under this lock no live build of ours holds it, so one found is stale and removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _build(capability: str | None = None) -> ctypes.CDLL:

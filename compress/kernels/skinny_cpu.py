@@ -14,10 +14,8 @@ portable|ref`` forces one.
 
 :func:`chosen_path` routes fp32 CPU products of 2 to ``MAX_M`` rows here when a SIMD path runs (not
 while tracing for ``torch.compile``, nor with autograd); one row, and more than ``MAX_M``, stay
-with ATen's ``F.linear``, which reads the weight once at M = 1 too and blocks large M better.
-Over SmolLM2-135M's fp32 linears and head (2 threads, weights from memory), ATen takes 42 ms at
-M = 6 against 22 ms at M = 1, this kernel 31 ms (``python eval/bench/bench_linear.py
---skinny``).
+with ATen's ``F.linear``, which reads the weight once at M = 1 too and blocks large M better
+(``python eval/bench/bench_linear.py --skinny``; figures in BENCHMARKS.md).
 """
 
 import os

@@ -28,10 +28,10 @@ from compress.recipe.stages import STAGES, get_stage
 if TYPE_CHECKING:
     import torch
 
-# recipes/ ships inside the installed package as compress/recipes (pyproject's package-dir);
-# a checkout or editable install reads the top-level folder
-_PACKAGED = Path(__file__).resolve().parent / "recipes"
-RECIPES = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "recipes"
+# recipes/ ships inside the installed package as compress/recipes (copied by setup.py); a
+# checkout or editable install reads the top-level folder
+_PACKAGE = Path(__file__).resolve().parent.parent
+RECIPES = _PACKAGE / "recipes" if (_PACKAGE / "recipes").is_dir() else _PACKAGE.parent / "recipes"
 QUANT_STAGES = ("rtn", "awq")  # stages with ``bits`` and ``group_size``
 _ABSENT = object()
 

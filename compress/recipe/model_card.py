@@ -16,7 +16,6 @@ from pathlib import Path
 
 import yaml
 
-from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL
 from compress.eval.run_report import bit_width, metrics_table, protocol
 
 PLACEHOLDER_REPO = "ORG/NAME"
@@ -163,16 +162,18 @@ def default_decoding(report: dict) -> str:
     """What ``python -m compress.decoder FOLDER`` (and the server) does by default on the CPU,
     with the measured cost of its kernel when the run reported one (``decode.kernel``)."""
 
+    conf = report.get("decoder_default") or {}
+    kernel, head = conf.get("kernel", "exact"), conf.get("head", "none")
     text = (
-        f"Default decoding: on the CPU, `python -m compress.decoder` runs this folder in bfloat16 "
-        f"with the `{FAST_KERNEL}` kernel"
+        f"Default decoding: on the CPU, `python -m compress.decoder` runs this folder in "
+        f"{conf.get('dtype', 'bfloat16')} with the `{kernel}` kernel"
         + (" (activations rounded to int8 per token and 32 channels, integer dot products)"
-           if FAST_KERNEL == "w4a8" else "")
-        + f" and the output head quantized to {FAST_HEAD} unless the folder records another; "
-        f"`--dtype float32` runs the bit-faithful path the evaluation below measures. "
-        f"`python -m compress.serve` serves it the same way, batch-invariant (the kernel at "
-        f"every batch size, attention in a fixed order): a request's output does not depend on "
-        f"what else is served."
+           if kernel == "w4a8" else "")
+        + (f" and the output head quantized to {head}" if head != "none" else "")
+        + "; `--dtype float32` runs the bit-faithful path the evaluation below measures. "
+        "`python -m compress.serve` serves it the same way, batch-invariant (the kernel at "
+        "every batch size, attention in a fixed order): a request's output does not depend on "
+        "what else is served."
     )  # fmt: skip
     if "kernel_ppl_cost" in report:
         text += (

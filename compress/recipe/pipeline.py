@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from compress.arch.adapters import get_adapter
-from compress.decoder.defaults import FAST_HEAD, FAST_KERNEL, fast_head
+from compress.decoder.runtime import fast_head, resolve_runtime
 from compress.errors import CompressError, Interrupted
 from compress.eval.decode_speed import measure
 from compress.eval.perplexity import evaluate
@@ -256,20 +256,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             lock.release()
 
 
-def decoder_default(qcfg: dict | None, head: str) -> dict:
-    """``decoder_default``: what ``python -m compress.decoder RUN`` runs by default on the CPU
-    for a group-quantized folder (``compress.decoder.defaults``); nothing for other folders."""
-    if (qcfg or {}).get("quant_method") not in ("awq", "compress"):
-        return {}
-    return {
-        "decoder_default": {
-            "dtype": "bfloat16",
-            "lean": True,
-            "compile": True,
-            "kernel": FAST_KERNEL,
-            "head": head if head != "none" else FAST_HEAD,
-        }
-    }
+def decoder_default(folder: Path, head: str) -> dict:
+    """``decoder_default``: the runtime ``python -m compress.decoder RUN`` resolves on the CPU
+    (``compress.decoder.runtime.resolve_runtime``) for a group-quantized folder; nothing for
+    other folders."""
+    conf = resolve_runtime(folder, "cpu", {"head": head} if head != "none" else None)
+    return {"decoder_default": conf.as_dict()} if conf.fast else {}
 
 
 def decode_figures(folder: Path, ids: list[int], dcfg, loader=None, head: str = "none") -> dict:
@@ -431,7 +423,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
             "weight_bytes": weight_bytes,
             "linear_weight_bytes": linear_bytes,
             "lm_head": head,
-            **decoder_default(ctx.quantization_config, head),
+            **decoder_default(tmp, head),
             **ctx.record,
             "stages": timings,
             "elapsed_s": round(time.time() - start, 2),

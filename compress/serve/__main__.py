@@ -19,13 +19,12 @@ import os
 import sys
 from pathlib import Path
 
-from compress.decoder.defaults import fast_head, group_quantized
 from compress.decoder.devices import check_device
 from compress.decoder.model import load
+from compress.decoder.runtime import RuntimeConfig, named_settings, resolve_runtime
 from compress.decoder.sampling import check_sampling
 from compress.errors import ArgumentParser, CompressError
 from compress.kernels.w4a8_cpu import use
-from compress.layers.head import recorded_head
 from compress.serve.auth import check_key
 from compress.serve.engine import Engine, invariant_model
 from compress.serve.limits import (
@@ -72,15 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        help="the model's dtype (default: float32; bfloat16 in the default batch-invariant "
-        "configuration)",
+        help="the model's dtype (default: bfloat16 for a group-quantized folder on the CPU, "
+        "else float32; float32 keeps the exact path)",
     )
     p.add_argument("--qdtype", choices=DTYPES, help="dtype the int-quantized layers compute in")
     p.add_argument(
         "--kernel",
         choices=("exact", "w4a8"),
-        help="how the quantized layers compute: exact (weight-only, the default outside the "
-        "batch-invariant configuration) or w4a8 (int8 activations, integer dot products; CPU)",
+        help="how the quantized layers compute: exact (weight-only) or w4a8 (int8 activations, "
+        "integer dot products; CPU; the default for a group-quantized folder on the CPU)",
     )
     p.add_argument(
         "--head",
@@ -93,8 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="a request's output does not depend on what else is served: W4A8 linears at every "
         "M (lean), the head quantized, attention query by query in a fixed order (CPU). Default: "
-        "on for a group-quantized folder on the CPU when none of --dtype, --qdtype, --kernel, "
-        "--head, --prefill-ranks is given (in bfloat16), else off",
+        "on for a group-quantized folder on the CPU unless a named setting rules it out "
+        "(--dtype float32, --kernel exact, --head none, --prefill-ranks > 1), else off",
     )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
@@ -255,39 +254,20 @@ def check_listen(host: str, port: int) -> None:
             ) from None
 
 
-def resolve_configuration(args, device: str) -> bool:
-    """Fill in ``--batch-invariant``, ``--dtype`` and ``--kernel`` when not given; return whether
-    the batch-invariant configuration was chosen by default.
-
-    On a group-quantized folder on the CPU the default is the batch-invariant configuration in
-    bfloat16: W4A8 at every M and the int8 head are the decoder's fast default (within 0.3% ppl
-    on 40 windows), faster than the exact path on a batch (``python
-    eval/bench_serve.py --batch 16 --requests 16 --folder
-    new=outputs/awq_int4:bfloat16 --folder inv=outputs/awq_int4:bfloat16:invariant``), and a
-    request's output does not depend on what else is served. Any of ``--dtype``, ``--qdtype``,
-    ``--kernel``, ``--head``, ``--prefill-ranks``, or a vocabulary the head quantizer cannot
-    pack (``fast_head``), keeps the float32 exact default."""
-    chosen = args.batch_invariant is None and (
-        device == "cpu"
-        and all(v is None for v in (args.dtype, args.qdtype, args.kernel, args.head))
-        and args.prefill_ranks == 1
-        and group_quantized(args.run)
-        and fast_head(args.run) != "none"  # the head must be quantized too
-    )
-    if args.batch_invariant is None:
-        args.batch_invariant = chosen
-    args.dtype = args.dtype or ("bfloat16" if chosen else "float32")
-    args.kernel = args.kernel or "exact"
-    return chosen
-
-
-def describe(args, head: str) -> str:
-    parts = [args.dtype] + ([f"qdtype {args.qdtype}"] if args.qdtype else [])
-    if args.batch_invariant:
-        parts += ["W4A8 at every M", f"head {head}", "batch-invariant"]
-    else:
-        parts += [f"kernel {args.kernel}", f"head {head}"]
-    return ", ".join(parts)
+def resolve_configuration(args, device: str) -> RuntimeConfig:
+    """The server's configuration (``compress.decoder.runtime.resolve_runtime``, serving): on a
+    group-quantized folder on the CPU, batch-invariant in bfloat16 (W4A8 at every M, the int8
+    head, fixed-order attention) for the settings not named, so a request's output does not
+    depend on what else is served; ``--dtype float32`` keeps the exact path, and KV-Runahead
+    (``--prefill-ranks`` > 1) is not batch-invariant. ``args`` gets the resolved dtype, qdtype,
+    kernel and batch_invariant."""
+    named = named_settings(args)
+    if args.prefill_ranks > 1 and named["batch_invariant"] is None:
+        named["batch_invariant"] = False
+    conf = resolve_runtime(args.run, device, named, serving=True)
+    args.dtype, args.qdtype, args.kernel = conf.dtype, conf.qdtype, conf.kernel
+    args.batch_invariant = conf.batch_invariant
+    return conf
 
 
 def main(argv=None) -> None:
@@ -327,32 +307,13 @@ def require_serve_extra() -> None:
 def load_model(args, device: str):
     """The model and tokenizer ``args`` describe, in the configuration
     ``resolve_configuration`` settles (logged)."""
-    import torch
-
-    default_invariant = resolve_configuration(args, device)
-    head = args.head or recorded_head(args.run)
-    if args.batch_invariant and args.head is None and head == "none":
-        head = fast_head(args.run)
-    model, tok = load(
-        args.run,
-        dtype=getattr(torch, args.dtype),
-        device=device,
-        qdtype=getattr(torch, args.qdtype) if args.qdtype else None,
-        head=head,
-        kernel="w4a8" if args.batch_invariant else args.kernel,
-        lean=args.batch_invariant,
-    )
-    if args.batch_invariant:
+    conf = resolve_configuration(args, device)
+    model, tok = load(args.run, device=device, runtime=conf)
+    if conf.batch_invariant:
         use(model, "w4a8", every_m=True)  # the integer kernel for every step, prefills too
-        if default_invariant and not invariant_model(model):  # e.g. no C++ compiler: warned
+        if conf.fast and not invariant_model(model):  # e.g. no C++ compiler: warned
             args.batch_invariant = False
-    logging.getLogger("compress.serve").info(
-        "configuration: %s%s",
-        describe(args, head),
-        " (the default for a group-quantized folder on the CPU; --dtype float32 for the exact path)"
-        if default_invariant and args.batch_invariant
-        else "",
-    )
+    logging.getLogger("compress.serve").info("configuration: %s", conf.describe())
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files; the server needs one to read text."

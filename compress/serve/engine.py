@@ -107,7 +107,7 @@ class Engine:
             if tokenizer is not None and tokenizer.pad_token_id is not None
             else 0
         )
-        self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.max_len = model.spec.max_positions or 1 << 30
         self.device = model.device
         self.ids = itertools.count()
         self.generated = 0  # tokens sampled, all requests
@@ -119,7 +119,7 @@ class Engine:
         no state that steps change, so another thread may call it)."""
         if not prompt:
             raise CompressError("a prompt is empty; give at least one token of text to continue.")
-        check_ids(prompt, self.model.config.vocab_size)  # shared with the decoder CLI
+        check_ids(prompt, self.model.spec.vocab_size)  # shared with the decoder CLI
         if params.max_tokens < 1:
             raise CompressError(f"max_tokens must be at least 1 (got {params.max_tokens}).")
         if params.stop and self.tokenizer is None:

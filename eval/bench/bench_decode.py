@@ -527,9 +527,10 @@ def table(results: dict, bandwidth: float | None = None) -> list[str]:
     return lines
 
 
-def targets(results: dict) -> list[str]:
-    """The issue's bars, for each int4 row: speed against hf-fp32 and llama.cpp, memory against
-    ours-fp32 (ours-fp32+compile for a compiled row, if measured: compiling holds memory of its own)."""
+def ratios(results: dict) -> list[str]:
+    """For each int4 row: speed against hf-fp32 and llama.cpp (and int3 against it), memory
+    against ours-fp32 (ours-fp32+compile for a compiled row, if measured: compiling holds memory
+    of its own)."""
     hf, cpp = (results.get(k, {}) for k in ("hf-fp32", "llama.cpp"))
     out = []
     for name in (s for s in SYSTEMS if s.startswith("ours-int4")):
@@ -538,17 +539,11 @@ def targets(results: dict) -> list[str]:
             continue
         if "decode_tok_s" in cpp and ("w4a8" in name or name == "ours-int4-default"):
             r = q["decode_tok_s"] / cpp["decode_tok_s"]
-            out.append(
-                f"{name} / llama.cpp decode: {r:.2f}x (W4A8 target >= 1.2): "
-                f"{'PASS' if r >= 1.2 else 'FAIL'}"
-            )
+            out.append(f"{name} / llama.cpp decode: {r:.2f}x")
         three = results.get(name.replace("ours-int4", "ours-int3"), {})
         if "decode_tok_s" in three and "w4a8" in name:
             r = three["decode_tok_s"] / q["decode_tok_s"]
-            out.append(
-                f"{name.replace('ours-int4', 'ours-int3')} / {name} decode: {r:.2f}x "
-                f"(target >= 1): {'PASS' if r >= 1 else 'FAIL'}"
-            )
+            out.append(f"{name.replace('ours-int4', 'ours-int3')} / {name} decode: {r:.2f}x")
         fp = (
             "ours-fp32+compile"
             if name.endswith("+compile") and "ours-fp32+compile" in results
@@ -557,14 +552,10 @@ def targets(results: dict) -> list[str]:
         f = results.get(fp, {})
         if "decode_tok_s" in hf:
             r = q["decode_tok_s"] / hf["decode_tok_s"]
-            out.append(
-                f"{name} / hf-fp32 decode: {r:.2f}x (target >= 3): {'PASS' if r >= 3 else 'FAIL'}"
-            )
-        if "decode_tok_s" in cpp:
+            out.append(f"{name} / hf-fp32 decode: {r:.2f}x")
+        if "decode_tok_s" in cpp and not ("w4a8" in name or name == "ours-int4-default"):
             r = q["decode_tok_s"] / cpp["decode_tok_s"]
-            out.append(
-                f"{name} / llama.cpp decode: {r:.2f}x (target >= 0.7): {'PASS' if r >= 0.7 else 'FAIL'}"
-            )
+            out.append(f"{name} / llama.cpp decode: {r:.2f}x")
         if "peak_mem_bytes" in f:
             saved, wdiff = (
                 f["peak_mem_bytes"] - q["peak_mem_bytes"],
@@ -572,13 +563,12 @@ def targets(results: dict) -> list[str]:
             )
             out.append(
                 f"{name}: decode peak memory below {fp}'s by {saved / 2**20:.0f} MiB; the weights "
-                f"on disk differ by {wdiff / 2**20:.0f} MiB: {'PASS' if saved >= wdiff else 'FAIL'}"
+                f"on disk differ by {wdiff / 2**20:.0f} MiB"
             )
     return out
 
 
 LONG_KVS = ["fp16", "kivi:bits=4", "packkv"]  # --contexts' caches unless --kvs names others
-CONTEXT_BARS = {2048: 0.8, 8000: 1.0}  # the issue's: PackKV decode tok/s over fp16's, at least
 
 
 def check_kvs(kvs: list[str]) -> None:
@@ -635,9 +625,8 @@ def context_table(results: dict, args) -> list[str]:
     return lines
 
 
-def context_targets(results: dict, args) -> list[str]:
-    """The issue's bars: PackKV decode at 2,048 tokens >= 0.8x the fp16 cache's, at 8,000 >= 1.0x;
-    the other compressed caches reported against the same figures."""
+def context_ratios(results: dict, args) -> list[str]:
+    """Each compressed cache's decode speed against the fp16 cache's at the same context."""
     out = []
     for name, r in results.items():
         parsed = FOLDER_SYSTEM.match(name)
@@ -647,13 +636,7 @@ def context_targets(results: dict, args) -> list[str]:
         fp16 = results.get(f"{base}[fp16]@{n}", {})
         if "decode_tok_s" not in r or "decode_tok_s" not in fp16:
             continue
-        ratio, bar = r["decode_tok_s"] / fp16["decode_tok_s"], CONTEXT_BARS.get(n)
-        verdict = ""
-        if bar is not None:
-            verdict = f" (bar for packkv >= {bar})"
-            if kv_spec(parsed["kv"])[0] == "packkv":
-                verdict += f": {'PASS' if ratio >= bar else 'FAIL'}"
-        out.append(f"{name} / fp16 cache decode: {ratio:.2f}x{verdict}")
+        out.append(f"{name} / fp16 cache decode: {r['decode_tok_s'] / fp16['decode_tok_s']:.2f}x")
     return out
 
 
@@ -826,7 +809,7 @@ def run_threads(args, passthrough: list[str], threads: int) -> dict:
         )
         sub = {n: results[n] for n in short}
         print(f"copy bandwidth (STREAM-like, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
-        print("\n".join(table(sub, bandwidth) + [""] + targets(sub)))
+        print("\n".join(table(sub, bandwidth) + [""] + ratios(sub)))
     if args.contexts:
         print(
             f"\nbatch 1, WikiText-2 prompts of {', '.join(map(str, args.contexts))} tokens + "
@@ -834,7 +817,7 @@ def run_threads(args, passthrough: list[str], threads: int) -> dict:
             f"of {args.rounds} after a warm-up; torch threads {threads}; load average "
             f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
         )
-        print("\n".join(context_table(results, args) + [""] + context_targets(results, args)))
+        print("\n".join(context_table(results, args) + [""] + context_ratios(results, args)))
     results["copy_bandwidth_bytes_s"] = bandwidth
     return results
 

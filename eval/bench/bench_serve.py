@@ -131,7 +131,7 @@ def throughput(label, path, dtype, args) -> list[dict]:
     invariant = kernel == "invariant"
     kw = dict(kernel="w4a8") if kernel else {}
     if invariant:
-        from compress.decoder.defaults import fast_head
+        from compress.decoder.runtime import fast_head
 
         kw.update(lean=True, head=fast_head(path))
     model, tok = load(path, dtype=getattr(torch, dtype), **kw)

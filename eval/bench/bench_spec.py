@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from compress.eval.ties import first_divergence_is_tie
+
 CHAT = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -62,7 +64,6 @@ CHAT = [
     "How can I improve my sleep?",
     "Tell me a fun fact about octopuses.",
 ]
-TIE = 1e-4
 
 
 def wiki_openings(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
@@ -215,20 +216,6 @@ def systems(args, target, tok):
             )
         )(kind)
     return out
-
-
-def first_divergence_is_tie(target, ids, ref, other) -> bool:
-    """Whether the target's top-2 logit gap is below ``TIE`` where ``other`` first leaves
-    ``ref``."""
-    from compress.decoder.kv import new_cache
-
-    i = next(i for i, (a, b) in enumerate(zip(ref, other)) if a != b)
-    seq = ids + ref[:i]
-    with torch.no_grad():
-        cache = new_cache(target, "full", 1, len(seq))
-        logits = target(torch.tensor([seq]), cache, last=True)[0, -1]
-    top = logits.double().topk(2).values
-    return bool(top[0] - top[1] < TIE)
 
 
 def summarise(name, rows, base) -> dict:

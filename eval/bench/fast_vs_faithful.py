@@ -19,13 +19,7 @@ import json
 
 import torch
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "Water boils at",
-]
+from compress.testing import PROMPTS
 
 
 def margin(model, ids: list[int]) -> tuple[float, list[int]]:
@@ -65,8 +59,8 @@ def compare(faithful, fast, tok, prompts, new: int, compile: bool = True) -> lis
 
 
 def main(argv=None) -> None:
-    from compress.decoder.defaults import FAST_KERNEL
     from compress.decoder.model import load
+    from compress.decoder.runtime import FAST_KERNEL
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", help="a group-quantized run folder")

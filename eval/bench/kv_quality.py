@@ -36,16 +36,12 @@ each decoded teacher-forced with its own fp16 cache, KL against the source's fp1
 
 import argparse
 import json
-import math
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from compress.decoder.kv import make_cache
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
 from compress.errors import CompressError
+from compress.eval.kv_quality import run, run_parallel
 from compress.io.data import read_text, tokenize, wikitext_file
 
 
@@ -71,163 +67,6 @@ def configs(args) -> list[tuple[str, str, dict]]:
 
 
 @torch.no_grad()
-def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
-    """Lock-step teacher forcing of every cache in ``cfgs`` over ``windows [B, T]``."""
-    c = model.config
-    B, T = windows.shape
-    caches = [
-        make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, model.head_dim, T, **opts)
-        for _, kind, opts in cfgs
-    ]
-    kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
-    for t in tqdm(range(prefill, T + 1), desc="kv_quality", unit="tok", mininterval=10):
-        ids = windows[:, :t] if t == prefill else windows[:, t - 1 : t]
-        ref = None
-        for i, cache in enumerate(caches):
-            t0 = time.perf_counter()
-            logits = model(ids, cache, last=True)[:, -1].float()
-            secs[i] += time.perf_counter() - t0
-            if t == T:
-                continue  # the last token only fills the caches: bytes are read at context T
-            logp = torch.log_softmax(logits, -1)
-            ref = logp if ref is None else ref
-            kl[i] += (ref.exp() * (ref - logp)).sum().item()
-            nll[i] -= logp.gather(1, windows[:, t, None]).sum().item()
-    n = B * (T - prefill)
-    fp16_bytes = caches[0].nbytes() / (B * caches[0].length)
-    rows = []
-    for (label, kind, opts), cache, k, l, s in zip(cfgs, caches, kl, nll, secs):
-        bpt = cache.nbytes() / (B * cache.length)
-        rows.append(
-            {
-                "label": label,
-                "kind": kind,
-                "opts": opts,
-                "bytes_per_token": bpt,
-                "ratio_vs_fp16": bpt / fp16_bytes,
-                "kl": k / n,
-                "ppl": math.exp(l / n),
-                "seconds": s,
-                "context": cache.length,
-            }
-        )
-    return rows
-
-
-def history_lengths(kind: str, opts: dict, T: int, prefill: int, head_dim: int) -> torch.Tensor:
-    """``C [T]``: positions the cache has compressed once position t is appended (prefill, then one
-    token at a time), read off a one-head cache of ``kind`` fed random K/V."""
-    C = torch.zeros(T, dtype=torch.long)
-    if kind == "fp16":
-        return C
-    cache = make_cache(kind, 1, 1, 1, head_dim, T, **opts)
-    x = torch.randn(1, 1, T, head_dim, generator=torch.Generator().manual_seed(0))
-    cache.append(0, x[:, :, :prefill], x[:, :, :prefill])
-    for t in range(prefill, T):
-        cache.append(0, x[:, :, t : t + 1], x[:, :, t : t + 1])
-        C[t] = cache.ncomp[0]
-    return C
-
-
-class HistoryMix(Cache):
-    """One causal pass that decodes as a cache of ``kind`` would, token by token (module docstring).
-
-    ``append`` feeds each layer's K/V into a real one-layer cache of that kind, which then holds
-    what decoding leaves at the end; ``attend`` lets query t read that cache's dequantized K/V at
-    keys older than ``C[t]`` and the fp16 window's values after.
-    """
-
-    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, layout: dict):
-        T = len(C)
-        layout = dict(layout)
-        shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
-        if any(w is not None for w in layout.pop("windows", None) or ()):
-            raise CompressError(
-                "kv_quality's teacher-forced pass mixes a compressed history with a window of "
-                "recent tokens for global-attention layers; this model has sliding-window "
-                "layers, whose caches compress nothing (compress.decoder.kv.window)."
-            )
-        super().__init__(
-            shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout
-        )
-        self.kind, self.opts = kind, {**opts, "keep_perm": True} if kind == "packkv" else opts
-        self.extra = {
-            k: v for k, v in layout.items() if v is not None
-        }  # a latent key's v_dim, scale
-        self.old = (
-            torch.arange(T)[None, :] < C[:, None]
-        )  # [Tq, Tk]: key in query t's compressed history
-        self.kv, self.held = {}, 0
-
-    def append(self, layer, k, v, pos=None):
-        T = k.shape[2]
-        cache = make_cache(
-            self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.extra, **self.opts
-        )
-        cache.append(0, k[:, :, : T - 1], None if v is None else v[:, :, : T - 1])
-        cache.append(
-            0, k[:, :, T - 1 :], None if v is None else v[:, :, T - 1 :]
-        )  # what decoding leaves
-        self.held += cache.nbytes() - (
-            cache.perm[0, :, : cache.k[0].n].nbytes if self.kind == "packkv" else 0
-        )
-        hist = cache.history(0) if self.kind != "fp16" else None
-        k16 = k.half().float()  # the fp16 window's values
-        self.kv[layer] = (k16, k16[..., : self.v_dim] if v is None else v.half().float(), hist)
-        self.lens[layer] = T
-
-    def attend(self, layer, q, pos=None, start=None):
-        q4, tq = self.queries(q)
-        k16, v16, hist = self.kv[layer]  # cross-layer attention reads a slot more than once
-        g = q4.shape[2] // tq
-        old = self.old.repeat(g, 1)  # [g*Tq, Tk], queries laid out as q4's
-        s = q4 @ k16.transpose(-1, -2)
-        if hist is not None:
-            kh, vh = hist
-            n = kh.shape[2]
-            s[..., :n] = torch.where(old[:, :n], q4 @ kh.transpose(-1, -2), s[..., :n])
-        kpos = torch.arange(tq)[None, None]
-        p = masked_softmax(s, hidden(kpos, torch.arange(tq), None), tq)
-        out = (p * ~old) @ v16
-        if hist is not None:
-            out = out + (p[..., :n] * old[:, :n]) @ vh
-        return self.heads(out, q)
-
-
-def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
-    """The figures of :func:`run`, from one forward per cache."""
-    B, T = windows.shape
-    target = windows[:, prefill:, None]
-    rows, ref = [], None
-    for label, kind, opts, *other in tqdm(cfgs, desc="kv_quality --parallel", unit="cache"):
-        t0 = time.perf_counter()
-        m = (
-            other[0] if other else model
-        )  # another model (an attention conversion) with its fp16 cache
-        C = history_lengths(kind, opts, T, prefill, model.head_dim)
-        mix = HistoryMix(kind, opts, C, B, m.kv_layout())
-        with torch.no_grad():
-            logits = m(windows, mix)[:, prefill - 1 : T - 1]
-        logp, held = torch.log_softmax(logits.float(), -1), mix.held
-        ref = logp if ref is None else ref
-        n = B * (T - prefill)
-        rows.append(
-            {
-                "label": label,
-                "kind": kind if not other else "model",
-                "opts": opts,
-                "bytes_per_token": held / (B * T),
-                "kl": (ref.exp() * (ref - logp)).sum().item() / n,
-                "ppl": math.exp(-logp.gather(-1, target).sum().item() / n),
-                "seconds": time.perf_counter() - t0,
-                "context": T,
-            }
-        )
-    for r in rows:
-        r["ratio_vs_fp16"] = r["bytes_per_token"] / rows[0]["bytes_per_token"]
-    return rows
-
-
 def plot(rows, path: Path) -> None:
     import matplotlib
 
@@ -274,12 +113,12 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def bars(rows) -> list[str]:
-    """The two bars: PackKV bytes/token <= 1/3 of fp16's; at KL <= KIVI-4's, <= 1/1.3 of KIVI-4's bytes."""
+def ratios(rows) -> list[str]:
+    """PackKV's bytes/token against fp16's; the smallest PackKV at KL <= KIVI-4's against KIVI-4."""
     pk = [r for r in rows if r["kind"] == "packkv"]
     kivi4 = next((r for r in rows if r["label"] == "kivi-4"), None)
     lines = [
-        "PackKV bytes/token / fp16's (bar <= 0.333): "
+        "PackKV bytes/token / fp16's: "
         + ", ".join(f"{r['label']} {r['ratio_vs_fp16']:.3f}" for r in pk)
     ]
     if kivi4 and pk:
@@ -289,7 +128,7 @@ def bars(rows) -> list[str]:
             lines.append(
                 f"at KL <= kivi-4's {kivi4['kl']:.2e}: {best['label']} (KL {best['kl']:.2e}) stores "
                 f"{best['bytes_per_token']:.0f} B/token, kivi-4 {kivi4['bytes_per_token']:.0f}: kivi-4 / "
-                f"packkv = {kivi4['bytes_per_token'] / best['bytes_per_token']:.2f} (bar >= 1.3)"
+                f"packkv = {kivi4['bytes_per_token'] / best['bytes_per_token']:.2f}"
             )
         else:
             lines.append(f"no PackKV setting reached kivi-4's KL {kivi4['kl']:.2e}")
@@ -369,7 +208,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_quality.json").write_text(
-        json.dumps({"args": vars(args), "rows": rows, "bars": bars(rows)}, indent=1)
+        json.dumps({"args": vars(args), "rows": rows, "bars": ratios(rows)}, indent=1)
     )
     plot(rows, out / "kv_quality.png")
     print(
@@ -377,7 +216,7 @@ def main(argv=None):
         f"order {args.order}{', parallel' if args.parallel else ''}"
     )
     print(table(rows))
-    print("\n".join(bars(rows)))
+    print("\n".join(ratios(rows)))
     print(f"wrote {out / 'kv_quality.json'} and {out / 'kv_quality.png'}")
 
 

@@ -27,8 +27,7 @@ class FP16Cache(Cache):
     static = False
     read_as_stored = ()  # static layers whose decode attention reads K/V as stored (C++)
     # a long prompt attends in blocks of this many queries, each over the keys up to its last
-    # query: an 8,000-token prefill in one forward took 102 s against 235 s over [T, T] scores
-    # (python eval/bench/bench_serve.py --folder fp32=MODEL --batch --ttft 8000 --chunk 0)
+    # query, instead of over [T, T] scores (faster at 8,000 tokens: BENCHMARKS.md)
     QUERY_BLOCK = 1024
 
     OPTIONS = ("v_dim", "scale")

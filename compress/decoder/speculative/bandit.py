@@ -146,7 +146,7 @@ def self_bandit(model, kind: str, skip_counts=None, gammas=(1, 2, 3, 4, 6), cost
 
     if kind not in BANDITS:
         raise CompressError(f"--adapt {kind}: use one of {sorted(BANDITS)}.")
-    L = model.config.num_hidden_layers
+    L = model.spec.n_layers
     if L < 3:
         raise CompressError(f"self-speculative drafts skip middle layers; this model has only {L}.")
     c0, cl = costs or layer_costs(model)

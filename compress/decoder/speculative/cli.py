@@ -12,7 +12,7 @@ fast kernel and head, and compiled decode steps. Its tokens are only proposals: 
 verifies each, so the output is the target's alone.
 """
 
-from compress.decoder import defaults
+from compress.decoder.runtime import RuntimeConfig, named_settings, resolve_runtime
 from compress.decoder.speculative.bandit import self_bandit
 from compress.decoder.speculative.drafts import LayerSkipDraft, ModelDraft, load_draft
 from compress.decoder.speculative.gamma import check_confidence, schedule_for
@@ -24,7 +24,6 @@ from compress.decoder.speculative.layer_skip import (
     unified_skip,
 )
 from compress.errors import CompressError
-from compress.layers.head import recorded_head
 
 
 def add_arguments(p) -> None:
@@ -101,38 +100,16 @@ def check_arguments(args) -> None:
         raise CompressError("--adapt chooses the skip set itself: drop --skip/--skip-layers.")
 
 
-def draft_load_kwargs(args, conf: dict) -> dict:
+def draft_load_kwargs(args, conf: RuntimeConfig) -> dict:
     """``model.load`` keywords of a ``--draft`` folder, plus ``compile`` (its decode steps): the
-    fast configuration for a group-quantized folder on the CPU without ``--dtype``, else the
-    target's configuration ``conf``."""
-    import torch
-
-    flag = getattr(args, "compile_flag", args.compile)  # --compile as given (None: not given)
-    kw = dict(
-        dtype=getattr(torch, conf["dtype"]),
-        device=args.device,
-        lean=conf["lean"],
-        qdtype=getattr(torch, conf["qdtype"]),
-        kernel=conf.get("kernel", "exact"),
-        compile=bool(args.compile),
-    )
-    fast = (
-        args.draft != "self"
-        and args.dtype is None
-        and args.device == "cpu"
-        and defaults.group_quantized(args.draft)
-    )
-    if fast:
-        head = recorded_head(args.draft)
-        kw.update(
-            dtype=torch.bfloat16,
-            qdtype=torch.bfloat16,
-            lean=True if args.lean is None else args.lean,
-            kernel=getattr(args, "kernel", None) or defaults.FAST_KERNEL,
-            head=args.head or (defaults.fast_head(args.draft) if head == "none" else head),
-            compile=True if flag is None else bool(flag),
-        )
-    return kw
+    draft's own configuration (``compress.decoder.runtime.resolve_runtime`` on the draft folder
+    with the settings the command line names: the fast choice for the others), or, for
+    ``--draft self``, the target's ``conf``."""
+    if args.draft == "self":
+        return dict(device=args.device, **conf.load_kwargs(), compile=bool(args.compile))
+    named = {**named_settings(args), "compile": getattr(args, "compile_flag", args.compile)}
+    draft = resolve_runtime(args.draft, args.device, named, static_cache=True)
+    return dict(device=args.device, **draft.load_kwargs(), compile=draft.compile)
 
 
 def describe_draft(kw: dict) -> str:
@@ -155,7 +132,7 @@ def draft_schedule(args, model, tokenizer, load_kwargs: dict):
         )
     if args.adapt:
         return self_bandit(model, args.adapt)
-    L = model.config.num_hidden_layers
+    L = model.spec.n_layers
     if args.skip_layers is not None:
         skip = parse_layers(args.skip_layers, L)
     elif args.skip == "search":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from compress.arch.spec import spec_of
 from compress.decoder.generate import static_step
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
@@ -135,7 +136,7 @@ class LayerSkipDraft:
 
     def __init__(self, model, skip, stop_below: float = 0.0):
         check_confidence(stop_below)
-        n = model.config.num_hidden_layers
+        n = model.spec.n_layers
         self.model, self.skip = model, frozenset(int(i) for i in skip)
         self.stop_below = stop_below
         if not self.skip or min(self.skip) < 0 or max(self.skip) >= n or len(self.skip) >= n:
@@ -180,7 +181,7 @@ def check_vocab(target_size: int, draft_size: int) -> None:
 def check_draft(target, draft) -> None:
     """Refuse a draft whose vocabulary size is not the target's (ids would mean other tokens)."""
     check_vocab(target.model.embed_tokens.num_embeddings, draft.model.embed_tokens.num_embeddings)
-    check_vocab(target.config.vocab_size, draft.config.vocab_size)
+    check_vocab(target.spec.vocab_size, draft.spec.vocab_size)
 
 
 def load_draft(folder, target, tokenizer=None, **load_kwargs):
@@ -195,7 +196,7 @@ def load_draft(folder, target, tokenizer=None, **load_kwargs):
             f"tokenizer, or 'self' for self-speculative decoding."
         )
     config, _ = read_config(folder)
-    check_vocab(target.config.vocab_size, config.vocab_size)  # before loading the weights
+    check_vocab(target.spec.vocab_size, spec_of(config).vocab_size)  # before loading the weights
     draft_tok = read_tokenizer(folder)
     if (
         tokenizer is not None

@@ -89,7 +89,7 @@ def agreement(model, ids: list[int], skip) -> float:
 def layer_costs(model, reps: int = 5) -> tuple[float, float]:
     """``(c_0, c_layer)`` seconds of one decode step: the part outside the layers and one layer."""
 
-    L, device = model.config.num_hidden_layers, model.device
+    L, device = model.spec.n_layers, model.device
     cache = new_cache(model, "fp16", 1, 64)
     x = torch.tensor([[1]], device=device)
 
@@ -119,7 +119,7 @@ def search_skip(
     model, ids: list[int], gamma: int = 4, max_skip: int | None = None, log=None
 ) -> dict:
     """Greedy search of the skip set maximising :func:`expected_rate` on the calibration ``ids``."""
-    L = model.config.num_hidden_layers
+    L = model.spec.n_layers
     costs = layer_costs(model)
     skip, best = [], expected_rate(1.0, 0, L, costs, L)  # no draft: one token per target pass
     for _ in range(min(max_skip or L - 2, L - 2)):
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
         model, tok = load(args.run)
         if tok is None:
             raise CompressError(f"'{args.run}' has no tokenizer to read the calibration text with.")
-        ids, L = calibration_ids(tok), model.config.num_hidden_layers
+        ids, L = calibration_ids(tok), model.spec.n_layers
         costs = layer_costs(model)
         for n in args.counts or range(1, L - 1):
             skip = unified_skip(L, n)

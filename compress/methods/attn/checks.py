@@ -18,11 +18,9 @@ Per family (read from the architecture spec, ``compress.arch.spec``):
   attends globally; a CLA group must anyway share one window, ``compress.arch.spec.spec_of``).
 """
 
-from compress.arch.spec import spec_of
+from compress.arch.spec import ROPE_TYPES, spec_of
 from compress.errors import CompressError
 from compress.formats.attention import KINDS
-
-ROPE_TYPES = ("default", "linear", "llama3")  # one frequency per pair, rotate_half layout
 
 
 def check_source(config, method: str) -> None:

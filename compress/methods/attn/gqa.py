@@ -17,7 +17,7 @@ Each layer keeps its window and RoPE (Gemma's local/global pattern).
 import torch
 from torch import nn
 
-from compress.arch.adapters import get_adapter, set_module
+from compress.arch.adapters import get_adapter, head_dim, set_module
 from compress.errors import CompressError
 
 
@@ -57,7 +57,7 @@ def mean_pool_kv(model, kv_heads: int):
     config = model.config
     check_kv_heads(config, kv_heads)
     G, H = config.num_key_value_heads, config.num_attention_heads
-    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    D = head_dim(config)
     adapter = get_adapter(config)
     for layer in adapter.decoder_layers(model):
         for role in ("k", "v"):

@@ -24,6 +24,7 @@ At full rank (L = rank of the stacked matrix) with every pair kept the model is 
 import torch
 
 from compress.arch.adapters import get_adapter, head_dim
+from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.formats.attention import MLAConfig, MLAForCausalLM, converted_config
 from compress.methods.attn.calib import InputGram, attention_inputs
@@ -50,7 +51,7 @@ def check_mla(config, d_kv: int, pairs: int, method: str, svd: str = "weights") 
             f"{top} here (2 x head_dim - 2 x rope_pairs, at most hidden / KV "
             f"heads); use 1..{top}."
         )
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
+    if spec_of(config).qkv_bias:
         raise CompressError(
             "mla converts attention without q/k/v biases (Llama, Mistral); this "
             "model has biases. Use the gqa or cla recipe for it."

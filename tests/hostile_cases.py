@@ -1,8 +1,5 @@
-"""Hostile inputs across the four surfaces, each checked for a clear error.
-
-    python eval/bench/hostile_sweep.py            # every case (about 150)
-    python eval/bench/hostile_sweep.py --quick    # a subset, a few of each surface
-    python eval/bench/hostile_sweep.py --list     # the cases' names
+"""Hostile inputs across the four surfaces, each checked for a clear error: the cases of
+``tests/test_hostile_sweep.py``.
 
 Surfaces: the pipeline CLI (``python -m compress``), the decoder CLI (``python -m
 compress.decoder``), the server (its CLI, and HTTP requests to it) and the Python API
@@ -20,16 +17,13 @@ A case passes ("clear") when:
 The script prints the count of clear cases and lists every other one with what happened.
 """
 
-import argparse
 import contextlib
 import io
 import json
-import os
 import re
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -903,64 +897,3 @@ def all_cases(fx: Fixtures, srv: dict) -> list[Case]:
         + http_cases(fx, srv)
         + api_cases(fx)
     )
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a few cases of each surface")
-    p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--only", help="run the cases whose name contains this")
-    p.add_argument("-v", "--verbose", action="store_true", help="print every case's outcome")
-    args = p.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="hostile-"))
-    srv: dict = {}
-    cwd = os.getcwd()
-    os.chdir(root)  # relative outputs/ land in the temporary folder
-    try:
-        fx = Fixtures(root)
-        cases = all_cases(fx, srv)
-        if args.list:
-            for c in cases:
-                print(f"{c.surface:10} {c.name}")
-            return 0
-        if args.quick:
-            cases = [c for c in cases if c.quick]
-        if args.only:
-            cases = [c for c in cases if args.only in c.name]
-        results = []
-        t0 = time.monotonic()
-        for c in cases:
-            try:
-                ok, detail = c.run()
-            except BaseException as e:  # noqa: BLE001 - the sweep's own failure, reported
-                ok, detail = False, f"sweep error {type(e).__name__}: {e}"
-            results.append((c, ok, detail))
-            if args.verbose:
-                print(f"{'clear' if ok else 'NOT  '} {c.surface:10} {c.name}: {detail}", flush=True)
-        clear = sum(ok for _, ok, _ in results)
-        by = {}
-        for c, ok, _ in results:
-            n, k = by.get(c.surface, (0, 0))
-            by[c.surface] = (n + 1, k + ok)
-        print(
-            f"{clear} of {len(results)} hostile inputs got a clear error or the right behaviour "
-            f"({time.monotonic() - t0:.0f} s): "
-            + ", ".join(f"{s} {k}/{n}" for s, (n, k) in by.items())
-        )
-        remaining = [(c, d) for c, ok, d in results if not ok]
-        if remaining:
-            print("remaining:")
-            for c, d in remaining:
-                print(f"  {c.surface:10} {c.name}: {d}")
-        return 0 if not remaining else 1
-    finally:
-        if "srv" in srv:
-            srv["srv"].close()
-        os.chdir(cwd)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
