@@ -15,7 +15,7 @@ __all__ = ["__version__", *_API]
 
 def __getattr__(name: str):
     if name in _API:
-        from compress import api
+        from compress import api  # lazy: `import compress` loads no torch
 
         return getattr(api, name)
     raise AttributeError(f"module 'compress' has no attribute '{name}'")

@@ -21,15 +21,13 @@ def threads():
 
 
 def test_measure_runs_with_decode_threads_and_restores(tiny_dir, monkeypatch, caplog, threads):
-    from compress.decoder import generate as gen_mod
-
-    seen, real = [], gen_mod.generate
+    seen, real = [], decode_speed.generate
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen_mod, "generate", spy)
+    monkeypatch.setattr(decode_speed, "generate", spy)
     torch.set_num_threads(2)
     cfg = OmegaConf.create(
         {

@@ -357,12 +357,12 @@ def test_decoder_figures_and_errors(tiny_dir, tmp_path, monkeypatch):
         0 < report["kv_bytes_per_token"] < 2 * 2 * 2 * 32 * 2
     )  # compressed below the fp16 cache's
 
-    from compress.eval import decode_speed
+    from compress.recipe import pipeline
 
     def refuse(*a, **k):
         raise CompressError("this architecture is not in the decoder")
 
-    monkeypatch.setattr(decode_speed, "measure", refuse)
+    monkeypatch.setattr(pipeline, "measure", refuse)  # compress.eval.decode_speed's
     report = run_recipe("fp", tiny_dir, tmp_path / "nodecoder")
     assert (
         report["decode_error"] == "this architecture is not in the decoder"

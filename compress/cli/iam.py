@@ -19,6 +19,7 @@ from pathlib import Path
 
 from compress.decoder.__main__ import build_parser, checked_run
 from compress.errors import CompressError
+from compress.methods.iam import map as iam_map
 from compress.methods.iam.decode import load_iam
 
 
@@ -93,8 +94,6 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         import torch
-
-        from compress.methods.iam import map as iam_map
 
         if args.threads:
             torch.set_num_threads(args.threads)

@@ -31,6 +31,7 @@ from compress.arch.adapters import get_adapter
 from compress.decoder.runtime import fast_head, resolve_runtime
 from compress.errors import CompressError, Interrupted
 from compress.eval.decode_speed import measure
+from compress.eval.kernel_cost import kernel_figures
 from compress.eval.perplexity import evaluate
 from compress.eval.run_report import write_report
 from compress.io.checkpoint import (
@@ -391,8 +392,6 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         )
         kernel = cfg.decode.get("kernel", "exact")  # a kernel that is not bit-faithful: its cost
         if kernel != "exact":
-            from compress.eval.kernel_cost import kernel_figures
-
             eval_kw = dict(cache=cache, source_sha=source.sha256)
             exact = dict(figures)
             figures.update(kernel_figures(compressed, windows, reference, kernel, exact, **eval_kw))
