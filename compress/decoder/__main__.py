@@ -303,7 +303,7 @@ def run(args, load_model=None) -> None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
-    check_vocabulary(tok, model.spec.vocab_size, args.run)
+    check_vocabulary(tok, model.config.vocab_size, args.run)
     text = args.prompt
     if args.chat and not getattr(tok, "chat_template", None):
         raise CompressError(
@@ -318,7 +318,7 @@ def run(args, load_model=None) -> None:
             ". Leave out --chat to continue the prompt as plain text",
         )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
-    check_ids(ids, model.spec.vocab_size)  # the server's check of a prompt
+    check_ids(ids, model.config.vocab_size)  # the server's check of a prompt
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
     kv_opts = parse_options(args.kv_opt)

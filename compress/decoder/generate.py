@@ -93,7 +93,8 @@ def left_pad(
 
 
 def eos_ids_of(model, tokenizer) -> set[int]:
-    ids = set(model.spec.eos_ids)
+    ids = getattr(model.config, "eos_token_id", None)  # the config as it is now, not at load
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -101,7 +102,7 @@ def eos_ids_of(model, tokenizer) -> set[int]:
 
 def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
     """The cache length for a prompt, per the module docstring's rule."""
-    limit = model.spec.max_positions or 1 << 30
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     max_len = min(max_len or prompt_len + max_new_tokens, limit)
     if prompt_len >= max_len:
         raise CompressError(
@@ -212,6 +213,6 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int, 
     )  # a plain dict: not registered as a submodule
     if batch not in steps:
         steps[batch] = StaticDecoder(model, batch)
-    limit = model.spec.max_positions or 1 << 30
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
     return steps[batch], static_cache(new_cache(model, kv, batch, size, lookahead=lookahead))

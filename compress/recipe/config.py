@@ -435,6 +435,7 @@ def check_distributed(cfg) -> int:
             f"are repeated by each). Run it with `python -m compress recipe={cfg.name} ...` "
             f"(one process; device=cuda puts calibration on the GPU)."
         )
+    get_stage("distill").check(cfg, None)  # its settings for the processes (FSDP's compile)
 
     return world
 
