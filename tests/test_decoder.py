@@ -42,7 +42,7 @@ def tiny_tokenizer():
 def tiny_hf(**overrides):
     from transformers import LlamaForCausalLM
 
-    config = tiny_config(initializer_range=0.2, eos_token_id=None, **overrides)
+    config = tiny_config(**{"initializer_range": 0.2, "eos_token_id": None, **overrides})
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
