@@ -253,6 +253,7 @@ def test_fixed_order_window_attention(family):
         return out
 
     both.config = model.config  # the engine checks requests against it
+    both.spec = model.spec  # the engine checks requests against it
     engine.cache.bind, engine.model = bind_both, both
     seqs, _ = serve(engine, reqs, Params(max_tokens=30, ignore_eos=True))
     assert len(errs) > 30 and max(errs) < 1e-5
