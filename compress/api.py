@@ -334,10 +334,16 @@ def load(folder, device: str = "cpu", **settings):
     """``(model, tokenizer, runtime)``: a run folder (or an HF folder of a supported family)
     loaded in the built-in decoder's model, in the configuration ``python -m compress.decoder``
     resolves for it (``compress.decoder.runtime.resolve_runtime``): the fast choice for every
-    setting not named in ``settings`` (dtype, qdtype, kernel, head, lean, compile, threads).
-    The model's ``generate`` is ``compress.decoder.generate.generate``."""
+    setting not named in ``settings`` (dtype, qdtype, kernel, head, lean, compile, threads;
+    a dtype as a string or a ``torch.dtype``). ``runtime.compile`` is what to pass as
+    ``generate``'s ``compile``; ``threads`` is set at load. The model's ``generate`` is
+    ``compress.decoder.generate.generate``."""
     if not Path(folder).is_dir():
         raise CompressError(f"'{folder}' is not a folder; pass a run folder or an HF folder.")
+    settings = {
+        k: str(v).removeprefix("torch.") if k.endswith("dtype") and v is not None else v
+        for k, v in settings.items()
+    }
     runtime = resolve_runtime(folder, device, settings)
-    model, tok = load_model(folder, device=device, runtime=runtime)
+    model, tok = load_model(folder, runtime=runtime)
     return model, tok, runtime

@@ -1,6 +1,6 @@
-"""Tiny run folders for the bad-input sweep, the verification benchmark and their tests: a random
-Llama (or any transformers config) with a byte-level BPE trained here, saved as a run folder
-with a manifest; and the damage a run folder can suffer (bytes of a tensor overwritten)."""
+"""Tiny run folders for the hostile-input tests, the verification benchmark and their tests: a
+random Llama (or any transformers config) with a byte-level BPE trained here, saved as a run
+folder with a manifest; and the damage a run folder can suffer (bytes of a tensor overwritten)."""
 
 import json
 import struct

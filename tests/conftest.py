@@ -3,11 +3,16 @@
 import os
 import queue
 import subprocess
+import sys
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+
+from compress.serve.server import make_server
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "eval" / "bench"  # the benchmark scripts: tests run them, never import them
@@ -59,6 +64,16 @@ def own_environment(monkeypatch, tmp_path):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def run_bench(script: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python eval/bench/SCRIPT.py ARGS`` from the checkout's root, its output captured; the
+    test fails with the script's stderr unless it exits 0. Tests run the benchmark scripts this
+    way, never import them (``tests/test_bench_scripts.py``)."""
+    argv = [sys.executable, str(BENCH / f"{script}.py"), *map(str, args)]
+    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -192,3 +207,21 @@ def distill_dirs(tmp_path_factory, tokenizer):
     text = (DATA / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:20000]
     (root / "text.txt").write_text(text, encoding="utf-8")
     return root / "teacher", root / "student", root / "text.txt"
+
+
+@contextmanager
+def serve_in_thread(app, start_timeout: float = 60, log_level: str = "critical"):
+    """``app`` served on 127.0.0.1 by ``compress.serve.server.make_server`` in a daemon thread:
+    yields its URL once it is up (an assertion after ``start_timeout`` s), stops it on exit."""
+    server = make_server(app, log_level=log_level)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

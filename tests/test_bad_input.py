@@ -2,7 +2,7 @@
 the CLIs, no traceback, and no run folder left behind, before any expensive work.
 
 One test per class of issue 25 (checks after the work, raw tracebacks, the decoder CLI's
-sampling settings, leftovers), the sweep of hostile inputs is ``tests/test_hostile_sweep.py``."""
+sampling settings, leftovers); the other hostile inputs are in ``tests/test_hostile_inputs.py``."""
 
 import json
 import shutil

@@ -2,8 +2,6 @@
 row in any batch; greedy outputs of 16 concurrent requests through the real ``openai`` client
 token-identical to the same requests one at a time, in the server's default configuration."""
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -161,11 +159,9 @@ def test_engine_batched_equals_one_at_a_time(tmp_path):
 
 @pytest.fixture
 def server(tmp_path):
-    import uvicorn
-
     from compress.serve.app import create_app
     from compress.serve.worker import Worker
-    from tests.test_serve import free_port
+    from tests.conftest import serve_in_thread
 
     openai = pytest.importorskip("openai")
     from compress.serve.__main__ import load_model, parse_args
@@ -175,27 +171,10 @@ def server(tmp_path):
     assert args.batch_invariant
     engine = Engine(model, tok, num_blocks=256, block_size=4, max_seqs=16, max_step_tokens=64,
                     batch_invariant=True)  # fmt: skip
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(
-            create_app(Worker(engine), tok, "tiny"),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )  # fmt: skip
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}/v1"
-    yield SimpleNamespace(
-        client=openai.OpenAI(base_url=url, api_key="none", max_retries=0), tok=tok
-    )
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(create_app(Worker(engine), tok, "tiny"), 30, "warning") as url:
+        yield SimpleNamespace(
+            client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), tok=tok
+        )
 
 
 def test_16_concurrent_greedy_requests_equal_one_at_a_time(server):

@@ -51,3 +51,21 @@ def test_no_test_imports_a_benchmark_script():
             elif isinstance(node, ast.ImportFrom) and (node.module or "") in names:
                 found.append((path.name, node.module))
     assert not found, found
+
+
+def test_no_test_puts_the_benchmarks_on_the_import_path():
+    """No ``sys.path.insert/append`` in a test file names the benchmark folder (through which a
+    test could import a script by its file name)."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("insert", "append", "extend")
+                and "sys.path" in (ast.get_source_segment(text, node.func.value) or "")
+                and "bench" in (ast.get_source_segment(text, node) or "").lower()
+            ):
+                found.append((path.name, ast.get_source_segment(text, node)))
+    assert not found, found

@@ -3,6 +3,7 @@
 import json
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -245,11 +246,11 @@ def test_stops_on_eos_and_stop_string(tiny):
     prompt = tok("the quick brown").input_ids
     full = generate(model, [prompt], 30, tok, kv="full")
     k = len(full.tokens[0]) // 2
-    model.config.eos_token_id = full.tokens[0][k]
+    model.spec = replace(model.spec, eos_ids=(full.tokens[0][k],))  # the runtime's stops
     first = full.tokens[0].index(full.tokens[0][k])
     assert generate(model, [prompt], 30, kv="full").tokens[0] == full.tokens[0][:first]
 
-    model.config.eos_token_id = None
+    model.spec = replace(model.spec, eos_ids=())
     stop = full.texts[0][len(full.texts[0]) // 2 :][:3]
     pieces = []
     r = generate(
@@ -351,9 +352,9 @@ def test_cli_json_and_errors(tiny, capsys):
         "prefill_tok_s",
         "peak_mem_bytes",
         "kv_bytes_per_token",
-        "config",
+        "runtime",
     }
-    assert out["config"]["dtype"] == "float32" and not out["config"]["fast"]  # an fp folder
+    assert out["runtime"]["dtype"] == "float32" and not out["runtime"]["fast"]  # an fp folder
     model, _ = load(folder)
     ref = generate(model, [tok("the quick").input_ids], 12, tok, kv="full")
     assert out["text"] == ref.texts[0]

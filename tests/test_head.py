@@ -185,50 +185,7 @@ def test_cli_fast_default_and_the_bit_faithful_path(tmp_path):
     exact = conf(str(q4), "--kernel", "exact", "--head", "none")
     assert exact == RuntimeConfig(**{**fast.as_dict(), "kernel": "exact"})
     assert conf(str(q4), "--kv", "packkv").compile is False  # the static step needs fp16/full
-    assert conf(str(q4), "--no-compile", "--head", "int4").compile is False
+    assert conf(str(q4), "--no-compile", "--kernel", "exact").compile is False
     assert conf(str(fp)).dtype == "float32" and not conf(str(fp)).fast
     (q4 / "manifest.json").write_text(json.dumps({"recipe": {"quant": {"lm_head": "int8"}}}))
     assert conf(str(q4)).head == "int8" and conf(str(q4), "--head", "none").head == "none"
-
-
-def test_every_entry_point_resolves_one_runtime(tmp_path):
-    """The decoder CLI, a ``--draft`` folder, the server and the pipeline's ``decoder_default``
-    get their configuration from one ``resolve_runtime``: the same folder, device and named
-    settings give the same ``RuntimeConfig`` (serving trades the compiled step for invariance)."""
-    from compress.decoder.__main__ import configuration, parse_args
-    from compress.decoder.runtime import RuntimeConfig
-    from compress.decoder.speculative.cli import draft_load_kwargs
-    from compress.methods.quant.rtn import pack_model, quantization_config
-    from compress.recipe.pipeline import decoder_default
-    from compress.serve.__main__ import parse_args as serve_args
-    from compress.serve.__main__ import resolve_configuration
-    from tests.test_decoder import save, tiny_hf
-
-    q4 = save(pack_model(tiny_hf(vocab_size=320), 4, 32), tmp_path / "q4",
-              quantization_config=quantization_config(4, 32))  # fmt: skip
-    fp = save(tiny_hf(vocab_size=320), tmp_path / "fp")
-    for flags in ([], ["--dtype", "bfloat16", "--kernel", "exact"], ["--dtype", "float32"]):
-        decoder = configuration(parse_args([str(q4), "--prompt", "x", "--device", "cpu", *flags]))
-        assert isinstance(decoder, RuntimeConfig)
-        args = parse_args([str(fp), "--prompt", "x", "--device", "cpu", "--draft", str(q4), *flags])
-        args.compile_flag, args.compile = args.compile, configuration(args).compile
-        draft = draft_load_kwargs(args, configuration(args))
-        assert draft == dict(device="cpu", **decoder.load_kwargs(), compile=decoder.compile)
-        server = resolve_configuration(serve_args([str(q4), *flags]), "cpu")
-        same = {k: v for k, v in decoder.as_dict().items() if k not in ("compile", "lean")}
-        assert {k: getattr(server, k) for k in same if k != "batch_invariant"} == {
-            k: v for k, v in same.items() if k != "batch_invariant"
-        }, flags
-        assert server.batch_invariant == (decoder.fast and decoder.kernel == "w4a8")
-        assert not server.compile
-    assert decoder_default(q4, "none") == {"decoder_default": configuration(
-        parse_args([str(q4), "--prompt", "x", "--device", "cpu"])).as_dict()}  # fmt: skip
-    assert decoder_default(fp, "none") == {}
-    import compress
-
-    default = configuration(parse_args([str(q4), "--prompt", "x", "--device", "cpu"]))
-    model, _, runtime = compress.load(q4)
-    kernels = {m.kernel for m in model.modules() if hasattr(m, "kernel") and hasattr(m, "bits")}
-    assert runtime == default and kernels == {default.kernel}
-    _, _, runtime = compress.load(q4, dtype="float32")
-    assert runtime == RuntimeConfig(dtype="float32", qdtype="float32")

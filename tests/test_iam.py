@@ -17,6 +17,7 @@ from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.errors import CompressError
 from compress.methods.iam import map as iam_map
+from compress.methods.iam.attention import load_mapped
 from compress.methods.iam.decode import IAMModel, load_iam
 
 BIG = {"num_hidden_layers": 4}  # 4 heads, 2 KV heads, head_dim 16
@@ -107,7 +108,7 @@ def test_self_mapping_gives_the_models_own_logits(pair):
     folder, _, big, _ = pair
     L, H = BIG["num_hidden_layers"], 4
     every = list(range(L))
-    large, _ = load(folder, iam_mapped=every)
+    large, _ = load_mapped(folder, every)
     small, _ = load(folder)
     iam = IAMModel(large, small, {ly: ly for ly in every}, {ly: list(range(H)) for ly in every})
     ids = ids_of((2, 40))
@@ -176,7 +177,7 @@ def test_partial_mapping_prefill_and_decode_equal_float64_reference(pair, tmp_pa
     model read by 4): prefill in chunks, then token-by-token decode, against the reference."""
     folder_big, folder_small, big, small = pair
     mapped, heads = {2: 1, 3: 0}, {2: [0, 1, 1, 0], 3: [1, 1, 0, 0]}
-    large, _ = load(folder_big, iam_mapped=list(mapped))
+    large, _ = load_mapped(folder_big, list(mapped))
     little, _ = load(folder_small)
     iam = IAMModel(large, little, mapped, heads, chunk=7)
     ids = ids_of((2, 32), seed=7)
@@ -192,7 +193,7 @@ def test_partial_mapping_prefill_and_decode_equal_float64_reference(pair, tmp_pa
 
 
 def test_mapped_layers_hold_no_query_key_projection(pair):
-    large, _ = load(pair[0], iam_mapped=[3])
+    large, _ = load_mapped(pair[0], [3])
     attn = large.model.layers[3].self_attn
     assert not hasattr(attn, "q_proj") and not hasattr(attn, "k_proj")
     assert attn.qkv_proj.out_features == 2 * 16  # V only: KV heads x head_dim

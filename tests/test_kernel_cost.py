@@ -27,7 +27,7 @@ def test_pipeline_reports_the_kernel_cost(tiny_dir, tmp_path, monkeypatch, token
     assert report["kernel_kl_vs_source"] > 0
     assert report["decode_config"]["kernel"] == "w4a8"
     assert report["decoder_default"] == dict(
-        dtype="bfloat16", qdtype="bfloat16", kernel=FAST_KERNEL, head="int8", lean=True,
+        device="cpu", dtype="bfloat16", qdtype="bfloat16", kernel=FAST_KERNEL, head="int8", lean=True,
         compile=True, batch_invariant=False, threads=None, fast=True,
     )  # fmt: skip
     assert json.loads((out / "report.json").read_text())["kernel_ppl"] == report["kernel_ppl"]

@@ -4,7 +4,7 @@ KIVI cache attending the same through it as through the reference."""
 import pytest
 import torch
 
-from compress.decoder.kv import make_cache
+from compress.decoder.kv import KVLayout, make_cache
 from compress.errors import CompressError
 from compress.formats.bitplanes import pack_planes
 from compress.kernels import kivi_cpu, kivi_pv, kivi_qk, kivi_ref, native
@@ -130,7 +130,7 @@ def test_cache_attends_the_same_through_the_kernel(kernel, bits, monkeypatch):
         monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
         if mode:
             monkeypatch.setenv("COMPRESS_KERNELS", mode)
-        cache = make_cache("kivi", 1, B, HKV, D, L, bits=bits, residual=32)
+        cache = make_cache("kivi", KVLayout(1, HKV, D), B, L, bits=bits, residual=32)
         cache.append(0, k[:, :, :200], v[:, :, :200])
         for t in range(200, L):
             cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])

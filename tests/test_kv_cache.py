@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from compress.decoder.kv import make_cache
+from compress.decoder.kv import KVLayout, make_cache
 from compress.errors import CompressError
 from compress.eval.kv_quality import run, run_parallel
 from compress.kernels import packkv_ref
@@ -140,7 +140,7 @@ def check_bounded(cache, bounds, L=260, prefill=70, start=None, seed=0):
 
 
 def test_fp16_cache_matches_exact_attention():
-    cache = make_cache("fp16", 1, B, HKV, D, 300)
+    cache = make_cache("fp16", KVLayout(1, HKV, D), B, 300)
     err = check_bounded(cache, lambda k, v: (fp16_error(k), fp16_error(v)))
     assert err < 1e-3
     assert cache.length == 260
@@ -152,7 +152,7 @@ def test_long_prompt_attends_in_query_blocks():
     cache."""
     q, k, v = data(200, seed=3)
     start = torch.tensor([0, 37])
-    cache = make_cache("full", 1, B, HKV, D, 201)
+    cache = make_cache("full", KVLayout(1, HKV, D), B, 201)
     cache.QUERY_BLOCK = 48
     calls = []
     weights = cache.weights
@@ -178,14 +178,16 @@ def test_long_prompt_attends_in_query_blocks():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_within_bound(bits):
-    cache = make_cache("kivi", 1, B, HKV, D, 300, bits=bits, residual=32)
+    cache = make_cache("kivi", KVLayout(1, HKV, D), B, 300, bits=bits, residual=32)
     check_bounded(cache, lambda k, v: kivi_error(k, v, bits))
     assert cache.ncomp[0] == (259 - 32) // 32 * 32  # blocks wholly outside the newest 32 tokens
 
 
 @pytest.mark.parametrize("order", ["greedy", "median", "none"])
 def test_packkv_within_bound(order):
-    cache = make_cache("packkv", 1, B, HKV, D, 300, k_rel=0.1, v_rel=0.2, residual=32, order=order)
+    cache = make_cache(
+        "packkv", KVLayout(1, HKV, D), B, 300, k_rel=0.1, v_rel=0.2, residual=32, order=order
+    )
     check_bounded(cache, lambda k, v: (packkv_error(k, 0.1), packkv_error(v, 0.2)))
     assert cache.ncomp[0] == 260 - 32  # every token outside the newest 32 is compressed
     assert (
@@ -196,7 +198,7 @@ def test_packkv_within_bound(order):
 def final_error(kind, L=200, prefill=60, **opts):
     """Relative error of the last decode step (history mostly compressed, residual 16)."""
     q, k, v = data(L, seed=1)
-    cache = make_cache(kind, 1, B, HKV, D, L, residual=16, **opts)
+    cache = make_cache(kind, KVLayout(1, HKV, D), B, L, residual=16, **opts)
     out = decode(cache, q, k, v, prefill, {L - 1})[L - 1]
     return rel_err(out, reference(q[:, :, -1:], k, v))
 
@@ -255,7 +257,9 @@ def test_joint_permutation_invariance():
     assert not torch.allclose(reference(q[:, :, -1:], k[:, :, perm], v), ref, rtol=1e-2, atol=1e-2)
     # repacked caches hold the same tokens in another order: same attention
     caches = {
-        order: make_cache("packkv", 1, B, HKV, D, 260, residual=32, order=order, keep_perm=True)
+        order: make_cache(
+            "packkv", KVLayout(1, HKV, D), B, 260, residual=32, order=order, keep_perm=True
+        )
         for order in ("none", "median", "greedy")
     }
     outs = {order: decode(c, q, k, v, 70, {259})[259] for order, c in caches.items()}
@@ -289,7 +293,7 @@ def test_repacking_shrinks_packs():
     words = {}
     for order in ("none", "median", "greedy"):
         cache = make_cache(
-            "packkv", 1, B, HKV, D, 256, k_rel=0.02, v_rel=0.02, residual=0, order=order
+            "packkv", KVLayout(1, HKV, D), B, 256, k_rel=0.02, v_rel=0.02, residual=0, order=order
         )
         cache.append(0, k, v)
         cache.append(0, k[:, :, :0], v[:, :, :0])  # the next append compresses the prefill
@@ -314,12 +318,12 @@ def fill(cache, k, v, prefill=60):
 def test_nbytes_matches_independent_count():
     q, k, v = data(200)
     L, R, layers, BH = 200, 32, 2, B * HKV
-    fp16 = make_cache("fp16", layers, B, HKV, D, 256)
+    fp16 = make_cache("fp16", KVLayout(layers, HKV, D), B, 256)
     fill(fp16, k, v)
     assert fp16.nbytes() == layers * 2 * BH * L * D * 2 and fp16.length == L
 
     for bits in (2, 4):
-        kivi = make_cache("kivi", layers, B, HKV, D, 256, bits=bits, residual=R)
+        kivi = make_cache("kivi", KVLayout(layers, HKV, D), B, 256, bits=bits, residual=R)
         fill(kivi, k, v)
         C = (L - R) // 32 * 32
         codes = 2 * C * D * bits // 8  # K and V codes
@@ -330,7 +334,14 @@ def test_nbytes_matches_independent_count():
 
     for keep_perm in (False, True):
         pk = make_cache(
-            "packkv", layers, B, HKV, D, 256, k_rel=0.1, v_rel=0.2, residual=R, keep_perm=keep_perm
+            "packkv",
+            KVLayout(layers, HKV, D),
+            B,
+            256,
+            k_rel=0.1,
+            v_rel=0.2,
+            residual=R,
+            keep_perm=keep_perm,
         )
         fill(pk, k, v)
         C, S = (
@@ -372,7 +383,7 @@ def test_left_padding_start(kind, opts):
         "kivi": lambda k, v: kivi_error(k, v, 4),
         "packkv": lambda k, v: (packkv_error(k, 0.05), packkv_error(v, 0.05)),
     }[kind]
-    check_bounded(make_cache(kind, 1, B, HKV, D, 260, **opts), bounds, start=start)
+    check_bounded(make_cache(kind, KVLayout(1, HKV, D), B, 260, **opts), bounds, start=start)
     q, k, v = data(260)
     unmasked, masked = reference(q[:, :, -1:], k, v), reference(q[:, :, -1:], k, v, start)
     assert rel_err(unmasked[1], masked[1]) > 0.1  # the padding mask changes row 1's output
@@ -384,7 +395,7 @@ def test_kivi_left_padding_stays_out_of_k_groups():
     q, k, v = data(260)
     start = torch.tensor([0, 37])
     k[1, :, :37] *= 1000
-    cache = make_cache("kivi", 1, B, HKV, D, 260, bits=4, residual=32)
+    cache = make_cache("kivi", KVLayout(1, HKV, D), B, 260, bits=4, residual=32)
     decode(cache, q, k, v, 70, set(), start)
     k_hat, _ = cache.history(0)
     C = k_hat.shape[2]
@@ -398,7 +409,7 @@ def test_kivi_left_padding_stays_out_of_k_groups():
 def test_packkv_without_permutation_refuses_padding_inside_a_block():
     q, k, v = data(260)
     cache = make_cache(
-        "packkv", 1, B, HKV, D, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False
+        "packkv", KVLayout(1, HKV, D), B, 260, k_rel=0.1, v_rel=0.2, residual=32, keep_perm=False
     )
     with pytest.raises(CompressError, match="keep_perm=True"):
         decode(cache, q, k, v, 70, set(), torch.tensor([0, 37]))
@@ -416,8 +427,12 @@ def test_packkv_without_permutation_refuses_padding_inside_a_block():
 def test_gqa_equals_attention_over_repeated_kv_heads(kind):
     """Query head j reads KV head j // G: the same as MHA over each KV head repeated G times."""
     q, k, v = data(200)
-    gqa = make_cache(kind, 1, B, HKV, D, 200, **({} if kind == "fp16" else {"residual": 32}))
-    mha = make_cache(kind, 1, B, HKV * G, D, 200, **({} if kind == "fp16" else {"residual": 32}))
+    gqa = make_cache(
+        kind, KVLayout(1, HKV, D), B, 200, **({} if kind == "fp16" else {"residual": 32})
+    )
+    mha = make_cache(
+        kind, KVLayout(1, HKV * G, D), B, 200, **({} if kind == "fp16" else {"residual": 32})
+    )
     out_gqa = decode(gqa, q, k, v, 60, {199})[199]
     out_mha = decode(mha, q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), 60, {199})[199]
     assert torch.allclose(out_gqa, out_mha, rtol=1e-5, atol=1e-6)
@@ -431,12 +446,12 @@ def test_packkv_token_by_token_equals_all_at_once():
     """Staging, arrival-order packs and taking a block back to repack it store exactly what compressing
     the same tokens in one go stores; the window always holds the newest ``residual`` tokens."""
     q, k, v = data(261)
-    one = make_cache("packkv", 1, B, HKV, D, 261, residual=32, keep_perm=True)
+    one = make_cache("packkv", KVLayout(1, HKV, D), B, 261, residual=32, keep_perm=True)
     one.append(0, k[:, :, :70], v[:, :, :70])
     for t in range(70, 261):
         one.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert one.win_k[0].shape[2] == 32 and one.ncomp[0] == t + 1 - 32
-    bulk = make_cache("packkv", 1, B, HKV, D, 261, residual=32, keep_perm=True)
+    bulk = make_cache("packkv", KVLayout(1, HKV, D), B, 261, residual=32, keep_perm=True)
     bulk.append(0, k[:, :, :260], v[:, :, :260])
     bulk.append(0, k[:, :, 260:], v[:, :, 260:])  # compresses 229 tokens at once
     for a, b in (
@@ -457,14 +472,14 @@ def test_packkv_token_by_token_equals_all_at_once():
 
 def test_user_errors_name_the_fix():
     with pytest.raises(CompressError, match="fp16"):
-        make_cache("int3", 1, 1, 1, 64, 8)
+        make_cache("int3", KVLayout(1, 1, 64), 1, 8)
     with pytest.raises(CompressError, match="bits"):
-        make_cache("kivi", 1, 1, 1, 64, 8, bits=3)
+        make_cache("kivi", KVLayout(1, 1, 64), 1, 8, bits=3)
     with pytest.raises(CompressError, match="k_rel"):
-        make_cache("packkv", 1, 1, 1, 64, 8, k_rel=0.001)
+        make_cache("packkv", KVLayout(1, 1, 64), 1, 8, k_rel=0.001)
     with pytest.raises(CompressError, match="options"):
-        make_cache("packkv", 1, 1, 1, 64, 8, rel=0.1)
-    cache = make_cache("fp16", 1, 1, 1, 64, 8)
+        make_cache("packkv", KVLayout(1, 1, 64), 1, 8, rel=0.1)
+    cache = make_cache("fp16", KVLayout(1, 1, 64), 1, 8)
     with pytest.raises(CompressError, match="max_len"):
         cache.append(0, torch.zeros(1, 1, 9, 64), torch.zeros(1, 1, 9, 64))
 
@@ -512,7 +527,7 @@ def test_settle_after_prefill_changes_nothing_but_when(kind, opts):
     every later attend output, the bytes held and the compressed count are exactly those of a
     cache that was not settled (whose error the tests above bound)."""
     q, k, v = data(230, seed=4)
-    lazy, eager = (make_cache(kind, 1, B, HKV, D, 230, **opts) for _ in range(2))
+    lazy, eager = (make_cache(kind, KVLayout(1, HKV, D), B, 230, **opts) for _ in range(2))
     for c in (lazy, eager):
         c.append(0, k[:, :, :150], v[:, :, :150])
     eager.settle()
@@ -554,11 +569,11 @@ def test_compressed_caches_without_a_compiler(kind, opts, monkeypatch):
     monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
     if native.library() is None:
         pytest.fail("the C++ CPU kernels did not build on this machine (see the warning)")
-    built = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    built = make_cache(kind, KVLayout(1, HKV, D), B, 200, **opts)
     outs = decode(built, q, k, v, 100, {150, 199})
     monkeypatch.setattr(native, "_LIB", {})
     monkeypatch.setenv("CXX", "no-such-c++")
-    bare = make_cache(kind, 1, B, HKV, D, 200, **opts)
+    bare = make_cache(kind, KVLayout(1, HKV, D), B, 200, **opts)
     with pytest.warns(RuntimeWarning, match="no C.. compiler") as caught:
         bare_outs = decode(bare, q, k, v, 100, {150, 199})
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1

@@ -22,7 +22,7 @@ from compress.testing import (
     tiny_config,
     tiny_tokenizer,
 )
-from tests.conftest import BENCH, ROOT
+from tests.conftest import run_bench
 
 W = "model.safetensors"
 
@@ -200,20 +200,8 @@ def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
 def test_bench_verify_runs_at_a_tiny_size(tmp_path):
     """``eval/bench/bench_verify.py`` on a tiny model (the real figures: see the README)."""
     out = tmp_path / "verify.json"
-    argv = [
-        "--models",
-        "tiny",
-        "--rounds",
-        "1",
-        "--rtn",
-        "--keep",
-        str(tmp_path / "f"),
-        "--json",
-        str(out),
-    ]
-    res = subprocess.run([sys.executable, str(BENCH / "bench_verify.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
+    argv = ["--models", "tiny", "--rounds", 1, "--rtn", "--keep", tmp_path / "f", "--json", out]
+    run_bench("bench_verify", *argv)
     r = json.loads(out.read_text())["tiny"]
     assert r["folder_bytes"] == sum(p.stat().st_size for p in (tmp_path / "f" / "tiny").iterdir())
     assert 0 < r["verify_s"] < r["verify_and_load_s"] and r["load_s"] > 0

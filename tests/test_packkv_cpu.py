@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.decoder.kv import make_cache
+from compress.decoder.kv import KVLayout, make_cache
 from compress.errors import CompressError
 from compress.kernels import native, packkv_cpu, packkv_pv, packkv_qk, packkv_ref
 
@@ -186,7 +186,7 @@ def test_cache_attends_the_same_through_the_kernel(kernel, monkeypatch):
         monkeypatch.delenv("COMPRESS_KERNELS", raising=False)
         if mode:
             monkeypatch.setenv("COMPRESS_KERNELS", mode)
-        cache = make_cache("packkv", 1, B, HKV, D, L, residual=32, block=32)
+        cache = make_cache("packkv", KVLayout(1, HKV, D), B, L, residual=32, block=32)
         cache.append(0, k[:, :, :200], v[:, :, :200])
         for t in range(200, L):
             cache.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])

@@ -8,7 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from compress.decoder.kv import make_cache  # noqa: E402
+from compress.decoder.kv import KVLayout, make_cache  # noqa: E402
 from compress.kernels import packkv_ref, packkv_triton  # noqa: E402
 
 D = 64
@@ -60,7 +60,7 @@ def test_cache_attends_the_same_through_the_kernels():
     q = torch.randn(B, 2 * HKV, L, D, generator=g)
     outs = []
     for ops in (packkv_ref, packkv_triton):
-        cache = make_cache("packkv", 1, B, HKV, D, L, residual=32, block=32)
+        cache = make_cache("packkv", KVLayout(1, HKV, D), B, L, residual=32, block=32)
         cache.ops = ops
         cache.append(0, k[:, :, :100], v[:, :, :100])
         for t in range(100, L):

@@ -5,6 +5,7 @@ eager forward (the independent references), on tiny random Mistral (a window on 
 and Gemma 3 (a window on five of six layers) models; the local pools' used blocks stay within
 ``ceil(w / bs) + 1`` per sequence while the global pool grows with the context."""
 
+import json
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from compress.serve.block_manager import BlockManager
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params, Sequence
 from compress.testing import SIZES, TOKENS
+from tests.conftest import run_bench
 
 W, BS = 8, 4  # window, block size: a window of two blocks
 COMMON = dict(SIZES, **TOKENS, vocab_size=300, head_dim=16, max_position_embeddings=256)
@@ -252,7 +254,6 @@ def test_fixed_order_window_attention(family):
         errs.append(rel(forward(idx, inv, **kw), out))  # writes the slots again, within 1e-7
         return out
 
-    both.config = model.config  # the engine checks requests against it
     both.spec = model.spec  # the engine checks requests against it
     engine.cache.bind, engine.model = bind_both, both
     seqs, _ = serve(engine, reqs, Params(max_tokens=30, ignore_eos=True))
@@ -307,18 +308,8 @@ def test_held_bytes(family):
 def test_bytes_bench_quick(tmp_path):
     """The bench script's quick run (a tiny Gemma 3 at 300 tokens): the held bytes within the
     bound and under the all-global figure, the pools smaller than one pool for every slot."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import BENCH, ROOT
-
     out = tmp_path / "bytes.json"
-    res = subprocess.run(
-        [sys.executable, str(BENCH / "paged_window_bytes.py"), "--quick", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
+    run_bench("paged_window_bytes", "--quick", "--json", out)
     res = json.loads(out.read_text())
     assert res["measured_bytes"] <= res["bound_bytes"] < res["all_global_bytes"]
     assert res["pool_bytes"] < res["pool_bytes_all_global"]

@@ -5,7 +5,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -18,7 +17,7 @@ from compress.decoder.model import load
 from compress.serve.app import create_app
 from compress.serve.engine import Engine
 from compress.serve.worker import Worker
-from tests.conftest import stop
+from tests.conftest import serve_in_thread, stop
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -43,35 +42,16 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    import uvicorn
-
     model, tok = load(folder)
     engine = Engine(model, tok, num_blocks=96, block_size=4, max_seqs=8, max_step_tokens=64)
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(
-            create_app(Worker(engine), tok, "tiny"),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
+    with serve_in_thread(create_app(Worker(engine), tok, "tiny"), 30, "warning") as url:
+        yield SimpleNamespace(
+            url=url,
+            engine=engine,
+            model=model,
+            tok=tok,
+            client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
         )
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        url=url,
-        engine=engine,
-        model=model,
-        tok=tok,
-        client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
-    )
-    srv.should_exit = True
-    thread.join(10)
 
 
 def metrics(url: str) -> dict:

@@ -30,9 +30,9 @@ from compress.serve.__main__ import check_access, check_arguments, main, parse_a
 from compress.serve.app import create_app
 from compress.serve.engine import Engine
 from compress.serve.protocol import CompletionRequest, prompt_char_limit
-from compress.serve.server import make_server
 from compress.serve.worker import Worker
 from compress.testing import random_model, run_folder, tiny_config, tiny_tokenizer
+from tests.conftest import serve_in_thread
 
 openai = pytest.importorskip("openai")
 
@@ -485,19 +485,8 @@ def app_server(folder):
     model, tok = load(folder)
     engine = Engine(model, tok, num_blocks=64, block_size=4, max_seqs=4, max_step_tokens=64)
     slow = SlowTokenizer(tok)
-    server = make_server(create_app(Worker(engine), slow, "tiny"), log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{server.port}"
+    with serve_in_thread(create_app(Worker(engine), slow, "tiny"), 30, "warning") as url:
         yield SimpleNamespace(url=url, slow=slow, tok=tok, client=client(url, "none"))
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

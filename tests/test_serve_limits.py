@@ -5,7 +5,6 @@ starts, and a stream that fails mid-way ends with an error event and ``[DONE]``.
 
 import json
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -13,10 +12,10 @@ import httpx
 import pytest
 
 from compress.decoder.model import load
-from compress.serve.__main__ import H11_MAX_HEADER_BYTES
 from compress.serve.app import create_app
 from compress.serve.engine import Engine
 from compress.serve.worker import Worker
+from tests.conftest import serve_in_thread
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 LIMIT, TIMEOUT = 4096, 0.5
@@ -25,34 +24,12 @@ BODY = {"model": "tiny", "prompt": "the quick", "max_tokens": 4}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
     folder = save(tiny_hf(), tmp_path_factory.mktemp("tiny"), tiny_tokenizer())
     model, tok = load(folder)
     engine = Engine(model, tok, num_blocks=64, block_size=4, max_seqs=4, max_step_tokens=64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(Worker(engine), tok, "tiny", max_body_bytes=LIMIT, body_timeout_s=TIMEOUT)
-    srv = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            http="h11",  # as compress.serve runs it
-            h11_max_incomplete_event_size=H11_MAX_HEADER_BYTES,
-        )
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine)
-    srv.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app, 30, "warning") as url:
+        yield SimpleNamespace(url=url, port=int(url.rsplit(":", 1)[1]), engine=engine)
 
 
 def openai_error(r, status):

@@ -3,18 +3,20 @@ masked as transformers masks a window (the query at p sees p - w < k <= p); boun
 (speculative decoding) across the window; and the decoder's generation past Mistral's window."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from compress.arch.spec import spec_of
 from compress.decoder.generate import generate
-from compress.decoder.kv import make_cache, new_cache, static_cache
+from compress.decoder.kv import KVLayout, make_cache, new_cache, static_cache
 from compress.decoder.kv.fp16 import FP16Cache
 from compress.decoder.speculative.generate import speculative_generate
 from compress.errors import CompressError
 from compress.io.checkpoint import read_config
+from compress.testing import tiny_tokenizer
+from tests.conftest import run_bench
+from tests.family_models import family_model
 
 B, HKV, H, D = 2, 2, 4, 32
 W, LOOK = 8, 2
@@ -85,14 +87,16 @@ START = torch.tensor([0, 5])
 )
 def test_windowed_attention_matches_float64(kind, opts, tol):
     """Long chunks (the ring keeps the old keys aside), single steps, a chunk that fits the ring."""
-    cache = make_cache(kind, 2, B, HKV, D, 200, windows=WINDOWS, lookahead=LOOK, **opts)
+    cache = make_cache(kind, KVLayout(2, HKV, D, windows=WINDOWS), B, 200, lookahead=LOOK, **opts)
     run(cache, CHUNKS, START, tol)
 
 
 def test_local_layers_of_compressed_caches_are_exact_fp16():
     """KIVI and PackKV keep a local layer's window in fp16 and compress nothing of it."""
     for kind in ("kivi", "packkv"):
-        cache = make_cache(kind, 2, B, HKV, D, 200, windows=[W, W], lookahead=LOOK, residual=16)
+        cache = make_cache(
+            kind, KVLayout(2, HKV, D, windows=[W, W]), B, 200, lookahead=LOOK, residual=16
+        )
         run(cache, CHUNKS, START, 2e-3)
         assert cache.ncomp == [0, 0] and all(w.shape[2] <= W + LOOK for w in cache.win_k)
 
@@ -101,15 +105,22 @@ def test_query_blocks_and_windowed_layers_without_a_ring(monkeypatch):
     """A prompt longer than QUERY_BLOCK in a ring layer, and a windowed layer whose cache is no
     longer than window + lookahead (no ring; the window is a mask over its slots)."""
     monkeypatch.setattr(FP16Cache, "QUERY_BLOCK", 4)
-    run(make_cache("full", 2, B, HKV, D, 200, windows=WINDOWS, lookahead=LOOK), CHUNKS, START, 1e-5)
-    small = make_cache("full", 2, B, HKV, D, 10, windows=[W, None], lookahead=LOOK)
+    run(
+        make_cache("full", KVLayout(2, HKV, D, windows=WINDOWS), B, 200, lookahead=LOOK),
+        CHUNKS,
+        START,
+        1e-5,
+    )
+    small = make_cache("full", KVLayout(2, HKV, D, windows=[W, None]), B, 10, lookahead=LOOK)
     assert not small.ring(0)
     run(small, [7, 1, 1, 1], START, 1e-5)
 
 
 def test_static_cache_ring():
     """The compiled step's static cache: one token a step over all ring slots."""
-    cache = static_cache(make_cache("full", 2, B, HKV, D, 256, windows=WINDOWS, lookahead=LOOK))
+    cache = static_cache(
+        make_cache("full", KVLayout(2, HKV, D, windows=WINDOWS), B, 256, lookahead=LOOK)
+    )
     run(cache, [13] + [1] * 20, START, 1e-5)
 
 
@@ -117,7 +128,7 @@ def test_static_cache_ring():
 def test_rollback_within_lookahead(kind):
     """Speculative verification appends gamma + 1 = LOOK + 1 tokens and drops up to gamma."""
     opts = {"residual": 16} if kind == "kivi" else {}
-    cache = make_cache(kind, 2, B, HKV, D, 200, windows=WINDOWS, lookahead=LOOK, **opts)
+    cache = make_cache(kind, KVLayout(2, HKV, D, windows=WINDOWS), B, 200, lookahead=LOOK, **opts)
     chunks = [20, 3, 3, 3, 3, 1, 3]
     run(
         cache,
@@ -138,14 +149,16 @@ def test_bytes_bounded_for_local_layers():
     """At 150 tokens a local slot holds window + lookahead tokens; a global one all 150."""
     per_token = B * HKV * 2 * D * 2  # fp16 K and V
     for kind, opts in (("fp16", {}), ("kivi", {"residual": 16}), ("packkv", {"residual": 16})):
-        cache = make_cache(kind, 2, B, HKV, D, 160, windows=[W, W], lookahead=LOOK, **opts)
+        cache = make_cache(
+            kind, KVLayout(2, HKV, D, windows=[W, W]), B, 160, lookahead=LOOK, **opts
+        )
         for T in [100] + [1] * 50:
             for layer in range(2):
                 cache.append(layer, *(torch.randn(B, HKV, T, D) for _ in range(2)))
         cache.settle()
         assert cache.length == 150
         assert cache.nbytes() <= 2 * (W + LOOK) * per_token
-    fp16 = make_cache("fp16", 2, B, HKV, D, 160, windows=[W, None])
+    fp16 = make_cache("fp16", KVLayout(2, HKV, D, windows=[W, None]), B, 160)
     for layer in range(2):
         fp16.append(layer, *(torch.randn(B, HKV, 150, D) for _ in range(2)))
     assert fp16.nbytes() == (W + 150) * per_token
@@ -153,9 +166,9 @@ def test_bytes_bounded_for_local_layers():
 
 def test_bad_windows_refused():
     with pytest.raises(CompressError, match="one sliding window"):
-        make_cache("fp16", 2, 1, HKV, D, 16, windows=[4])
+        make_cache("fp16", KVLayout(2, HKV, D, windows=[4]), 1, 16)
     with pytest.raises(CompressError, match="one sliding window"):
-        make_cache("fp16", 2, 1, HKV, D, 16, windows=[0, None])
+        make_cache("fp16", KVLayout(2, HKV, D, windows=[0, None]), 1, 16)
 
 
 @pytest.fixture(scope="module")
@@ -246,18 +259,10 @@ def test_window_kv_bench_measures_the_bounded_cache(tmp_path):
     """``eval/bench/bench_window_kv.py``: the fp16 cache's bytes per token of a windowed model
     after a prompt past its window match the analytic figure (per layer, min(tokens, window)
     slots of K and V), and the all-global copy's match theirs."""
-    from compress.arch.spec import spec_of
-    from compress.testing import tiny_tokenizer
-    from tests.conftest import BENCH, ROOT
-    from tests.family_models import family_model
-
     folder, out = tmp_path / "gemma", tmp_path / "window.json"
     family_model("gemma3_text").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    argv = ["--folder", str(folder), "--prompt-tokens", "96", "--json", str(out)]
-    res = subprocess.run([sys.executable, str(BENCH / "bench_window_kv.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
+    run_bench("bench_window_kv", "--folder", folder, "--prompt-tokens", 96, "--json", out)
     got = json.loads(out.read_text())
     spec = spec_of(read_config(folder)[0])
     assert sum(layer.window is not None for layer in spec.layers) == 5

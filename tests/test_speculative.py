@@ -4,15 +4,13 @@ identical to the target's own, the sampling rule's output distribution equal to 
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from compress.decoder.__main__ import main as cli
 from compress.decoder.generate import generate
-from compress.decoder.kv import make_cache
+from compress.decoder.kv import KVLayout, make_cache
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.speculative.bandit import UCB1, Unimodal, self_bandit
@@ -34,7 +32,7 @@ from compress.decoder.speculative.layer_skip import (
 )
 from compress.errors import CompressError
 from compress.eval.ties import first_divergence_is_tie
-from tests.conftest import BENCH, ROOT
+from tests.conftest import make_tiny_model, run_bench
 from tests.test_decoder import save, tiny_hf, tiny_tokenizer
 
 PROMPT = [[5, 17, 33, 2, 99, 7, 8]]
@@ -48,6 +46,15 @@ def noisy_copy(hf, scale: float, seed: int = 1):
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * scale)
     return draft
+
+
+def loaded_pair(root, layers: int = 3, noise: float = 0.005):
+    """(target, noisy draft, tokenizer) loaded from run folders under ``root``: a tiny random
+    model of ``layers`` layers and its ``noisy_copy``."""
+    tok, hf = tiny_tokenizer(), tiny_hf(num_hidden_layers=layers)
+    target, tok = load(save(hf, root / "target", tok))
+    draft, _ = load(save(noisy_copy(hf, noise), root / "draft", tok))
+    return target, draft, tok
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +262,7 @@ def attend_all(cache, q, L):
 def test_rollback_by_position(kind):
     torch.manual_seed(0)
     k, v, q = torch.randn(2, 1, 2, 40, 32), torch.randn(2, 1, 2, 40, 32), torch.randn(1, 4, 1, 32)
-    spec, ref = (make_cache(kind, 2, 1, 2, 32, 64) for _ in range(2))
+    spec, ref = (make_cache(kind, KVLayout(2, 2, 32), 1, 64) for _ in range(2))
     for cache, chunks in ((spec, [(0, 20), (20, 30)]), (ref, [(0, 25)])):
         for a, b in chunks:
             for layer in range(2):
@@ -277,7 +284,7 @@ def test_rollback_inside_the_window(kind):
     torch.manual_seed(0)
     k, v = torch.randn(1, 2, 120, 32), torch.randn(1, 2, 120, 32)
     opts = {"keep_perm": True} if kind == "packkv" else {}  # history() needs the permutation
-    cache = make_cache(kind, 1, 1, 2, 32, 128, residual=24, **opts)
+    cache = make_cache(kind, KVLayout(1, 2, 32), 1, 128, residual=24, **opts)
     cache.append(0, k[:, :, :90], v[:, :, :90])
     cache.append(0, k[:, :, 90:96], v[:, :, 90:96])  # a round of γ + 1 = 6
     hist, window = cache.history(0), cache.win_k[0].clone()
@@ -500,27 +507,15 @@ def test_cli(pair, capsys):
 
 
 @pytest.mark.slow
-def test_bench_spec_quick(tmp_path, tokenizer, capsys):
+def test_bench_spec_quick(tmp_path, tokenizer):
     """The benchmark end to end on tiny folders with the real tokenizer (chat template): every
     system's row, exact greedy output, and the JSON."""
-    from tests.conftest import make_tiny_model
-
     hf = make_tiny_model(num_hidden_layers=4)
     for name, model in (("target", hf), ("draft", noisy_copy(hf, 0.01))):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    argv = [
-        "--target",
-        str(tmp_path / "target"),
-        "--drafts",
-        str(tmp_path / "draft"),
-        "--quick",
-        "--json",
-        str(tmp_path / "out.json"),
-    ]
-    res = subprocess.run([sys.executable, str(BENCH / "bench_spec.py"), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
+    argv = ["--target", tmp_path / "target", "--drafts", tmp_path / "draft", "--quick"]
+    res = run_bench("bench_spec", *argv, "--json", tmp_path / "out.json", timeout=900)
     table = json.loads((tmp_path / "out.json").read_text())["table"]
     names = [t["system"] for t in table]
     assert names[:3] == ["target", "spec:draft", "hf-assisted:draft"]

@@ -2,27 +2,25 @@
 generation stop at the same token with the same text on a stop string, an EOS id and max tokens,
 the expectation taken from the tokenizer's own decode of an unstopped greedy run."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from compress.decoder.generate import generate
-from compress.decoder.model import load
 from compress.decoder.speculative.generate import speculative_generate
 from compress.decoder.stopping import Detokenizer, Stopping
 from compress.serve.engine import Engine
 from compress.serve.scheduler import Params
-from tests.test_decoder import save, tiny_hf, tiny_tokenizer
-from tests.test_speculative import noisy_copy
+from tests.test_decoder import tiny_tokenizer
+from tests.test_speculative import loaded_pair
 
 N = 40
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root, tok = tmp_path_factory.mktemp("stop"), tiny_tokenizer()
-    hf = tiny_hf(num_hidden_layers=3)
-    target, tok = load(save(hf, root / "target", tok))
-    draft, _ = load(save(noisy_copy(hf, 0.005), root / "draft", tok))
+    target, draft, tok = loaded_pair(tmp_path_factory.mktemp("stop"))
     prompt = tok("the quick brown fox").input_ids
     ref = generate(target, [prompt], N, ignore_eos=True).tokens[0]
     return target, draft, tok, prompt, ref
@@ -82,12 +80,12 @@ def test_eos(models):
     target, draft, tok, prompt, ref = models
     k = next(k for k in range(3, N) if ref[k] not in ref[:k])
     eos = ref[k]
-    saved = target.config.eos_token_id
-    target.config.eos_token_id = eos
+    saved = target.spec
+    target.spec = replace(saved, eos_ids=(eos,))  # the runtime reads its stops from the spec
     try:
         out, reason = three_loops(target, draft, tok, prompt, N)
     finally:
-        target.config.eos_token_id = saved
+        target.spec = saved
     check(out, ref[:k], tok.decode(ref[:k], skip_special_tokens=True))
     assert reason == "stop"
 
@@ -145,28 +143,70 @@ def streamed(tok, ids) -> tuple[list[str], str]:
     return pieces, d.text
 
 
-@pytest.mark.parametrize("which", ["byte-level", "smollm2", "metaspace"])
-def test_incremental_text_equals_decode_of_the_whole_row(which, request):
-    """Streamed pieces concatenate to ``tokenizer.decode`` of all the ids, for multi-byte text
-    (split over byte tokens), leading spaces and merges, and random ids (special tokens among
-    them); nothing streamed is ever taken back."""
-    tok = {
-        "byte-level": tiny_tokenizer,
-        "smollm2": lambda: request.getfixturevalue("tokenizer"),
-        "metaspace": metaspace_tokenizer,
-    }[which]()
+TOKENIZERS = {
+    "byte-level": lambda request: tiny_tokenizer(),
+    "smollm2": lambda request: request.getfixturevalue("tokenizer"),
+    "metaspace": lambda request: metaspace_tokenizer(),
+}
+
+
+def rows_of(tok) -> list[list[int]]:
+    """The TEXTS, random ids (special tokens among them) and all of TEXTS in one row."""
     g = torch.Generator().manual_seed(0)
     rows = [tok(t, add_special_tokens=False).input_ids for t in TEXTS]
     rows.append(torch.randint(0, len(tok), (300,), generator=g).tolist())
     rows.append(rows[0] + rows[1] + rows[2])
-    for ids in rows:
+    return rows
+
+
+@pytest.mark.parametrize("which", list(TOKENIZERS))
+def test_incremental_text_equals_decode_of_the_whole_row(which, request):
+    """Streamed pieces concatenate to ``tokenizer.decode`` of all the ids, for multi-byte text
+    (split over byte tokens), leading spaces and merges, and random ids (special tokens among
+    them); nothing streamed is ever taken back."""
+    tok = TOKENIZERS[which](request)
+    for ids in rows_of(tok):
         whole = tok.decode(ids, skip_special_tokens=True)
         pieces, text = streamed(tok, ids)
-        assert "".join(pieces) == text
-        if not whole.endswith("\ufffd"):  # a row ending inside a character keeps it back
-            assert text == whole, (which, ids)
+        assert "".join(pieces) == text == whole, (which, ids)
         for k in range(len(pieces)):
             assert whole.startswith("".join(pieces[: k + 1]))
+
+
+@pytest.mark.parametrize("which", list(TOKENIZERS))
+def test_a_row_cut_anywhere_streams_its_decode(which, request):
+    """A row ending at any token, inside a multi-byte character too (byte tokens of an emoji, a
+    CJK character), streams exactly ``decode`` of its ids: a character left incomplete comes
+    out at the end as the U+FFFD that ``decode`` gives it."""
+    tok = TOKENIZERS[which](request)
+    ids = tok(TEXTS[0], add_special_tokens=False).input_ids
+    cut_inside = 0
+    for n in range(1, len(ids) + 1):
+        whole = tok.decode(ids[:n], skip_special_tokens=True)
+        cut_inside += whole.endswith("\ufffd")
+        pieces, text = streamed(tok, ids[:n])
+        assert "".join(pieces) == text == whole, (which, n)
+    if which != "metaspace":  # its vocabulary holds the whole characters of the text
+        assert cut_inside > 0  # the cuts did fall inside characters
+
+
+@pytest.mark.parametrize("which", list(TOKENIZERS))
+def test_stop_strings_over_multi_byte_text(which, request):
+    """A stop string (multi-byte, or beginning with a space) ends the row where its first
+    occurrence in ``decode(ids)`` begins; the streamed text is what comes before it."""
+    tok = TOKENIZERS[which](request)
+    ids = tok(" ".join(TEXTS), add_special_tokens=False).input_ids
+    whole = tok.decode(ids, skip_special_tokens=True)
+    for stop in ("東京", "😀🎉", "ß", " runs of", "the.the", "ïv"):
+        assert stop in whole
+        d = Detokenizer(tok, (stop,))
+        pieces = []
+        for i in ids:
+            pieces.append(d.push(i))
+            if d.stopped:
+                break
+        pieces.append(d.flush())
+        assert d.stopped and "".join(pieces) == d.text == whole[: whole.find(stop)], stop
 
 
 def test_detokenizing_reads_a_bounded_window_per_token():

@@ -293,7 +293,7 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
         quantization_config(4, 32),
     )
     main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json"])
-    conf = json.loads(capsys.readouterr().out)["config"]
+    conf = json.loads(capsys.readouterr().out)["runtime"]
     assert (
         conf["kernel"] == FAST_KERNEL
         and conf["head"] == "int8"
@@ -303,7 +303,7 @@ def test_decoder_default_runs_the_kernel_compiled(tmp_path, capsys):
     main([str(folder), "--prompt", "the quick brown", "--max-new-tokens", "6", "--json",
           "--kernel", "w4a8"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
-    assert out["config"]["kernel"] == "w4a8" and out["config"]["compile"]
+    assert out["runtime"]["kernel"] == "w4a8" and out["runtime"]["compile"]
     model, tok = load(folder, dtype=torch.bfloat16, lean=True, head="int8", kernel="w4a8")
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
@@ -325,7 +325,8 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
     """``--draft AWQ_RUN`` with no other flags: the draft loads bfloat16, lean, ``FAST_KERNEL``, with the
     fast head, and decodes compiled, whatever the (float) target runs; explicit flags win."""
     from compress.decoder.__main__ import configuration, parse_args
-    from compress.decoder.speculative.cli import draft_load_kwargs
+    from compress.decoder.runtime import RuntimeConfig
+    from compress.decoder.speculative.cli import draft_runtime
 
     target, draft = tmp_path / "fp", tmp_path / "q4"
     for folder, qcfg in ((target, None), (draft, {"quant_method": "awq", "bits": 4})):
@@ -334,25 +335,24 @@ def test_a_quantized_draft_defaults_to_the_fast_configuration(tmp_path):
             json.dumps({"vocab_size": 320, "quantization_config": qcfg})
         )
 
-    def kwargs(*flags):
+    def runtimes(*flags):
         args = parse_args(
             [str(target), "--prompt", "x", "--device", "cpu", "--draft", str(draft), *flags]
         )
         conf = configuration(args)
         args.compile_flag, args.compile = args.compile, conf.compile
-        return conf, draft_load_kwargs(args, conf)
+        return conf, draft_runtime(args, conf)
 
-    conf, kw = kwargs()
+    conf, kw = runtimes()
     assert conf.dtype == "float32" and conf.kernel == "exact" and not conf.compile
-    assert kw == dict(dtype=torch.bfloat16, qdtype=torch.bfloat16, device="cpu", lean=True,
-                      kernel=FAST_KERNEL, head="int8", compile=True)  # fmt: skip
-    _, kw = kwargs("--no-compile", "--kernel", "w4a8", "--no-lean")
-    assert not kw["compile"] and kw["kernel"] == "w4a8" and not kw["lean"]
-    _, kw = kwargs("--dtype", "float32")  # the bit-faithful path, for the draft as the target
-    assert kw["dtype"] == torch.float32 and kw["kernel"] == "exact" and kw["head"] == "none"
-    assert not kw["compile"] and not kw["lean"]
-    _, kw = kwargs("--dtype", "bfloat16")  # naming one setting keeps the fast choice for the rest
-    assert kw["kernel"] == FAST_KERNEL and kw["head"] == "int8" and kw["compile"] and kw["lean"]
+    assert kw == RuntimeConfig(dtype="bfloat16", qdtype="bfloat16", lean=True, kernel=FAST_KERNEL,
+                               head="int8", compile=True, fast=True)  # fmt: skip
+    _, kw = runtimes("--no-compile", "--kernel", "w4a8", "--no-lean")
+    assert not kw.compile and kw.kernel == "w4a8" and not kw.lean
+    _, kw = runtimes("--dtype", "float32")  # the bit-faithful path, for the draft as the target
+    assert kw == RuntimeConfig(dtype="float32", qdtype="float32")
+    _, kw = runtimes("--dtype", "bfloat16")  # naming one setting keeps the fast choice for the rest
+    assert kw.kernel == FAST_KERNEL and kw.head == "int8" and kw.compile and kw.lean
 
 
 @pytest.mark.slow
@@ -374,5 +374,6 @@ def test_quantized_draft_default_is_exact(tmp_path, capsys):
     main(base + ["--draft", str(draft)])
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == plain["text"] and out["acceptance"] > 0
-    assert out["draft_config"] == dict(dtype="bfloat16", qdtype="bfloat16", device="cpu",
-                                       lean=True, kernel=FAST_KERNEL, head="int8", compile=True)  # fmt: skip
+    assert out["draft_runtime"] == dict(device="cpu", dtype="bfloat16", qdtype="bfloat16",
+                                        kernel=FAST_KERNEL, head="int8", lean=True, compile=True,
+                                        batch_invariant=False, threads=None, fast=True)  # fmt: skip

@@ -18,6 +18,9 @@ decoder's one forward, its caches, the methods) reads the spec, never the raw co
                                  head_dim**-0.5)
     spec.final_softcap           None, or c: logits = c * tanh(logits / c) (Gemma 2 style)
     spec.adapter                 the family entry: module names of the checkpoint
+    spec.head_dim                the width of one attention head (``arch.adapters.head_dim``, the
+                                 one formula: config.head_dim, else hidden_size / heads)
+    spec.vocab_size, spec.max_positions, spec.eos_ids, spec.n_layers   the runtime's sizes and stops
 
 Sliding windows are read the same way for every family: ``config.layer_types`` (qwen2, qwen3,
 gemma3_text) gives each layer "sliding_attention" (window ``config.sliding_window``) or
@@ -27,7 +30,7 @@ layer type (Gemma 3) or one dict for all layers.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from compress.arch.adapters import Adapter, get_adapter, head_dim
 from compress.errors import CompressError
@@ -49,7 +52,9 @@ class LayerSpec:
     """One decoder layer: its attention and position encoding."""
 
     index: int
-    attention: str  # "gqa", "cla" (reads another layer's K/V), "mla" (latent), "mapped" (IAM)
+    # "gqa", "cla" (reads another layer's K/V), "mla" (latent), or a kind a method registers
+    # with the decoder and sets with ArchSpec.with_attention (IAM's "mapped")
+    attention: str
     kind: str  # the HF layer type: "full_attention" or "sliding_attention"
     window: int | None  # sliding window in tokens; None: global
     rope: tuple  # the RoPE parameters as sorted (key, value) pairs; rope_parameters() as a dict
@@ -110,6 +115,21 @@ class ArchSpec:
     def windowed(self) -> bool:
         """Some layer attends within a sliding window."""
         return any(layer.window is not None for layer in self.layers)
+
+    def with_attention(self, kinds: dict[int, str]) -> "ArchSpec":
+        """This spec with layer ``i``'s attention of kind ``kinds[i]``: how a method builds its own
+        attention into some layers (IAM: ``compress.methods.iam.attention``) without touching the
+        HF config, from which the rest of the spec came."""
+        bad = [i for i in kinds if not (isinstance(i, int) and 0 <= i < self.n_layers)]
+        if bad:
+            raise CompressError(
+                f"attention kinds given for layers {bad}; the model has layers "
+                f"0..{self.n_layers - 1}."
+            )
+        layers = tuple(
+            replace(ls, attention=kinds.get(ls.index, ls.attention)) for ls in self.layers
+        )
+        return replace(self, layers=layers)
 
     def rope_groups(self) -> list[tuple]:
         """The distinct RoPE parameter sets, in order of first use (one cos/sin table each)."""
@@ -220,22 +240,12 @@ def spec_of(config) -> ArchSpec:
     if getattr(config, "use_bidirectional_attention", False):
         _refuse(config, "attends bidirectionally", "the decoder is causal.")
     share = int(getattr(config, "cla_share", None) or 1) if adapter.attention == "cla" else 1
-    mapped = set(getattr(config, "iam_mapped", None) or ())  # set by decoder.model.load (IAM)
     layers = []
     for i, (kind, window) in enumerate(_layer_kinds(config, n)):
-        attention = adapter.attention
-        if i in mapped:
-            attention = "mapped"
-        if attention == "mapped" and window is not None:
-            _refuse(
-                config,
-                f"has a sliding window on IAM-mapped layer {i}",
-                "IAM maps global-attention layers only.",
-            )
         layers.append(
             LayerSpec(
                 index=i,
-                attention=attention,
+                attention=adapter.attention,
                 kind=kind,
                 window=window,
                 rope=_rope_of(config, kind, D),

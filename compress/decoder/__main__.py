@@ -8,12 +8,13 @@ With ``--draft`` it decodes speculatively (``compress.decoder.speculative.cli`` 
 adds ``acceptance`` (α), ``tokens_per_pass`` and ``rounds``.
 
 On a group-quantized folder on the CPU the default is the fast configuration (bfloat16, lean,
-compiled step; :func:`configuration`); ``--dtype float32`` is the bit-faithful path of the
-pipeline's evaluation. The configuration that ran is printed first (``config`` in ``--json``).
+compiled step, the W4A8 kernel and the int8 head; :func:`configuration`), and naming one setting
+keeps the fast choice for the others; ``--dtype float32`` is the bit-faithful path of the
+pipeline's evaluation. The configuration that runs is printed first to stderr (``runtime`` in
+``--json``; with ``--draft``, ``draft_runtime`` too).
 The compiled step is compiled once per machine and cache length, then read from torch
-inductor's on-disk FX graph cache: on a busy 2-core machine the warm-up took 52.8 s cold and
-8.5 s warm (``python -m compress.decoder RUN --prompt hi --max-new-tokens 16 --threads 1``,
-run twice with a fresh ``TORCHINDUCTOR_CACHE_DIR``).
+inductor's on-disk FX graph cache, so only the first warm-up pays for compiling (both times in
+BENCHMARKS.md, "Decoder settings").
 ``--head int8|int4`` quantizes the output head at load (``compress.layers.head``); by default
 the folder's recorded ``quant.lm_head``. IAM decoding (a small model alongside) is
 ``python -m compress.cli.iam generate``, which runs this CLI with its own loader (:func:`run`).
@@ -284,26 +285,29 @@ def configuration(args) -> RuntimeConfig:
 
 
 def run(args, load_model=None) -> None:
-    """Load ``args.run`` (with ``load_model(folder, **load_kw) -> (model, tokenizer)``, default
-    :func:`compress.decoder.model.load`), warm up, generate and print the figures."""
+    """Load ``args.run`` in :func:`configuration` (``compress.decoder.model.load(folder,
+    runtime=...)``, or a method's ``load_model(folder, **model.load keywords) -> (model,
+    tokenizer)``), warm up, generate and print the figures."""
     import time
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     conf = configuration(args)
     args.compile_flag, args.compile = args.compile, conf.compile
     if not args.json:
         print(conf.describe(), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    load_kw = dict(device=args.device, **conf.load_kwargs())
-    model, tok = (load_model or load)(args.run, **load_kw)
+    if load_model is None:
+        model, tok = load(args.run, runtime=conf)
+    else:  # a method's loader around model.load (IAM's pair), with model.load's keywords
+        if conf.threads:
+            torch.set_num_threads(conf.threads)
+        model, tok = load_model(args.run, **conf.load_kwargs())
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files, so the decoder cannot read a text prompt."
         )
-    check_vocabulary(tok, model.config.vocab_size, args.run)
+    check_vocabulary(tok, model.spec.vocab_size, args.run)
     text = args.prompt
     if args.chat and not getattr(tok, "chat_template", None):
         raise CompressError(
@@ -318,7 +322,7 @@ def run(args, load_model=None) -> None:
             ". Leave out --chat to continue the prompt as plain text",
         )
     ids = tok(text, add_special_tokens=not args.chat).input_ids
-    check_ids(ids, model.config.vocab_size)  # the server's check of a prompt
+    check_ids(ids, model.spec.vocab_size)  # the server's check of a prompt
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
     kv_opts = parse_options(args.kv_opt)
@@ -327,10 +331,10 @@ def run(args, load_model=None) -> None:
     if args.draft is not None:
         from functools import partial
 
-        load_kwargs = spec_cli.draft_load_kwargs(args, conf)
+        draft_conf = spec_cli.draft_runtime(args, conf)
         if not args.json:
-            print(spec_cli.describe_draft(load_kwargs), file=sys.stderr, flush=True)
-        schedule = spec_cli.draft_schedule(args, model, tok, load_kwargs)
+            print(draft_conf.describe("draft runtime"), file=sys.stderr, flush=True)
+        schedule = spec_cli.draft_schedule(args, model, tok, draft_conf)
         decode = partial(speculative_generate, draft=schedule)
     if (
         not args.no_warmup
@@ -374,12 +378,11 @@ def run(args, load_model=None) -> None:
         "prefill_tok_s": r.prefill_tok_s,
         "peak_mem_bytes": peak,
         "kv_bytes_per_token": r.kv_bytes_per_token,
-        "config": conf.as_dict(),
+        "runtime": conf.as_dict(),
     }
     if args.draft is not None:
         stats.update(acceptance=r.acceptance, tokens_per_pass=r.tokens_per_pass, rounds=r.rounds)
-        stats["draft_config"] = {k: str(v).removeprefix("torch.") if k.endswith("dtype") else v
-                                 for k, v in load_kwargs.items()}  # fmt: skip
+        stats["draft_runtime"] = draft_conf.as_dict()
     if args.json:
         write_out(json.dumps(stats) + "\n")
         return

@@ -3,7 +3,10 @@
     prefill:  l_0 = model(prompt [B, T0])[:, -1]        x_1 = sample(l_0)
     decode:   l_t = model(x_t [B, 1])                     x_{t+1} = sample(l_t)
 
-``sample`` (``compress.decoder.sampling``) is greedy at temperature 0.
+Each line is one ``compress.decoder.step.step``, the step the serving engine runs too;
+``sample`` is the ``Sampler``'s (``compress.decoder.sampling``), greedy at temperature 0. With a
+propose/verify policy (speculative decoding) a decode step feeds x_t and the drafts after it and
+takes the accepted drafts and one more token.
 
 Prompts of different lengths are left-padded to the longest; row b's tokens start at
 slot ``start[b]``, which the cache masks before and the model takes as position 0, so each
@@ -23,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from compress.decoder import step as one_step
 from compress.decoder.compiled import StaticDecoder
 from compress.decoder.kv import new_cache, static_cache
-from compress.decoder.sampling import Sampling, sample
+from compress.decoder.sampling import Sampler, Sampling
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 
@@ -93,8 +97,7 @@ def left_pad(
 
 
 def eos_ids_of(model, tokenizer) -> set[int]:
-    ids = getattr(model.config, "eos_token_id", None)  # the config as it is now, not at load
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    ids = set(model.spec.eos_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -102,7 +105,7 @@ def eos_ids_of(model, tokenizer) -> set[int]:
 
 def cache_size(model, prompt_len: int, max_new_tokens: int, max_len: int | None) -> int:
     """The cache length for a prompt, per the module docstring's rule."""
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    limit = model.spec.max_positions or 1 << 30
     max_len = min(max_len or prompt_len + max_new_tokens, limit)
     if prompt_len >= max_len:
         raise CompressError(
@@ -132,6 +135,8 @@ def generate(
     compile: bool = False,
     ignore_eos: bool = False,
     on_prefill=None,
+    *,
+    policy=None,
 ) -> Result:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; stop on EOS or a stop string.
 
@@ -139,13 +144,17 @@ def generate(
     the prefill and the decode loop, untimed (benchmarks reset their peak-memory mark there).
     ``compile`` decodes with the static-shape compiled step (``compress.decoder.compiled``; fp16
     or full cache only), whose cache is rounded up to a multiple of ``STATIC_BUCKET`` tokens so
-    that calls share a graph.
+    that calls share a graph. ``policy``: what each decode step proposes and accepts
+    (``compress.decoder.step``; default one token per row; speculative decoding passes its
+    propose/verify policy). The prefill and every decode step are ``step.step``; ``prefill_s``
+    includes drawing the first token.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CompressError("a prompt is empty; give at least one token of text to continue.")
     if stop and tokenizer is None:
         raise CompressError("stop strings need a tokenizer, and this run folder has none.")
-    sampling = sampling or Sampling()
+    policy = policy or one_step.NEXT_TOKEN
+    sampler = Sampler(sampling or Sampling())
     device = model.device
     pad = (
         tokenizer.pad_token_id
@@ -156,39 +165,51 @@ def generate(
     B, T0 = ids.shape
     max_len = cache_size(model, T0, max_new_tokens, max_len)
     n_new = min(max_new_tokens, max_len - T0)
-    if compile:
-        step, cache = static_step(model, kv, kv_opts, B, max_len)
+    if compile and policy.static_decode:
+        decoder, cache = static_step(model, kv, kv_opts, B, max_len)
     else:
-        step, cache = model, new_cache(model, kv, B, max_len, **(kv_opts or {}))
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        decoder = model
+        cache = new_cache(model, kv, B, max_len, lookahead=policy.lookahead, **(kv_opts or {}))
+    policy.check(cache, kv)
     eos = () if ignore_eos else eos_ids_of(model, tokenizer)
     rows = [Stopping(n_new, eos, tokenizer, stop) for _ in range(B)]
 
-    def take(next_ids: torch.Tensor):
-        for b, t in enumerate(next_ids.tolist()):
-            _, text = rows[b].feed(t)
-            if on_text and text:
-                on_text(b, text)
+    def take(new: torch.Tensor):
+        for b, tokens in enumerate(new.tolist()):
+            for t in tokens:
+                _, text = rows[b].feed(t)
+                if on_text and text:
+                    on_text(b, text)
 
     t0 = time.perf_counter()
-    logits = model(ids, cache, start=start, last=True)[:, -1]
+    x = one_step.step(model, cache, ids, sampler, start=start)
     cache.settle()  # a compressed cache compresses the prompt now, as part of the prefill
+    policy.begin(prompts, x, max_len, n_new)
     sync(device)
     t1 = time.perf_counter()
-    x = sample(logits, sampling, gen)
     take(x)
     if on_prefill is not None:
         on_prefill()
     t2 = time.perf_counter()
     steps = 0
-    while steps < n_new - 1 and not all(r.done for r in rows):
-        x = sample(step(x[:, None], cache, start=start)[:, -1], sampling, gen)
+    while not all(r.done for r in rows):  # a row is done at n_new tokens at the latest
+        x = one_step.step(decoder, cache, x[:, -1:], sampler, start=start, policy=policy)
         take(x)
         steps += 1
     t3 = time.perf_counter()
     tokens, texts = [r.tokens for r in rows], [r.text for r in rows]
-    return Result(
-        tokens, texts, B * T0, t1 - t0, t2 - t0, t3 - t2, steps, cache.nbytes(), B * cache.length
+    return policy.finish(
+        Result(
+            tokens,
+            texts,
+            B * T0,
+            t1 - t0,
+            t2 - t0,
+            t3 - t2,
+            steps,
+            cache.nbytes(),
+            B * cache.length,
+        )
     )
 
 
@@ -213,6 +234,6 @@ def static_step(model, kv: str, kv_opts: dict | None, batch: int, max_len: int, 
     )  # a plain dict: not registered as a submodule
     if batch not in steps:
         steps[batch] = StaticDecoder(model, batch)
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    limit = model.spec.max_positions or 1 << 30
     size = min(-(-max_len // STATIC_BUCKET) * STATIC_BUCKET, max(limit, max_len))
     return steps[batch], static_cache(new_cache(model, kv, batch, size, lookahead=lookahead))

@@ -29,7 +29,12 @@ load by name and validation errors name the tensor as it is stored. Linears are
 (``compress.io.checkpoint.quantized_layer``), whose forward calls the kernels.
 After loading, q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj``
 (one matmul each: fewer calls per token). Sliding windows are the caches' (``compress.decoder.kv``
-takes each slot's window from :meth:`Transformer.kv_layout`).
+takes each slot's window from :meth:`Transformer.kv_layout`, a ``KVLayout``).
+
+A layer's attention module is that of its spec's attention kind (:data:`ATTENTIONS`); a method
+adds a kind of its own with :func:`register_attention` and loads with ``load(folder,
+attention={layer: kind})`` (IAM's mapped layers: ``compress.methods.iam.attention``), so the
+decoder imports no method and the HF config is never written to.
 """
 
 import math
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch.spec import ArchSpec, spec_of
+from compress.decoder.kv.base import KVLayout
 from compress.decoder.runtime import RuntimeConfig
 from compress.errors import CompressError
 from compress.formats.attention.absorb import absorb_output, absorb_query
@@ -251,24 +257,34 @@ class LatentAttention(Attention):
         return q, k, None
 
 
-class MappedAttention(Attention):
-    """A large-model layer under IAM attention mapping (``compress.methods.iam.decode``): it projects V
-    only; its cache (``kv.mapped.MappedCache``) mixes V with a small model's attention weights,
-    ``y_h = P_small[m(l)][head(h)] V``, so q_proj and k_proj are loaded and then freed."""
-
-    def inputs(self) -> list[str]:
-        return ["v_proj"]
-
-    def dropped(self) -> list[str]:
-        return ["q_proj", "k_proj"]
-
-    def project(self, x, cos, sin):
-        B, T, _ = x.shape
-        v = self.qkv_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return None, None, v
+# attention kinds (``LayerSpec.attention``) -> the module a layer of that kind is built as
+ATTENTIONS = {"gqa": Attention, "cla": Attention, "mla": LatentAttention}
+BUILT_IN = tuple(ATTENTIONS)
 
 
-ATTENTIONS = {"gqa": Attention, "cla": Attention, "mla": LatentAttention, "mapped": MappedAttention}
+def register_attention(kind: str, cls: type) -> None:
+    """Build layers of attention ``kind`` as ``cls`` (an :class:`Attention` whose ``project``
+    returns what its cache takes). A method brings its own kind this way, registering on
+    import (IAM's ``mapped``: ``compress.methods.iam.attention``), and loads a model with
+    ``load(folder, attention={layer: kind})``; the decoder imports no method."""
+    if kind in BUILT_IN:
+        raise CompressError(f"attention kind '{kind}' is the decoder's own; register another name.")
+    if not (isinstance(cls, type) and issubclass(cls, Attention)):
+        raise CompressError(f"attention kind '{kind}': {cls!r} is not a decoder Attention class.")
+    ATTENTIONS[kind] = cls
+
+
+def attention_class(spec: ArchSpec, layer: int) -> type:
+    """The module class of ``layer``'s attention kind (a :class:`CompressError` if none is
+    registered)."""
+    kind = spec.layers[layer].attention
+    if kind not in ATTENTIONS:
+        raise CompressError(
+            f"layer {layer} asks for attention kind '{kind}', which nothing registered with the "
+            f"decoder (it knows {', '.join(sorted(ATTENTIONS))}); import the method that "
+            f"provides it, which calls compress.decoder.model.register_attention."
+        )
+    return ATTENTIONS[kind]
 
 
 class FeedForward(nn.Module):
@@ -295,7 +311,7 @@ class Block(nn.Module):
         self.norm_names = (a.input_norm, a.attn_out_norm, a.post_norm, a.mlp_out_norm)
         for name in a.norms():
             setattr(self, name, norm(spec))
-        self.self_attn = ATTENTIONS[spec.layers[layer].attention](spec, layer)
+        self.self_attn = attention_class(spec, layer)(spec, layer)
         self.mlp = FeedForward(spec)
 
     def forward(self, x, cos, sin, cache, pos, start):
@@ -321,11 +337,11 @@ class Transformer(nn.Module):
     sets (``spec.rope_groups()``); layer l rotates with row ``rope_row[l]``.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, attention: dict[int, str] | None = None):
         super().__init__()
-        self.config = config
-        self.spec = spec = spec_of(config)
-        self.head_dim = spec.head_dim
+        self.config = config  # kept as read (HF-style consumers); the forward reads the spec
+        spec = spec_of(config)
+        self.spec = spec = spec.with_attention(attention) if attention else spec
         self.model = Body(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         groups = spec.rope_groups()
@@ -336,21 +352,20 @@ class Transformer(nn.Module):
 
     def rope_frequencies(self) -> torch.Tensor:
         """``inv_freq`` computed from the spec (after loading on the meta device, it is copied in)."""
-        rows = [rope_inv_freq(self.head_dim, dict(r)) for r in self.spec.rope_groups()]
+        rows = [rope_inv_freq(self.spec.head_dim, dict(r)) for r in self.spec.rope_groups()]
         return torch.stack(rows)
 
     def tie_weights(self):
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def kv_layout(self) -> dict:
-        """What a KV cache for this model holds per token: ``n_layers`` (cache slots), ``n_kv_heads``,
-        ``head_dim`` (of K), ``v_dim`` (V = K's first v_dim channels; None: V of its own), the
-        attention ``scale`` (None: head_dim**-0.5) and each slot's sliding window ``windows``
-        (None: global)."""
+    def kv_layout(self) -> KVLayout:
+        """What a KV cache for this model holds per token (``kv/base.py``): one slot per
+        K/V-writing layer group, and for latent attention one key per token of ``latent +
+        n_kv_heads * rope`` channels whose first ``latent`` are the value."""
         spec = self.spec
-        a, windows = self.model.layers[0].self_attn, spec.slot_windows()
+        a, windows = self.model.layers[0].self_attn, tuple(spec.slot_windows())
         if isinstance(a, LatentAttention):
-            return dict(
+            return KVLayout(
                 n_layers=spec.n_slots,
                 n_kv_heads=1,
                 head_dim=a.latent + a.n_kv_heads * a.rope,
@@ -358,12 +373,11 @@ class Transformer(nn.Module):
                 scale=spec.attn_scale,
                 windows=windows,
             )
-        return dict(
+        return KVLayout(
             n_layers=spec.n_slots,
             n_kv_heads=spec.n_kv_heads,
-            head_dim=self.head_dim,
-            v_dim=None,
-            scale=None if spec.attn_scale == self.head_dim**-0.5 else spec.attn_scale,
+            head_dim=spec.head_dim,
+            scale=None if spec.attn_scale == spec.head_dim**-0.5 else spec.attn_scale,
             windows=windows,
         )
 
@@ -561,10 +575,10 @@ def release_freed_memory() -> None:
 def load(
     folder,
     dtype: torch.dtype = torch.float32,
-    device="cpu",
+    device=None,
     qdtype: torch.dtype | None = None,
     lean: bool = False,
-    iam_mapped=(),
+    attention: dict[int, str] | None = None,
     head: str = "none",
     kernel: str = "exact",
     verify: bool = True,
@@ -572,8 +586,11 @@ def load(
 ) -> tuple[Transformer, object]:
     """Load a run folder (any recipe's) or an HF folder of a supported family as ``(model, tokenizer)``.
 
-    ``runtime`` (``compress.decoder.runtime.resolve_runtime``'s configuration) sets ``dtype``,
-    ``qdtype``, ``lean``, ``head`` and ``kernel`` at once, as the CLIs and the server load.
+    ``load(folder, runtime=conf)`` is how the decoder CLI, a ``--draft`` folder, the server and
+    ``compress.load`` load: ``conf`` (``compress.decoder.runtime.resolve_runtime``'s
+    configuration) sets ``device``, ``dtype``, ``qdtype``, ``lean``, ``head``, ``kernel`` and
+    torch's CPU ``threads`` at once; the separate keywords are for the pipeline and the tests
+    (``device`` default: the CPU).
 
     Tensors are checked by name, shape and finiteness against config.json. Floating-point
     parameters (embedding, norms, unquantized linears) take ``dtype``; quantized layers keep
@@ -582,7 +599,8 @@ def load(
     that rounds their inputs, so the logits are no longer those of the pipeline's loader.
     ``lean`` (CPU, quantized layers computing in bfloat16) keeps only ATen's int4pack form of
     each quantized layer and frees the packed codes (``kernels.cpu.keep_int4pack_only``).
-    ``iam_mapped``: layers built as :class:`MappedAttention` (``compress.methods.iam.decode`` loads them).
+    ``attention``: ``{layer: kind}`` of layers built as an attention kind a method registered
+    (:func:`register_attention`; IAM's mapped layers: ``compress.methods.iam.attention``).
     ``head`` (none, int8, int4) group-quantizes the output head at load
     (``compress.layers.head``: the embedding stays exact); it then computes like the other
     quantized layers (``qdtype``, ``lean``). ``kernel`` "w4a8" rounds the quantized layers'
@@ -593,16 +611,24 @@ def load(
 
     if runtime is not None:
         kw = runtime.load_kwargs()
-        dtype, qdtype, lean, head, kernel = (
-            kw[k] for k in ("dtype", "qdtype", "lean", "head", "kernel")
+        if device is not None and torch.device(device) != torch.device(kw["device"]):
+            raise CompressError(
+                f"load(device={device!r}) with a runtime resolved for {kw['device']}: resolve "
+                f"the runtime for that device (resolve_runtime(folder, {device!r}, ...)), or "
+                f"leave out device."
+            )
+        device, dtype, qdtype, lean, head, kernel = (
+            kw[k] for k in ("device", "dtype", "qdtype", "lean", "head", "kernel")
         )
+        if runtime.threads:
+            torch.set_num_threads(runtime.threads)
+    device = device or "cpu"
     folder = Path(folder)
     if verify:
         check_loadable(folder)
     config, qcfg = read_config(folder)
-    config.iam_mapped = sorted(int(i) for i in iam_mapped)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, attention)
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())

@@ -141,3 +141,69 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
         ).argmax(-1)
     probs = logits_to_probs(logits, s)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def seeded(sampling: Sampling) -> torch.Generator | None:
+    """The generator of ``sampling``'s draws: seeded from ``sampling.seed``; None without one."""
+    return torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+
+
+GREEDY = Sampling()
+
+
+class Sampler:
+    """The next token of every row of a batch, from its logits: how every generation step draws
+    (``compress.decoder.step``)::
+
+        Sampler(sampling)          every row with one setting and one generator (seeded from
+                                   ``sampling.seed``), drawn together (``generate``)
+        Sampler.per_row(rows)      row b with its own ``rows[b] = (sampling, generator)`` (a
+                                   server's requests); ``rows[b]`` None: row b draws nothing
+
+    ``sample(logits [B, V]) -> ids [B]`` (-1 for a row that draws nothing): a greedy row takes the
+    argmax and uses no generator, any other draws from :func:`logits_to_probs`, which is also
+    ``probs(logits)``, the distribution a one-setting sampler draws from (speculative decoding
+    verifies drafts against it).
+    """
+
+    def __init__(self, sampling: Sampling | None = None, generator: torch.Generator | None = None):
+        self.sampling = sampling or Sampling()
+        self.generator = generator if generator is not None else seeded(self.sampling)
+        self.rows: list | None = None
+
+    @classmethod
+    def per_row(cls, rows: list) -> "Sampler":
+        sampler = cls()
+        sampler.rows = list(rows)
+        return sampler
+
+    @property
+    def greedy(self) -> bool:
+        """Every row takes the argmax."""
+        if self.rows is None:
+            return self.sampling.temperature <= 0
+        return all(r is None or r[0].temperature <= 0 for r in self.rows)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution of a one-setting sampler (:func:`logits_to_probs`) over ``[..., V]``."""
+        if self.rows is not None:
+            raise CompressError("internal: a per-row sampler has no one distribution.")
+        shape = logits.shape
+        return logits_to_probs(logits.reshape(-1, shape[-1]), self.sampling).reshape(shape)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token ids ``[B]`` from ``logits [B, V]``."""
+        if self.rows is None:
+            return sample(logits, self.sampling, self.generator)
+        B = logits.shape[0]
+        if len(self.rows) != B:
+            raise CompressError(f"internal: {len(self.rows)} sampler rows for {B} logit rows.")
+        out = torch.full((B,), -1, dtype=torch.long, device=logits.device)
+        greedy = [b for b, r in enumerate(self.rows) if r is not None and r[0].temperature <= 0]
+        if greedy:  # one argmax for all of them
+            rows = logits if len(greedy) == B else logits[greedy]
+            out[greedy] = sample(rows, GREEDY, None)
+        for b, r in enumerate(self.rows):
+            if r is not None and r[0].temperature > 0:
+                out[b] = sample(logits[b : b + 1], r[0], r[1])[0]
+        return out

@@ -25,10 +25,17 @@ class Detokenizer:
     Decoding the window together with the ids before the new ones keeps what depends on a
     neighbour (a SentencePiece word's leading space) as ``decode(ids)`` gives it. A window whose
     text ends in U+FFFD ends inside a UTF-8 sequence: nothing is final until a later id
-    completes it. Text that could still begin a stop string (the last ``max(len(stop)) - 1``
-    characters) is held back; once a stop string appears, the text is cut before it and
-    ``stopped`` is set. A stop string can only end in the new piece, and then begins within the
-    held-back text, so only ``held + piece`` is searched.
+    completes it, or until :meth:`flush` (the row ends there: its text ends in U+FFFD, as
+    ``decode(ids)``'s does). Text that could still begin a stop string (the last
+    ``max(len(stop)) - 1`` characters) is held back; once a stop string appears, the text is cut
+    before it and ``stopped`` is set. A stop string can only end in the new piece, and then
+    begins within the held-back text, so only ``held + piece`` is searched.
+
+    Each window starts where the text before it ended on a whole character, so its text is
+    the continuation ``decode(ids)`` has there: the streamed pieces concatenate to
+    ``decode(ids, skip_special_tokens=True)`` (for a tokenizer whose decode does not rewrite
+    text across a window's start: ``clean_up_tokenization_spaces`` off, as for every family
+    here).
     """
 
     def __init__(self, tokenizer, stop=()):
@@ -45,33 +52,39 @@ class Detokenizer:
         """The row's text so far: returned and held back (cut before a stop string)."""
         return "".join(self._final) + self._held
 
-    def _piece(self) -> str | None:
+    def _piece(self, last: bool = False) -> str | None:
+        """The text of the ids not yet text, or None while it ends inside a character (``last``:
+        the row ends here, so whatever it ends in is its text)."""
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self._p : self._r], skip_special_tokens=True)
         full = decode(self.ids[self._p :], skip_special_tokens=True)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") and not last:
             return None
         self._p, self._r = self._r, len(self.ids)
         return full[len(prefix) :]
 
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        piece = None if self.stopped else self._piece()
-        if piece is None:
-            return ""
+    def _take(self, piece: str, last: bool = False) -> str:
+        """Add ``piece`` to the held-back text; return what is final (all of it when ``last``)."""
         window = self._held + piece
         hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
         if hits:
             window, self.stopped = window[: min(hits)], True
-        cut = len(window) if self.stopped else max(0, len(window) - self._keep)
+        cut = len(window) if self.stopped or last else max(0, len(window) - self._keep)
         out, self._held = window[:cut], window[cut:]
         self._final.append(out)
         return out
 
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        piece = None if self.stopped else self._piece()
+        return "" if piece is None else self._take(piece)
+
     def flush(self) -> str:
-        out, self._held = self._held, ""
-        self._final.append(out)
-        return out
+        """The rest of the text: what was held back, and the ids still ending inside a
+        character (their U+FFFD, as ``decode`` gives it)."""
+        if self.stopped or self._r == len(self.ids):
+            return self._take("", last=True)
+        return self._take(self._piece(last=True), last=True)
 
 
 class Stopping:
@@ -113,6 +126,8 @@ class Stopping:
             self.finish_reason = "length"
         if self.done:
             text += self.flush()
+            if self.detok is not None and self.detok.stopped:  # a stop string in the last piece
+                self.finish_reason = "stop"
         return True, text
 
     def flush(self) -> str:

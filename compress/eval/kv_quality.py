@@ -6,23 +6,20 @@ table."""
 
 import math
 import time
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
 
 from compress.decoder.kv import make_cache
-from compress.decoder.kv.base import Cache, hidden, masked_softmax
+from compress.decoder.kv.base import Cache, KVLayout, hidden, masked_softmax
 from compress.errors import CompressError
 
 
 def run(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]:
     """Lock-step teacher forcing of every cache in ``cfgs`` over ``windows [B, T]``."""
-    c = model.config
     B, T = windows.shape
-    caches = [
-        make_cache(kind, c.num_hidden_layers, B, c.num_key_value_heads, model.head_dim, T, **opts)
-        for _, kind, opts in cfgs
-    ]
+    caches = [make_cache(kind, model.kv_layout(), B, T, **opts) for _, kind, opts in cfgs]
     kl, nll, secs = [0.0] * len(cfgs), [0.0] * len(cfgs), [0.0] * len(cfgs)
     for t in tqdm(range(prefill, T + 1), desc="kv_quality", unit="tok", mininterval=10):
         ids = windows[:, :t] if t == prefill else windows[:, t - 1 : t]
@@ -64,7 +61,7 @@ def history_lengths(kind: str, opts: dict, T: int, prefill: int, head_dim: int) 
     C = torch.zeros(T, dtype=torch.long)
     if kind == "fp16":
         return C
-    cache = make_cache(kind, 1, 1, 1, head_dim, T, **opts)
+    cache = make_cache(kind, KVLayout(1, 1, head_dim), 1, T, **opts)
     x = torch.randn(1, 1, T, head_dim, generator=torch.Generator().manual_seed(0))
     cache.append(0, x[:, :, :prefill], x[:, :, :prefill])
     for t in range(prefill, T):
@@ -81,23 +78,20 @@ class HistoryMix(Cache):
     keys older than ``C[t]`` and the fp16 window's values after.
     """
 
-    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, layout: dict):
+    LATENT = True  # a latent key is mixed as its kind stores it (append)
+
+    def __init__(self, kind: str, opts: dict, C: torch.Tensor, batch: int, layout: KVLayout):
         T = len(C)
-        layout = dict(layout)
-        shape = [layout.pop(k) for k in ("n_layers", "n_kv_heads", "head_dim")]
-        if any(w is not None for w in layout.pop("windows", None) or ()):
+        if layout.windowed:
             raise CompressError(
                 "kv_quality's teacher-forced pass mixes a compressed history with a window of "
                 "recent tokens for global-attention layers; this model has sliding-window "
                 "layers, whose caches compress nothing (compress.decoder.kv.window)."
             )
-        super().__init__(
-            shape[0], batch, shape[1], shape[2], T, torch.float32, torch.device("cpu"), **layout
-        )
+        super().__init__(layout, batch, T, torch.float32, torch.device("cpu"))
         self.kind, self.opts = kind, {**opts, "keep_perm": True} if kind == "packkv" else opts
-        self.extra = {
-            k: v for k, v in layout.items() if v is not None
-        }  # a latent key's v_dim, scale
+        # each layer's one-layer cache: a latent key's v_dim and the scale, no windows
+        self.one = replace(layout, n_layers=1, windows=None)
         self.old = (
             torch.arange(T)[None, :] < C[:, None]
         )  # [Tq, Tk]: key in query t's compressed history
@@ -105,9 +99,7 @@ class HistoryMix(Cache):
 
     def append(self, layer, k, v, pos=None):
         T = k.shape[2]
-        cache = make_cache(
-            self.kind, 1, self.batch, self.n_kv_heads, self.head_dim, T, **self.extra, **self.opts
-        )
+        cache = make_cache(self.kind, self.one, self.batch, T, **self.opts)
         cache.append(0, k[:, :, : T - 1], None if v is None else v[:, :, : T - 1])
         cache.append(
             0, k[:, :, T - 1 :], None if v is None else v[:, :, T - 1 :]
@@ -148,7 +140,7 @@ def run_parallel(model, windows: torch.Tensor, cfgs, prefill: int) -> list[dict]
         m = (
             other[0] if other else model
         )  # another model (an attention conversion) with its fp16 cache
-        C = history_lengths(kind, opts, T, prefill, model.head_dim)
+        C = history_lengths(kind, opts, T, prefill, model.spec.head_dim)
         mix = HistoryMix(kind, opts, C, B, m.kv_layout())
         with torch.no_grad():
             logits = m(windows, mix)[:, prefill - 1 : T - 1]

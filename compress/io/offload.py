@@ -351,8 +351,8 @@ def final_hidden(
 def head_log_probs(model: nn.Module, h: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
     """``log_softmax(head(h))`` in float32 for ``h [t, hidden]``, on ``h``'s device; a linear
     head is widened ``vocab_chunk`` rows at a time (never a float32 copy of the whole head).
-    The head's weight is scanned for NaN/inf only when the logits are not finite (scanning every
-    chunk cost Gemma 3 270M's disk-backed evaluation 44 s a window against 31 s without)."""
+    The head's weight is scanned for NaN/inf only when the logits are not finite: a scan of every
+    chunk made Gemma 3 270M's disk-backed evaluation windows about 40% slower (BENCHMARKS.md)."""
     name = get_adapter(model.config).lm_head
     head = model.get_submodule(name)
     if isinstance(head, nn.Linear):

@@ -149,8 +149,8 @@ def _warn(what: str, e: Exception, instead: str) -> None:
 def ops() -> bool:
     """Whether the C++ torch operators (``cpu_ops.cpp``: ``compress::w4a8_linear``,
     ``compress::skinny_linear``, ``compress::cache_attention``) are loaded; built on the first
-    call (their sources include torch's headers: about 20 s on a 2-core machine), False (after
-    one warning) if they cannot be."""
+    call (their sources include torch's headers, which makes this the slow build: BENCHMARKS.md),
+    False (after one warning) if they cannot be."""
     if "ops" not in _LIB:
         _LIB["ops"] = False
         if library() is not None:  # a machine that builds nothing warns once, there

@@ -24,6 +24,7 @@ from compress.decoder.model import load
 from compress.decoder.runtime import RuntimeConfig, named_settings, resolve_runtime
 from compress.decoder.sampling import check_sampling
 from compress.errors import ArgumentParser, CompressError
+from compress.io.manifest import skip_verification, verify_folder
 from compress.kernels.w4a8_cpu import use
 from compress.serve.auth import check_key
 from compress.serve.engine import Engine, invariant_model
@@ -280,8 +281,6 @@ def main(argv=None) -> None:
             )
         require_serve_extra()
         check_arguments(args)
-        from compress.io.manifest import skip_verification, verify_folder
-
         if args.no_verify:  # the loader checks again unless told
             skip_verification(args.run)
         else:
@@ -306,14 +305,16 @@ def require_serve_extra() -> None:
 
 def load_model(args, device: str):
     """The model and tokenizer ``args`` describe, in the configuration
-    ``resolve_configuration`` settles (logged)."""
+    ``resolve_configuration`` settles (logged to stderr before it loads)."""
     conf = resolve_configuration(args, device)
-    model, tok = load(args.run, device=device, runtime=conf)
+    log = logging.getLogger("compress.serve")
+    log.info("configuration: %s", conf.describe())
+    model, tok = load(args.run, runtime=conf)
     if conf.batch_invariant:
         use(model, "w4a8", every_m=True)  # the integer kernel for every step, prefills too
         if conf.fast and not invariant_model(model):  # e.g. no C++ compiler: warned
             args.batch_invariant = False
-    logging.getLogger("compress.serve").info("configuration: %s", conf.describe())
+            log.warning("batch invariance is off: not every linear computes through W4A8")
     if tok is None:
         raise CompressError(
             f"'{args.run}' has no tokenizer files; the server needs one to read text."
@@ -324,8 +325,8 @@ def load_model(args, device: str):
 def serve(args) -> None:
     import torch
 
-    from compress.serve.app import create_app
-    from compress.serve.server import make_server
+    from compress.serve.app import create_app  # heavy: FastAPI (the serve extra)
+    from compress.serve.server import make_server  # heavy: uvicorn (the serve extra)
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"

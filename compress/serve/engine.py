@@ -5,10 +5,12 @@
     while engine.has_work():
         for event in engine.step(): ...   # sequence, new token or None, text now final
 
-Each step runs the decoder's one forward over the sequences the scheduler picked
+Each step is the decoder's one generation step (``compress.decoder.step``, the step
+``generate`` and speculative decoding run) over the sequences the scheduler picked
 (``compress.serve.scheduler``), as a padded batch laid out for the paged cache
 (``compress.decoder.kv.paged``); a sequence whose tokens are all in the cache after the step
-samples its next token from its last position's logits. Outputs, EOS and stop strings follow
+draws its next token from its last position's logits with its own sampling settings and
+generator (``Sampler.per_row``). Outputs, EOS and stop strings follow
 ``compress.decoder.generate``: a greedy request decodes the tokens it decodes alone.
 
 A model with sliding-window layers gets one block pool per window group
@@ -30,9 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compress.decoder import step as one_step
 from compress.decoder.generate import cache_size, eos_ids_of
 from compress.decoder.kv.paged import new_paged_cache, window_groups
-from compress.decoder.sampling import sample
+from compress.decoder.sampling import Sampler
 from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 from compress.io.tokenizer import check_ids
@@ -89,7 +92,7 @@ class Engine:
                 "the kernel at every M (python -m compress.serve RUN --batch-invariant), "
                 "including the output head (--head int8 or int4)."
             )
-        windows = window_groups(model.kv_layout().get("windows"))
+        windows = window_groups(model.kv_layout().windows)
         sizes = [
             num_blocks
             if w is None
@@ -198,9 +201,12 @@ class Engine:
         if not batch:
             return []
         idx, pos, start = self.layout(batch)
-        logits = self.model(idx, self.cache, pos=pos, start=start, last=True)[:, -1]
+        sampler = Sampler.per_row(  # a row still prefilling its prompt draws nothing
+            [None if s.computed + n < len(s.tokens) else self.draws(s) for s, n in batch]
+        )
+        tokens = one_step.step(self.model, self.cache, idx, sampler, pos=pos, start=start)
+        tokens = tokens[:, 0].tolist()
         self.steps += 1
-        greedy = logits.float().argmax(-1).tolist()  # bf16 argmax is ~5x slower on the CPU
         events = []
         for b, (seq, n) in enumerate(batch):
             seq.computed += n
@@ -208,42 +214,25 @@ class Engine:
             if seq.pending:
                 events.append(Event(seq, None, "", False))  # a prompt chunk
                 continue
-            s = seq.params.sampling
-            token = (
-                greedy[b]
-                if s.temperature <= 0
-                else sample(logits[b : b + 1], s, seq.generator).item()
-            )
-            events.append(self.take(seq, token))
+            events.append(self.take(seq, tokens[b]))
         return events
+
+    @staticmethod
+    def draws(seq: Sequence) -> tuple:
+        """``seq``'s row of a per-row sampler: its sampling settings and its generator."""
+        return seq.params.sampling, seq.generator
 
     def prefill_runahead(self, seq: Sequence) -> Event:
         """Prefill all of ``seq`` over the KV-Runahead ranks, copy its K/V into its blocks and
         sample its next token."""
         logits, full = self.runahead.prefill(seq.tokens)
-        bs, T = self.blocks.block_size, len(seq.tokens)
-        p = torch.arange(T)
-        for layer in range(self.cache.n_layers):
-            table = torch.tensor(seq.block_tables[self.cache.group[layer]])
-            slots = (table[p // bs] * bs + p % bs).to(self.device)
-            self.cache.k[layer][slots] = (
-                full.k[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
-            )
-            if not self.cache.v_dim:
-                self.cache.v[layer][slots] = (
-                    full.v[layer][0, :, :T].transpose(0, 1).to(self.cache.storage)
-                )
-        seq.computed = T
+        self.cache.put(seq.block_tables, full, len(seq.tokens))
+        seq.computed = len(seq.tokens)
         self.blocks.register(seq)
         self.steps += 1
         self.runahead_prefills += 1
-        s = seq.params.sampling
-        token = (
-            logits.argmax().item()
-            if s.temperature <= 0
-            else sample(logits[None], s, seq.generator).item()
-        )
-        return self.take(seq, token)
+        token = Sampler.per_row([self.draws(seq)]).sample(logits[None])
+        return self.take(seq, int(token[0]))
 
     def take(self, seq: Sequence, token: int) -> Event:
         """Append ``token`` to ``seq`` unless it is EOS; finish on EOS, a stop string or

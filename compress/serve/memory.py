@@ -18,18 +18,18 @@ from pathlib import Path
 
 import torch
 
+from compress.decoder.kv.base import KVLayout
 from compress.errors import CompressError
 
 HOST_BYTES_PER_BLOCK = 64  # reference count, hash, free-list entry and its int object
 
 
-def pool_bytes(layout: dict, groups: list, sizes: list[int], block_size: int, itemsize: int):
+def pool_bytes(layout: KVLayout, groups: list, sizes: list[int], block_size: int, itemsize: int):
     """``(device bytes, host bytes)`` of pools of ``sizes[g]`` blocks for window ``groups[g]``
-    (``window_groups`` of ``layout["windows"]``), the formula of the module docstring."""
-    windows = layout.get("windows") or [None] * layout["n_layers"]
-    width = layout["head_dim"] if layout.get("v_dim") else 2 * layout["head_dim"]
-    row = block_size * layout["n_kv_heads"] * width * itemsize
-    device = sum(sizes[groups.index(w)] * row for w in windows)
+    (``window_groups`` of ``layout.windows``), the formula of the module docstring."""
+    width = layout.head_dim if layout.v_dim else 2 * layout.head_dim
+    row = block_size * layout.n_kv_heads * width * itemsize
+    device = sum(sizes[groups.index(w)] * row for w in layout.slot_windows())
     return device, HOST_BYTES_PER_BLOCK * sum(sizes)
 
 

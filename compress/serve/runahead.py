@@ -34,9 +34,9 @@ from compress.errors import CompressError
 def chunk_cost(model) -> tuple[float, float]:
     """``(lin, att)`` of the cost model from the config: FLOPs per token of a layer's linears,
     and per query-key pair of its attention (scores and weighted sum, every query head)."""
-    c, D = model.config, model.head_dim
-    H, G, d = c.num_attention_heads, c.num_key_value_heads, c.hidden_size
-    lin = 2 * (d * (H + 2 * G) * D + H * D * d + 3 * d * c.intermediate_size)
+    s = model.spec
+    H, G, d, D = s.n_heads, s.n_kv_heads, s.hidden_size, s.head_dim
+    lin = 2 * (d * (H + 2 * G) * D + H * D * d + 3 * d * s.intermediate_size)
     return float(lin), float(4 * H * D)
 
 
@@ -180,7 +180,7 @@ class RunaheadPrefill:
                 "KV-Runahead hands K/V between processes over gloo, on the CPU; "
                 "load the model on the CPU (NCCL for GPUs is not implemented)."
             )
-        if any(w is not None for w in model.kv_layout().get("windows") or ()):
+        if model.kv_layout().windowed:
             raise CompressError(
                 "KV-Runahead hands each rank the whole K/V so far; this model has sliding-"
                 "window layers, whose caches keep only their window. Prefill it without "

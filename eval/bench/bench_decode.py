@@ -57,7 +57,7 @@ Every system times itself the same way, in Python around its own calls (llama.cp
 ``Llama.eval`` and ``Llama.sample``; transformers: a streamer's timestamps). The table gives
 medians. Peak memory is the decode worker's peak RSS over the timed rounds (reset after
 the warm-up, so loading does not count). "In memory" is the tensors the model holds,
-kernel-prepared forms included; "on disk" the weight files, which the memory bar uses.
+kernel-prepared forms included; "on disk" the weight files, which the memory ratio uses.
 Wall-clock figures on a shared machine are noisy: compare rows of one run, not runs.
 
 ``--threads 1 2`` runs everything once per thread count (torch's threads and llama.cpp's), one
@@ -380,7 +380,7 @@ def make_system(name, args):
     if name == "ours-int4-default":
         from compress.decoder.__main__ import configuration, parse_args
 
-        c = configuration(parse_args([args.int4, "--prompt", "x", "--device", "cpu"]))
+        c = configuration(parse_args([args.int4, "--prompt", "x", "--device", "cpu"])).as_dict()
         return Ours(args.int4, c["dtype"], c["compile"], c["qdtype"], c["lean"],
                     head=c["head"], kernel=c["kernel"])  # fmt: skip
     if name.startswith("ours-"):

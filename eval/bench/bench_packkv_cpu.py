@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from compress.decoder.kv import make_cache
+from compress.decoder.kv import KVLayout, make_cache
 from compress.kernels import native, packkv_cpu, packkv_ref
 
 HKV, H, D, RESIDUAL = 3, 9, 64, 128
@@ -41,7 +41,7 @@ def kernels(mode: str | None):
 def filled(kind: str, n: int, g: torch.Generator, **opts):
     """A one-layer cache of ``kind`` holding ``n`` random tokens (K and V ~ N(0, 1)), whose
     history is compressed as in decoding."""
-    cache = make_cache(kind, 1, 1, HKV, D, n + 1, **opts)
+    cache = make_cache(kind, KVLayout(1, HKV, D), 1, n + 1, **opts)
     k, v = torch.randn(2, 1, HKV, n, D, generator=g)
     cache.append(0, k[..., :-1, :], v[..., :-1, :])
     cache.append(0, k[..., -1:, :], v[..., -1:, :])  # the prefill's tokens leave the window now

@@ -13,7 +13,7 @@ Each measurement is a fresh ``python -m compress`` process (its ``report.json`` 
 seconds, ``peak_rss_bytes`` and, on a GPU, ``peak_device_bytes``); peak RSS is also reported
 relative to the full model's float32 size (``fp32``).
 
-    # the host-memory bars (CPU)
+    # the host-memory rows (CPU)
     python eval/bench/bench_scale.py --rows rtn:qwen2.5-0.5b awq:qwen2-1.5b --device cpu \\
         --calib-samples 8
     # the device table (about 8 minutes on an H200)

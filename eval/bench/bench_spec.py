@@ -237,7 +237,7 @@ def summarise(name, rows, base) -> dict:
     )
 
 
-def bandit_bars(table: list[dict]) -> dict:
+def bandit_summary(table: list[dict]) -> dict:
     """The bandits' mean tok/s against the best fixed arm in hindsight and the median fixed arm
     (the fixed arms are the ``self:skipN:gG`` rows of ``--all-arms``)."""
     arm = re.compile(r"self:skip\d+:g\d+")
@@ -339,13 +339,13 @@ def main(argv=None) -> None:
             f"{t['alpha']:6.3f} {t['tokens_per_pass']:8.2f} "
             f"{t['identical']:5d}/{t['prompts']:<3d} {t['ties']:5d}"
         )
-    bars = bandit_bars(table)
-    if bars:
+    summary = bandit_summary(table)
+    if summary:
         print(
-            f"mean tok/s over the prompts: best fixed arm {bars['best_fixed']:.1f}, median fixed "
-            f"arm {bars['median_fixed']:.1f}; "
+            f"mean tok/s over the prompts: best fixed arm {summary['best_fixed']:.1f}, median fixed "
+            f"arm {summary['median_fixed']:.1f}; "
             + ", ".join(
-                f"{k} {bars[k]:.1f} ({bars[k] / bars['best_fixed']:.1%} of the best)"
+                f"{k} {summary[k]:.1f} ({summary[k] / summary['best_fixed']:.1%} of the best)"
                 for k in ("bandit", "ucb1")
             )
         )
@@ -354,7 +354,8 @@ def main(argv=None) -> None:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         tmp.write_text(
             json.dumps(
-                {"args": vars(args), "table": table, "bandit_bars": bars, "rows": rows}, indent=1
+                {"args": vars(args), "table": table, "bandit_summary": summary, "rows": rows},
+                indent=1,
             )
         )
         tmp.replace(out)

@@ -208,7 +208,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_quality.json").write_text(
-        json.dumps({"args": vars(args), "rows": rows, "bars": ratios(rows)}, indent=1)
+        json.dumps({"args": vars(args), "rows": rows, "ratios": ratios(rows)}, indent=1)
     )
     plot(rows, out / "kv_quality.png")
     print(

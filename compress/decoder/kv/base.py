@@ -18,12 +18,58 @@ sliding window does. Such a layer keeps only what a later query can see: ``w`` t
 ``lookahead`` (the most tokens a caller rolls back, minus one: speculative decoding's gamma),
 so its bytes are bounded at any length. Scores and softmax run in ``dtype`` (fp32 on the CPU);
 the output comes back in ``q``'s dtype.
+
+Every kind is built from one :class:`KVLayout` (the model's ``kv_layout()``: what it stores per
+token) and its own options: ``Kind(layout, batch, max_len, dtype, device, lookahead=0, ...)``.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from compress.errors import CompressError
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a KV cache holds per token, read off the model (``Transformer.kv_layout()``)::
+
+        n_layers    cache slots (CLA: one per group of layers that share K/V)
+        n_kv_heads  KV heads per slot (latent attention: 1)
+        head_dim    width D of one stored key
+        v_dim       None: V of its own, D wide; d: V is K's first d channels, stored once (MLA)
+        scale       the softmax scale of q K^T; None: D**-0.5
+        windows     each slot's sliding window in tokens (None: global); None: every slot global
+
+    Every cache kind takes it whole, with its own options besides.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    v_dim: int | None = None
+    scale: float | None = None
+    windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self):
+        if self.windows is not None:
+            object.__setattr__(self, "windows", tuple(self.windows))
+        ws = self.slot_windows()
+        if len(ws) != self.n_layers or any(w is not None and w < 1 for w in ws):
+            raise CompressError(
+                f"KV cache windows={list(self.windows)}: give one sliding window (a positive "
+                f"number of tokens, or None for a global layer) per cache slot ({self.n_layers})."
+            )
+
+    def slot_windows(self) -> list[int | None]:
+        """Each slot's sliding window (None: global), one per slot."""
+        return list(self.windows) if self.windows is not None else [None] * self.n_layers
+
+    @property
+    def windowed(self) -> bool:
+        """Some slot attends within a sliding window."""
+        return any(w is not None for w in self.slot_windows())
 
 
 def hidden(
@@ -84,40 +130,42 @@ class Cache:
     """Shape checks, GQA query layout and lengths, shared by every kind."""
 
     OPTIONS: tuple = ()  # keyword options of the kind, for make_cache's check
+    LATENT = False  # stores a layout with v_dim (V = K's first channels: latent attention)
+
+    @classmethod
+    def check_layout(cls, layout: KVLayout) -> None:
+        """Refuse a layout this kind cannot store (before any allocation or option check)."""
+        if layout.v_dim and not cls.LATENT:
+            raise CompressError(
+                f"this model's latent (MLA) attention caches one key per token whose first "
+                f"channels are also the value; the {cls.__name__} does not store that yet: "
+                f"use --kv fp16 or full."
+            )
 
     def __init__(
         self,
-        n_layers,
-        batch,
-        n_kv_heads,
-        head_dim,
-        max_len,
-        dtype,
+        layout: KVLayout,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype,
         device,
-        v_dim=None,
-        scale=None,
-        windows=None,
-        lookahead=0,
+        lookahead: int = 0,
     ):
-        self.windows = list(windows) if windows is not None else [None] * n_layers
-        if len(self.windows) != n_layers or any(w is not None and w < 1 for w in self.windows):
-            raise CompressError(
-                f"KV cache windows={windows}: give one sliding window (a positive number of "
-                f"tokens, or None for a global layer) per cache slot ({n_layers})."
-            )
+        self.check_layout(layout)
         if lookahead < 0:
             raise CompressError(f"KV cache lookahead={lookahead} must be >= 0.")
-        self.lookahead = lookahead
-        self.n_layers, self.batch, self.n_kv_heads, self.head_dim = (
-            n_layers,
-            batch,
-            n_kv_heads,
-            head_dim,
+        self.layout, self.lookahead = layout, lookahead
+        self.n_layers, self.n_kv_heads, self.head_dim = (
+            layout.n_layers,
+            layout.n_kv_heads,
+            layout.head_dim,
         )
-        self.max_len, self.dtype, self.device = max_len, dtype, device
-        self.v_dim = v_dim  # latent attention: V is K's first v_dim channels, not stored apart
-        self.scale = head_dim**-0.5 if scale is None else scale
-        self.lens = [0] * n_layers
+        self.windows = layout.slot_windows()
+        self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
+        # latent attention: V is K's first v_dim channels, not stored apart
+        self.v_dim = layout.v_dim
+        self.scale = layout.head_dim**-0.5 if layout.scale is None else layout.scale
+        self.lens = [0] * layout.n_layers
 
     @property
     def length(self) -> int:

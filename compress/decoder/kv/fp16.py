@@ -30,35 +30,12 @@ class FP16Cache(Cache):
     # query, instead of over [T, T] scores (faster at 8,000 tokens: BENCHMARKS.md)
     QUERY_BLOCK = 1024
 
-    OPTIONS = ("v_dim", "scale")
+    OPTIONS = ()
+    LATENT = True
 
-    def __init__(
-        self,
-        n_layers,
-        batch,
-        n_kv_heads,
-        head_dim,
-        max_len,
-        dtype,
-        device,
-        v_dim=None,
-        scale=None,
-        windows=None,
-        lookahead=0,
-    ):
-        super().__init__(
-            n_layers,
-            batch,
-            n_kv_heads,
-            head_dim,
-            max_len,
-            dtype,
-            device,
-            v_dim,
-            scale,
-            windows,
-            lookahead,
-        )
+    def __init__(self, layout, batch, max_len, dtype, device, lookahead=0):
+        super().__init__(layout, batch, max_len, dtype, device, lookahead)
+        n_kv_heads, head_dim, v_dim = layout.n_kv_heads, layout.head_dim, layout.v_dim
         self.cap = [max_len if w is None else min(max_len, w + lookahead) for w in self.windows]
         self.k = [
             torch.zeros(batch, n_kv_heads, c, head_dim, dtype=self.storage, device=device)
@@ -210,6 +187,17 @@ class FP16Cache(Cache):
         """``p V`` ``[B, Hkv, g*Tq, Dv]``: weights ``p`` (:meth:`weights`' layout) over ``layer``'s values."""
         return p @ self.v[layer][:, :, : p.shape[-1]].to(self.dtype)
 
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer``'s positions ``0 .. length - 1``, ``[B, Hkv, length, D]`` each, as
+        stored (V: K's first ``v_dim`` channels with latent attention); a layer that keeps every
+        position (not a ring)."""
+        if self.ring(layer) or not 0 <= length <= self.lens[layer]:
+            raise CompressError(
+                f"KV cache read of {length} positions of layer {layer}: it holds "
+                f"{self.lens[layer]}{' in a ring of its window' if self.ring(layer) else ''}."
+            )
+        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
+
     def nbytes(self) -> int:
         """Bytes of the K/V held: a ring layer holds at most its ``cap`` tokens."""
         width = self.head_dim if self.v_dim else 2 * self.head_dim
@@ -239,9 +227,9 @@ class FP16Cache(Cache):
 class FullCache(FP16Cache):
     """The fp16 cache's layout and attention, K and V stored in ``dtype``: exact, for equivalence checks."""
 
-    def __init__(self, n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, **kw):
+    def __init__(self, layout, batch, max_len, dtype, device, lookahead=0):
         self.storage = dtype
-        super().__init__(n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, **kw)
+        super().__init__(layout, batch, max_len, dtype, device, lookahead)
 
 
 def static_cache(cache: FP16Cache) -> FP16Cache:

@@ -40,19 +40,9 @@ class KIVICache(ResidualCache):
     OPTIONS = ("bits", "group", "residual")
 
     def __init__(
-        self,
-        n_layers,
-        batch,
-        n_kv_heads,
-        head_dim,
-        max_len,
-        dtype,
-        device,
-        bits=2,
-        group=32,
-        residual=128,
-        **kw,
+        self, layout, batch, max_len, dtype, device, lookahead=0, bits=2, group=32, residual=128
     ):
+        head_dim = layout.head_dim
         if bits not in (2, 4):
             raise CompressError(f"KIVI bits={bits} is not supported; use bits=2 or bits=4.")
         if group < 1 or head_dim % group or head_dim % 32:
@@ -61,9 +51,7 @@ class KIVICache(ResidualCache):
                 f"group ({group}); use group=32 or another divisor of head_dim."
             )
         self.bits, self.block = bits, group
-        super().__init__(
-            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual, **kw
-        )
+        super().__init__(layout, batch, max_len, dtype, device, lookahead, residual)
 
     def reset_history(self):
         BH, cap, D, G, dev = (

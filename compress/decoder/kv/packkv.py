@@ -42,7 +42,7 @@ class PackKVCache(ResidualCache):
     The permutation is kept (uint8 ``[layers, BH, cap]``) only if ``keep_perm`` (default: when
     batch > 1, for left-padding masks); the causal mask never needs it (``compress.decoder.kv.window``).
 
-    Defaults ``k_rel=0.04, v_rel=0.1``: the lowest-KL pair of the README's sweep whose bytes stay
+    Defaults ``k_rel=0.04, v_rel=0.1``: the lowest-KL pair of a sweep whose bytes stay
     under a third of the fp16 cache's at every length from 1,400 to 1,700 tokens
     (``python eval/bench/kv_quality.py --parallel --windows 4 --tokens 1536``).
 
@@ -56,13 +56,12 @@ class PackKVCache(ResidualCache):
 
     def __init__(
         self,
-        n_layers,
+        layout,
         batch,
-        n_kv_heads,
-        head_dim,
         max_len,
         dtype,
         device,
+        lookahead=0,
         k_rel=0.04,
         v_rel=0.1,
         block=64,
@@ -70,7 +69,6 @@ class PackKVCache(ResidualCache):
         residual=128,
         order="greedy",
         keep_perm=None,
-        **kw,
     ):
         for name, rel in (("k_rel", k_rel), ("v_rel", v_rel)):
             if not packkv_ref.MIN_REL <= rel <= 1:
@@ -92,9 +90,7 @@ class PackKVCache(ResidualCache):
             torch.tensor(x, dtype=torch.float32, device=device).view(2, 1, 1)
             for x in ([k_rel, v_rel], [packkv_ref.max_code(k_rel), packkv_ref.max_code(v_rel)])
         )
-        super().__init__(
-            n_layers, batch, n_kv_heads, head_dim, max_len, dtype, device, residual, **kw
-        )
+        super().__init__(layout, batch, max_len, dtype, device, lookahead, residual)
 
     def reset_history(self):
         BH, dev, cap = (

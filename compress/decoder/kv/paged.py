@@ -70,40 +70,27 @@ class PagedCache(Cache):
     per group of :func:`window_groups`) of ``block_size`` tokens; bind a step before the
     forward."""
 
+    LATENT = True
+
     def __init__(
         self,
-        n_layers,
+        layout,
         num_blocks,
-        block_size,
-        n_kv_heads,
-        head_dim,
+        block_size: int,
         dtype,
         device,
         storage: torch.dtype = torch.float16,
-        v_dim=None,
-        scale=None,
-        windows=None,
         invariant: bool = False,
     ):
-        groups = window_groups(windows)
+        groups = window_groups(layout.windows)
         sizes = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
         if len(sizes) != len(groups):
             raise CompressError(
                 f"the paged KV cache has {len(groups)} window groups {groups}: give one block "
                 f"count for each (got {sizes})."
             )
-        super().__init__(
-            n_layers,
-            0,
-            n_kv_heads,
-            head_dim,
-            max(sizes) * block_size,
-            dtype,
-            device,
-            v_dim,
-            scale,
-            windows,
-        )
+        super().__init__(layout, 0, max(sizes) * block_size, dtype, device)
+        n_kv_heads, head_dim, v_dim = layout.n_kv_heads, layout.head_dim, layout.v_dim
         self.groups, self.group_blocks = groups, sizes
         self.group = [groups.index(w) for w in self.windows]  # each slot's group
         self.num_blocks, self.block_size, self.storage = sum(sizes), block_size, storage
@@ -208,6 +195,26 @@ class PagedCache(Cache):
             self.scale,
         )
 
+    def put(self, tables, source: Cache, length: int) -> None:
+        """Store one sequence's K/V of positions ``0 .. length - 1``, computed elsewhere into the
+        contiguous cache ``source`` (row 0; ``source.read``), at the pool slots of its block
+        tables ``tables[g]`` (one per window group), outside a bound step: KV-Runahead's
+        prefill (``compress.serve.runahead``). Global layers only: a windowed group's freed
+        blocks hold nothing."""
+        bs, p = self.block_size, torch.arange(length)
+        for layer in range(self.n_layers):
+            if self.windows[layer] is not None:
+                raise CompressError(
+                    "the paged cache takes whole sequences' K/V into global layers only; this "
+                    "model has sliding-window layers."
+                )
+            table = torch.tensor(tables[self.group[layer]], dtype=torch.long)
+            slots = (table[p // bs] * bs + p % bs).to(self.device)
+            k, v = source.read(layer, length)
+            self.k[layer][slots] = k[0].transpose(0, 1).to(self.storage)
+            if not self.v_dim:  # latent attention: V is K's first channels, written with K
+                self.v[layer][slots] = v[0].transpose(0, 1).to(self.storage)
+
     def block_bytes(self, group: int = 0) -> int:
         """Bytes of one block of window group ``group`` over its slots (K and V)."""
         width = self.head_dim if self.v_dim else 2 * self.head_dim
@@ -225,7 +232,7 @@ def new_paged_cache(
     model, num_blocks, block_size: int = 16, kind: str = "fp16", invariant: bool = False
 ) -> PagedCache:
     """The block pools for the decoder's ``model``: ``num_blocks`` an int for every window group,
-    or one count per group of :func:`window_groups` (``model.kv_layout()["windows"]``); ``kind``
+    or one count per group of :func:`window_groups` (``model.kv_layout().windows``); ``kind``
     fp16 or full (the compute dtype); ``invariant``: batch-invariant attention (CPU, needs the
     C++ kernels).
 
@@ -250,19 +257,5 @@ def new_paged_cache(
                 "batch invariance."
             )
     dtype = torch.float32 if device.type == "cpu" else model.dtype
-    layout = model.kv_layout()
     storage = torch.float16 if kind == "fp16" else dtype
-    return PagedCache(
-        layout["n_layers"],
-        num_blocks,
-        block_size,
-        layout["n_kv_heads"],
-        layout["head_dim"],
-        dtype,
-        device,
-        storage,
-        layout["v_dim"],
-        layout["scale"],
-        layout.get("windows"),
-        invariant,
-    )
+    return PagedCache(model.kv_layout(), num_blocks, block_size, dtype, device, storage, invariant)

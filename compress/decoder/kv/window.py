@@ -34,32 +34,8 @@ class ResidualCache(Cache):
     block = 64
     granule = None  # tokens leave the window in multiples of this; None: of ``block``
 
-    def __init__(
-        self,
-        n_layers,
-        batch,
-        n_kv_heads,
-        head_dim,
-        max_len,
-        dtype,
-        device,
-        residual,
-        scale=None,
-        windows=None,
-        lookahead=0,
-    ):
-        super().__init__(
-            n_layers,
-            batch,
-            n_kv_heads,
-            head_dim,
-            max_len,
-            dtype,
-            device,
-            scale=scale,
-            windows=windows,
-            lookahead=lookahead,
-        )
+    def __init__(self, layout, batch, max_len, dtype, device, lookahead=0, residual=128):
+        super().__init__(layout, batch, max_len, dtype, device, lookahead)
         if residual < 0:
             raise CompressError(f"KV cache residual={residual} must be >= 0 (tokens kept in fp16).")
         self.residual = residual

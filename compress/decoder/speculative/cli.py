@@ -6,9 +6,9 @@
 --draft self --skip search      a skip set searched on calibration text, saved as RUN.skip.json
 --draft self --adapt bandit     per prompt, a unimodal bandit over skip sets x gamma (or ucb1)
 
-A draft folder that is group-quantized, on the CPU, without ``--dtype``, runs in the decoder's
-fast configuration whatever the target's (:func:`draft_load_kwargs`): bfloat16, lean, the
-fast kernel and head, and compiled decode steps. Its tokens are only proposals: the target
+A draft folder runs in its own configuration (:func:`draft_runtime`, ``resolve_runtime`` on the
+draft folder): group-quantized, on the CPU, without ``--dtype``, the decoder's fast one whatever
+the target's (bfloat16, lean, the fast kernel and head, and compiled decode steps). Its tokens are only proposals: the target
 verifies each, so the output is the target's alone.
 """
 
@@ -100,35 +100,26 @@ def check_arguments(args) -> None:
         raise CompressError("--adapt chooses the skip set itself: drop --skip/--skip-layers.")
 
 
-def draft_load_kwargs(args, conf: RuntimeConfig) -> dict:
-    """``model.load`` keywords of a ``--draft`` folder, plus ``compile`` (its decode steps): the
-    draft's own configuration (``compress.decoder.runtime.resolve_runtime`` on the draft folder
-    with the settings the command line names: the fast choice for the others), or, for
-    ``--draft self``, the target's ``conf``."""
+def draft_runtime(args, conf: RuntimeConfig) -> RuntimeConfig:
+    """The ``--draft`` folder's configuration: ``compress.decoder.runtime.resolve_runtime`` on
+    the draft folder with the settings the command line names (the fast choice for the
+    others; ``compile``: the draft's decode steps), or, for ``--draft self``, the target's
+    ``conf`` (the target's eager forward with layers skipped)."""
     if args.draft == "self":
-        return dict(device=args.device, **conf.load_kwargs(), compile=bool(args.compile))
+        return conf
     named = {**named_settings(args), "compile": getattr(args, "compile_flag", args.compile)}
-    draft = resolve_runtime(args.draft, args.device, named, static_cache=True)
-    return dict(device=args.device, **draft.load_kwargs(), compile=draft.compile)
+    return resolve_runtime(args.draft, args.device, named, static_cache=True)
 
 
-def describe_draft(kw: dict) -> str:
-    """One line naming the draft's configuration, for stderr."""
-    flags = [f"dtype {str(kw['dtype']).removeprefix('torch.')}", f"kernel {kw['kernel']}"]
-    flags += [f"head {kw['head']}"] if kw.get("head") else []
-    flags += [name for name in ("lean", "compile") if kw[name]]
-    return f"[draft config: {', '.join(flags)}]"
-
-
-def draft_schedule(args, model, tokenizer, load_kwargs: dict):
-    """The schedule ``speculative.speculative_generate`` takes, from the options."""
+def draft_schedule(args, model, tokenizer, runtime: RuntimeConfig):
+    """The schedule ``speculative.speculative_generate`` takes, from the options; a draft
+    folder loads in ``runtime`` (:func:`draft_runtime`)."""
 
     if args.draft != "self":
-        load_kwargs = dict(load_kwargs)
-        compile_ = load_kwargs.pop("compile", False)
-        draft = load_draft(args.draft, model, tokenizer, **load_kwargs)
+        draft = load_draft(args.draft, model, tokenizer, runtime=runtime)
         return schedule_for(
-            ModelDraft(draft, compile=compile_, stop_below=args.draft_confidence), args.gamma
+            ModelDraft(draft, compile=runtime.compile, stop_below=args.draft_confidence),
+            args.gamma,
         )
     if args.adapt:
         return self_bandit(model, args.adapt)

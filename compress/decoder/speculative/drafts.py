@@ -14,6 +14,10 @@ threshold, which spares the draft steps and verification rows that a doubtful to
                     skipped layers write nothing, and the target's verification pass rewrites
                     all of them, so the draft reads the target's exact K/V for every accepted token.
 
+A drafter is the propose half of the speculative policy (``Speculation``, in ``generate.py``),
+so it drafts inside the round's generation step (``compress.decoder.step``); its forwards are
+``step.forward``, the step's own call of a model.
+
 Families: a draft may be of another family than the target (each runs its own architecture
 spec); only the token ids must mean the same, so a draft whose vocabulary size or tokenizer is
 not the target's is refused (``load_draft``) from its config.json and tokenizer, before its
@@ -30,6 +34,7 @@ from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.decoder.sampling import Sampling, logits_to_probs
 from compress.decoder.speculative.gamma import check_confidence
+from compress.decoder.step import forward
 from compress.errors import CompressError
 from compress.io.checkpoint import read_config, read_tokenizer
 
@@ -110,12 +115,11 @@ class ModelDraft:
                 self.model, self.kv, 1, max_len, lookahead=self.lookahead, **self.kv_opts
             )
         if len(ids) > 1:  # the last prompt token is fed with the first draft
-            device = self.model.device
-            self.model(torch.tensor([ids[:-1]], device=device), self.cache, last=True)
+            forward(self.model, self.cache, torch.tensor([ids[:-1]], device=self.model.device))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if self.step is None:
-            return self.model(ids, self.cache, pos=pos, last=True)
+            return forward(self.model, self.cache, ids, pos)
         for t in ids[0].tolist():  # the compiled step takes one token at a time, as a fresh [1, 1]
             logits = self.step(torch.tensor([[t]], device=ids.device), self.cache)
         return logits
@@ -160,10 +164,10 @@ class LayerSkipDraft:
     def propose(self, seq: list[int], gamma: int, sampling: Sampling, gen, target_cache=None):
         L, device = len(seq) - 1, self.model.device
 
-        def forward(ids, pos):
-            return self.model(ids, target_cache, pos=pos, last=True, skip=self.skip)
+        def skipping(ids, pos):
+            return forward(self.model, target_cache, ids, pos, skip=self.skip)
 
-        return run_drafts(forward, seq[L:], L, gamma, sampling, gen, device, self.stop_below)
+        return run_drafts(skipping, seq[L:], L, gamma, sampling, gen, device, self.stop_below)
 
     def sync(self, seq: list[int]) -> None:
         pass

@@ -27,13 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.decoder.generate import Result, cache_size, eos_ids_of, sync
-from compress.decoder.kv import new_cache
+from compress.decoder.generate import Result, generate, sync
 from compress.decoder.model import Transformer
-from compress.decoder.sampling import Sampling, logits_to_probs, sample
+from compress.decoder.sampling import Sampler, Sampling
 from compress.decoder.speculative.drafts import ModelDraft, check_draft
 from compress.decoder.speculative.gamma import schedule_for
-from compress.decoder.stopping import Stopping
 from compress.errors import CompressError
 
 
@@ -98,6 +96,94 @@ def as_schedule(target, draft, gamma=5):
     return schedule_for(draft, gamma)
 
 
+class Speculation:
+    """Speculative decoding as the generation step's propose/verify policy
+    (``compress.decoder.step``), batch 1; one step is one round of the module docstring::
+
+        propose:  draft, γ = schedule.next();  d_1..d_γ = draft.propose(seq)   (γ capped so the
+                  round cannot pass the token budget)
+        forward:  the target over [x, d_1..d_γ] at slots L..L+γ (the step's one forward)
+        accept:   n, next = verify(...);  seq += d_1..d_n, next;  roll back to L + n + 1
+
+    A draft that writes into the target's cache (layer skip) drafts there and the cache rolls back
+    to L before the target rewrites those slots.
+    """
+
+    static_decode = False  # a round feeds γ + 1 tokens; the drafts may run compiled
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+        self.lookahead = schedule.largest_gamma()  # windowed layers keep what a rollback restores
+        self.rounds = self.drafted = self.accepted = 0
+
+    def check(self, cache, kv: str) -> None:
+        residual = getattr(cache, "residual", None)
+        if residual is not None and residual <= self.lookahead:
+            raise CompressError(
+                f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
+                f"rejected draft of up to {self.lookahead} tokens needs "
+                f"more: raise --kv-opt residual or lower --gamma."
+            )
+
+    def begin(self, prompts, first: torch.Tensor, max_len: int, n_new: int) -> None:
+        """After the target's prefill: the draft models prefill the prompt."""
+        self.seq, self.T0, self.n_new = list(prompts[0]) + first[0].tolist(), len(prompts[0]), n_new
+        for draft in self.schedule.drafts():
+            draft.lookahead = self.lookahead
+            draft.prefill(list(prompts[0]), max_len)
+
+    def propose(self, ids, cache, sampler: Sampler) -> torch.Tensor:
+        self.r0 = time.perf_counter()
+        draft, gamma = self.schedule.next()
+        gamma = min(gamma, self.n_new - (len(self.seq) - self.T0) - 1)
+        L = len(self.seq) - 1  # the slot of the newest token, x
+        tokens, p = (
+            draft.propose(self.seq, gamma, sampler.sampling, sampler.generator, cache)
+            if gamma
+            else ([], None)
+        )
+        if draft.shares_cache:
+            cache.rollback(L)  # the target rewrites the drafted slots
+        self.round = draft, tokens, p, L
+        return torch.tensor([tokens], dtype=torch.long)
+
+    def accept(self, logits, drafts, sampler: Sampler, cache) -> torch.Tensor:
+        draft, tokens, p, L = self.round
+        gamma, logits = len(tokens), logits[0]
+        if not sampler.greedy:
+            q = sampler.probs(logits).cpu()
+            p = p[None] if gamma else torch.zeros(1, 0, q.shape[-1])
+        else:
+            q = logits.cpu()
+        n, nxt = verify(
+            torch.tensor([tokens], dtype=torch.long),
+            p,
+            q[None],
+            sampler.sampling,
+            sampler.generator,
+        )
+        n = int(n[0])
+        new = tokens[:n] + [int(nxt[0])]
+        self.seq += new
+        cache.rollback(L + n + 1)
+        draft.sync(self.seq)
+        self.rounds, self.drafted, self.accepted = (
+            self.rounds + 1,
+            self.drafted + gamma,
+            self.accepted + n,
+        )
+        sync(logits.device)
+        if gamma:
+            self.schedule.update(gamma, n, time.perf_counter() - self.r0)
+        return torch.tensor([new], device=logits.device)
+
+    def finish(self, result: Result) -> "SpecResult":
+        fields = vars(result) | dict(decode_steps=max(len(result.tokens[0]) - 1, 0))
+        return SpecResult(
+            **fields, rounds=self.rounds, drafted=self.drafted, accepted=self.accepted
+        )
+
+
 @torch.no_grad()
 def speculative_generate(
     model,
@@ -118,7 +204,8 @@ def speculative_generate(
 ) -> SpecResult:
     """Continue one prompt with ``model`` verifying the drafts of ``draft`` (see
     :func:`as_schedule`), ``gamma`` per round (an int >= 1, or ``"auto"``:
-    ``compress.decoder.speculative.gamma.AutoGamma``).
+    ``compress.decoder.speculative.gamma.AutoGamma``): ``generate`` with the
+    :class:`Speculation` policy.
 
     The other arguments are :func:`compress.decoder.generate.generate`'s (batch 1); ``compile``
     runs the draft models' decode steps compiled (``ModelDraft.compile``), the target eager.
@@ -139,85 +226,17 @@ def speculative_generate(
             f"speculative decoding runs one prompt at a time (batch 1); got "
             f"{len(prompts)}. Call it once per prompt, or decode without a draft."
         )
-    if not prompts[0]:
-        raise CompressError("a prompt is empty; give at least one token of text to continue.")
-    if stop and tokenizer is None:
-        raise CompressError("stop strings need a tokenizer, and this run folder has none.")
-    sampling = sampling or Sampling()
-    seq = list(prompts[0])
-    T0, device = len(seq), model.device
-    max_len = cache_size(model, T0, max_new_tokens, max_len)
-    n_new = min(max_new_tokens, max_len - T0)
-    lookahead = schedule.largest_gamma()  # sliding-window layers keep what a rollback restores
-    cache = new_cache(model, kv, 1, max_len, lookahead=lookahead, **(kv_opts or {}))
-    residual = getattr(cache, "residual", None)
-    if residual is not None and residual <= schedule.largest_gamma():
-        raise CompressError(
-            f"the {kv} cache keeps {residual} tokens in fp16, and rolling back a "
-            f"rejected draft of up to {schedule.largest_gamma()} tokens needs "
-            f"more: raise --kv-opt residual or lower --gamma."
-        )
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    eos = () if ignore_eos else eos_ids_of(model, tokenizer)
-    row = Stopping(n_new, eos, tokenizer, stop)
-    out = row.tokens
-
-    def take(tokens: list[int]) -> None:
-        for t in tokens:
-            _, text = row.feed(t)
-            if on_text and text:
-                on_text(0, text)
-
-    t0 = time.perf_counter()
-    logits = model(torch.tensor([seq], device=device), cache, last=True)[:, -1]
-    for draft in schedule.drafts():
-        draft.lookahead = lookahead
-        draft.prefill(seq, max_len)
-    sync(device)
-    t1 = time.perf_counter()
-    first = int(sample(logits, sampling, gen)[0])
-    take([first])
-    seq.append(first)
-    t2 = time.perf_counter()
-    rounds = drafted = accepted = 0
-    while not row.done:
-        r0 = time.perf_counter()
-        draft, gamma = schedule.next()
-        gamma = min(gamma, n_new - len(out) - 1)
-        L = len(seq) - 1
-        tokens, p = draft.propose(seq, gamma, sampling, gen, cache) if gamma else ([], None)
-        gamma = len(tokens)  # a confident-only drafter may stop early
-        if draft.shares_cache:
-            cache.rollback(L)  # the target rewrites the drafted slots
-        ids = torch.tensor([seq[-1:] + tokens], device=device)
-        logits = model(ids, cache, pos=torch.arange(L, L + gamma + 1, device=device))[0]
-        if sampling.temperature > 0:
-            q = logits_to_probs(logits, sampling).cpu()
-            p = p[None] if gamma else torch.zeros(1, 0, q.shape[-1])
-        else:
-            q = logits.cpu()
-        n, nxt = verify(torch.tensor([tokens], dtype=torch.long), p, q[None], sampling, gen)
-        n, new = int(n[0]), tokens[: int(n[0])] + [int(nxt[0])]
-        seq += new
-        take(new)
-        cache.rollback(L + n + 1)
-        draft.sync(seq)
-        rounds, drafted, accepted = rounds + 1, drafted + gamma, accepted + n
-        sync(device)
-        if gamma:
-            schedule.update(gamma, n, time.perf_counter() - r0)
-    t3 = time.perf_counter()
-    return SpecResult(
-        [out],
-        [row.text],
-        T0,
-        t1 - t0,
-        t2 - t0,
-        t3 - t2,
-        max(len(out) - 1, 0),
-        cache.nbytes(),
-        cache.length,
-        rounds,
-        drafted,
-        accepted,
+    return generate(
+        model,
+        prompts,
+        max_new_tokens,
+        tokenizer,
+        sampling,
+        kv,
+        kv_opts,
+        max_len,
+        stop,
+        on_text,
+        ignore_eos=ignore_eos,
+        policy=Speculation(schedule),
     )

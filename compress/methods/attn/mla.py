@@ -23,7 +23,7 @@ At full rank (L = rank of the stacked matrix) with every pair kept the model is 
 
 import torch
 
-from compress.arch.adapters import get_adapter, head_dim
+from compress.arch.adapters import get_adapter
 from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.formats.attention import MLAConfig, MLAForCausalLM, converted_config
@@ -33,8 +33,8 @@ from compress.methods.attn.rope_select import PairNorms, check_pairs, select_pai
 
 def full_rank(config, pairs: int) -> int:
     """The largest useful ``mla.d_kv``: per KV head 2D - 2p rows, at most hidden / G overall."""
-    D, G = head_dim(config), config.num_key_value_heads
-    return min(2 * D - 2 * pairs, config.hidden_size // G)
+    spec = spec_of(config)
+    return min(2 * spec.head_dim - 2 * pairs, spec.hidden_size // spec.n_kv_heads)
 
 
 SVDS = ("weights", "activations")

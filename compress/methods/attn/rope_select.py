@@ -11,7 +11,7 @@ rotated by frequency ``theta^(-2j/D)`` (j = 0 the highest). Keeping p pairs per 
 
 import torch
 
-from compress.arch.adapters import get_adapter, head_dim
+from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.methods.attn.calib import attention_inputs
 
@@ -19,7 +19,7 @@ METHODS = ("2norm", "uniform", "high", "low")
 
 
 def check_pairs(config, pairs: int, method: str) -> None:
-    half = head_dim(config) // 2
+    half = spec_of(config).head_dim // 2
     if not 1 <= pairs <= half:
         raise CompressError(
             f"mla.rope_pairs={pairs}: a head of dim {2 * half} has {half} RoPE "
@@ -40,11 +40,11 @@ class PairNorms:
     scores of every layer's KV heads."""
 
     def __init__(self, model):
-        config = model.config
-        self.H, self.G = config.num_attention_heads, config.num_key_value_heads
-        self.adapter = get_adapter(config)
+        spec = spec_of(model.config)
+        self.H, self.G = spec.n_heads, spec.n_kv_heads
+        self.adapter = spec.adapter
         self.layers = self.adapter.decoder_layers(model)
-        half = head_dim(config) // 2
+        half = spec.head_dim // 2
         self.q = torch.zeros(len(self.layers), self.H, half, dtype=torch.float64)
         self.k = torch.zeros(len(self.layers), self.G, half, dtype=torch.float64)
         self.count = 0
@@ -69,8 +69,8 @@ def qk_pair_scores(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def select_pairs(config, pairs: int, method: str, scores: torch.Tensor | None = None):
     """``[layers, G, pairs]`` pair indices (ascending) each KV head keeps rotating."""
-    half, layers = head_dim(config) // 2, config.num_hidden_layers
-    G = config.num_key_value_heads
+    spec = spec_of(config)
+    half, layers, G = spec.head_dim // 2, spec.n_layers, spec.n_kv_heads
     if method == "2norm":
         index = scores.topk(pairs, dim=-1).indices
     else:

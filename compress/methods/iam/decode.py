@@ -1,9 +1,10 @@
 """Decoding with IAM attention mapping (Zhao, Li and Zhao, ACL 2025, arXiv 2507.11953).
 
 A small model of the same tokenizer runs first on each step's tokens, with its own cache
-(``kv.mapped.RecordingCache``), and keeps the attention weights of the layers the mapping uses;
+(``cache.RecordingCache``), and keeps the attention weights of the layers the mapping uses;
 then the large model runs its one forward (``compress.decoder.model``) where each mapped layer l
-is a ``MappedAttention``: it projects V only, and its cache (``kv.mapped.MappedCache``) attends as
+is a ``MappedAttention`` (``attention.py``, an attention kind IAM registers with the decoder): it
+projects V only, and its cache (``cache.MappedCache``) attends as
 
     y_h = P_small[m(l)][head(l, h)] V_g(h)        (no q/k projection, no K cache)
 
@@ -20,12 +21,14 @@ from torch import nn
 
 from compress.arch.spec import spec_of
 from compress.decoder.kv import new_cache
+from compress.decoder.kv.base import KVLayout
 from compress.decoder.kv.fp16 import FP16Cache, FullCache
-from compress.decoder.kv.mapped import MappedCache, RecordingCache
 from compress.decoder.model import load
 from compress.errors import CompressError
 from compress.io.checkpoint import read_config
 from compress.methods.iam import map as iam_map
+from compress.methods.iam.attention import KIND, load_mapped
+from compress.methods.iam.cache import MappedCache, RecordingCache
 
 CHUNK = 1024  # prefill tokens per pass of both models
 
@@ -56,18 +59,28 @@ class PairCache:
 
 
 class IAMModel(nn.Module):
-    """``large`` (loaded with its mapped layers as ``MappedAttention``) reading ``small``'s attention
-    weights: ``mapped`` large layer -> small layer, ``heads`` large layer -> small head per head."""
+    """``large`` (loaded with its mapped layers as ``MappedAttention``: :func:`load_mapped`)
+    reading ``small``'s attention weights: ``mapped`` large layer -> small layer, ``heads`` large
+    layer -> small head per head. Its ``spec`` is the large model's (vocabulary, stops, positions,
+    layers with their attention kinds)."""
 
     def __init__(self, large, small, mapped: dict, heads: dict, chunk: int = CHUNK):
         super().__init__()
         self.large, self.small, self.chunk = large, small, chunk
         self.mapped = {int(k): int(v) for k, v in mapped.items()}
         self.heads = {int(k): torch.tensor(v, dtype=torch.long) for k, v in heads.items()}
-        n_small = small.config.num_hidden_layers
+        layers = large.spec.layers
+        unmapped = sorted(
+            ly for ly in self.mapped if not 0 <= ly < len(layers) or layers[ly].attention != KIND
+        )
+        if unmapped:
+            raise CompressError(
+                f"IAM: large layers {unmapped} are mapped but were not loaded as mapped layers "
+                f"(or do not exist); load the large model with load_mapped(folder, layers)."
+            )
         deepest = max(self.mapped.values(), default=-1)
-        self.small_skip = tuple(range(deepest + 1, n_small))
-        self.config = large.config
+        self.small_skip = tuple(range(deepest + 1, small.spec.n_layers))
+        self.spec = large.spec
 
     @property
     def lm_head(self):
@@ -81,7 +94,7 @@ class IAMModel(nn.Module):
     def dtype(self):
         return self.large.dtype
 
-    def kv_layout(self) -> dict:
+    def kv_layout(self) -> KVLayout:
         return self.large.kv_layout()
 
     def make_cache(self, kind: str, batch: int, max_len: int, **opts) -> PairCache:
@@ -90,18 +103,16 @@ class IAMModel(nn.Module):
         mapped ones."""
         device = self.large.device
         dtype = torch.float32 if device.type == "cpu" else self.large.dtype
-        s = self.small.kv_layout()
-        extra = {k: s[k] for k in ("v_dim", "scale") if s[k] is not None}
         small = RecordingCache(
-            s["n_layers"], batch, s["n_kv_heads"], s["head_dim"], max_len, dtype, device,
-            keep=set(self.mapped.values()), exact=kind == "full", **extra,
+            self.small.kv_layout(), batch, max_len, dtype, device,
+            keep=set(self.mapped.values()), exact=kind == "full",
         )  # fmt: skip
         inner = new_cache(self.large, kind, batch, max_len, **opts)
         lay = self.large.kv_layout()
-        values = (FullCache if kind == "full" else FP16Cache)(
-            max(len(self.mapped), 1), batch, lay["n_kv_heads"], lay["head_dim"], max_len,
-            dtype, device, v_dim=lay["head_dim"],
-        )  # fmt: skip
+        v_only = KVLayout(
+            max(len(self.mapped), 1), lay.n_kv_heads, lay.head_dim, v_dim=lay.head_dim
+        )
+        values = (FullCache if kind == "full" else FP16Cache)(v_only, batch, max_len, dtype, device)
         return PairCache(small, MappedCache(inner, values, self.mapped, self.heads, small))
 
     def forward(self, idx, cache: PairCache, pos=None, start=None, last=False, skip=()):
@@ -167,7 +178,7 @@ def load_iam(
         iam_map.save_map(iam_map.build_map(large, small), path)
     mapping = iam_map.read_map(path, large, small)
     chosen = iam_map.select(mapping, layers)
-    big, tok = load(large, dtype=dtype, device=device, iam_mapped=chosen, **load_kw)
+    big, tok = load_mapped(large, chosen, dtype=dtype, device=device, **load_kw)
     little, _ = load(small, dtype=dtype, device=device, **load_kw)
     mapped = {ly: mapping["layer_map"][ly] for ly in chosen}
     heads = {ly: mapping["head_map"][ly] for ly in chosen}

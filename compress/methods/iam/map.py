@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress.decoder.kv.mapped import RecordingCache
 from compress.decoder.model import load
 from compress.errors import CompressError
 from compress.io.checkpoint import read_tokenizer
 from compress.io.data import calib_samples, read_text, wikitext_file
+from compress.methods.iam.cache import RecordingCache
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,10 @@ def calibration(tokenizer, tokens: int, seqlen: int) -> torch.Tensor:
 def attention_maps(model, ids: torch.Tensor) -> torch.Tensor:
     """Every layer's attention weights on one sequence ``ids [T]``: ``[layers, H, T, T]`` (fp32)."""
 
-    n, T = model.config.num_hidden_layers, ids.numel()
-    layout = model.kv_layout()
-    extra = {k: layout[k] for k in ("v_dim", "scale") if layout[k] is not None}
+    n, T = model.spec.n_layers, ids.numel()
     cache = RecordingCache(
-        layout["n_layers"], 1, layout["n_kv_heads"], layout["head_dim"], T, torch.float32,
-        model.device, keep=range(n), exact=True, **extra,
-    )  # fmt: skip
+        model.kv_layout(), 1, T, torch.float32, model.device, keep=range(n), exact=True
+    )
     model(ids[None].to(model.device), cache, last=True)
     return torch.stack([cache.heads_of(ly)[0].float().cpu() for ly in range(n)])
 

@@ -9,12 +9,13 @@
 A mapped layer's V lives in an fp16 cache in its latent layout (V stored once, in K's place,
 ``v_dim = head_dim``), so it costs ``Hkv * D * 2`` bytes per token against ``2 Hkv D 2``.
 Both models see the same tokens at the same slots, so the small model's weights already carry
-the causal and left-padding masks the large layer needs.
+the causal and left-padding masks the large layer needs. They are not ``--kv`` kinds: the pair's
+model builds them (``compress.methods.iam.decode.IAMModel.make_cache``).
 """
 
 import torch
 
-from compress.decoder.kv.base import Cache
+from compress.decoder.kv.base import Cache, KVLayout
 from compress.decoder.kv.fp16 import FP16Cache
 from compress.errors import CompressError
 
@@ -23,10 +24,12 @@ class RecordingCache(FP16Cache):
     """An fp16 cache (``exact``: K/V in ``dtype``, as ``full``) whose ``attend`` keeps the weights
     of the ``keep`` layers for the running step (``probs``: layer -> ``([B, Hkv, g*Tq, L], Tq)``)."""
 
-    def __init__(self, *args, keep=(), exact=False, **kw):
+    def __init__(
+        self, layout: KVLayout, batch, max_len, dtype, device, keep=(), exact: bool = False
+    ):
         if exact:
-            self.storage = args[5] if len(args) > 5 else kw["dtype"]
-        super().__init__(*args, **kw)
+            self.storage = dtype
+        super().__init__(layout, batch, max_len, dtype, device)
         self.keep, self.probs = set(keep), {}
 
     def attend(self, layer, q, pos=None, start=None):
@@ -58,6 +61,7 @@ class MappedCache(Cache):
         self.inner, self.values, self.source = inner, values, source
         self.mapped, self.heads_map = dict(mapped), dict(heads)
         self.slot = {layer: i for i, layer in enumerate(sorted(self.mapped))}
+        self.layout, self.windows = inner.layout, inner.windows
         self.n_layers, self.batch, self.max_len = inner.n_layers, inner.batch, inner.max_len
         self.n_kv_heads, self.head_dim, self.dtype = inner.n_kv_heads, inner.head_dim, inner.dtype
         self.device, self.lens = inner.device, [0] * inner.n_layers
