@@ -15,13 +15,18 @@ from torch import nn
 from compress.arch.adapters import MLA, get_adapter
 from compress.errors import CompressError
 from compress.formats.quantizer import fake_quantize
-from compress.io.checkpoint import save_checkpoint
+from compress.io.checkpoint import load_run, save_checkpoint
 from compress.io.offload import capture_inputs
 from compress.layers import QuantLinear
+from compress.methods.attn.cla import convert_cla
+from compress.methods.attn.mla import convert_mla
 from compress.methods.quant import gptq as gptq_mod
 from compress.methods.quant.awq import awq
 from compress.methods.quant.gptq import Hessian, gptq, gptq_quantize, sequential_steps
+from compress.methods.quant.rtn import pack_model
+from compress.recipe import pipeline
 from compress.recipe.config import check_stage_list, validate
+from compress.recipe.pipeline import run
 from compress.recipe.stages import get_stage
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 from tests.family_models import family_config, family_model
@@ -273,7 +278,6 @@ def test_true_sequential_hessians_see_the_quantized_inputs(monkeypatch):
 def test_gptq_stage_closer_to_float_than_rtn():
     """On a tiny Llama calibrated on the text it is then scored on, GPTQ INT3's logits are
     closer to the float model's than RTN's."""
-    from compress.methods.quant.rtn import pack_model
 
     ids = calib(4, 48)
     with torch.no_grad():
@@ -327,8 +331,8 @@ def test_sequential_steps_from_the_adapters_roles():
     ],
 )
 def test_check_refuses_bad_settings_before_loading(override, match, tmp_path, monkeypatch):
-    import compress.recipe.pipeline as pipeline
-
+    """Each bad gptq.* setting: one paragraph naming the key and the fix, from the stage's
+    check with config.json's shapes and from validate (which loads no weights)."""
     folder = tmp_path / "model"
     family_model("llama").config.save_pretrained(folder)
     cfg = compose("gptq_int4", [f"model.path={folder}", *TINY_OVERRIDES, override])
@@ -383,20 +387,23 @@ def test_awq_without_quantize_folds_then_gptq_quantizes(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("recipe", ["gptq_int4", "awq_gptq_int3"])
 def test_recipe_runs_end_to_end(recipe, tiny_dir, tmp_path):
-    from compress.recipe.pipeline import run
+    """The recipe through the pipeline (disk-backed layers, evaluation): the folder loads in
+    transformers with our layers and our decoder computes the same logits."""
 
     over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "gptq.batch=2", "decode.enabled=false"]
     if recipe.startswith("awq"):
         over += ["awq.batch=2", "awq.n_grid=4", "awq.search_samples=2"]
     report = run(compose(recipe, over), tmp_path / "run")
     assert report["bits"] == (4 if recipe.endswith("4") else 3) and report["ppl"] < 1e6
+    hf, _ = load_run(tmp_path / "run")  # transformers' model with the saved quantized layers
+    assert all(isinstance(m, QuantLinear) for m in get_adapter(hf.config).all_linears(hf).values())
+    ids = tokens(96)
+    assert rel_err(decoder_logits(tmp_path / "run", ids), hf_logits(hf, ids)) < 1e-3
 
 
 def test_stage_quantizes_every_linear_of_mla_layers():
     """MLA's converted layers: q, k_rope, kv_a, then k_b and v_b on the latent, then o, ...; the
     quantized model stays as close to the float one as RTN's at 4 bits."""
-    from compress.methods.attn.mla import convert_mla
-    from compress.methods.quant.rtn import pack_model
 
     def source():
         return convert_mla(make_tiny_model(), d_kv=32, rope_pairs=4, rope_select="high")
@@ -418,7 +425,6 @@ def test_stage_quantizes_every_linear_of_mla_layers():
 def test_stage_refuses_cross_layer_attention():
     """CLA's later layers read K/V computed by an earlier layer in the same forward: refused
     (from the config, before any weight) rather than calibrated wrongly."""
-    from compress.methods.attn.cla import convert_cla
 
     model = convert_cla(make_tiny_model(), 2, "first")
     with pytest.raises(CompressError, match="cross-layer attention.*rtn"):
