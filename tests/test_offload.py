@@ -13,6 +13,7 @@ from compress.eval.perplexity import evaluate
 from compress.io import offload
 from compress.io.checkpoint import load_run, open_lazy, save_checkpoint, save_entries
 from compress.methods.quant.awq import awq
+from compress.methods.quant.gptq import gptq
 from compress.methods.quant.llm_int8 import llm_int8
 from compress.methods.quant.rtn import rtn
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
@@ -45,6 +46,18 @@ STAGES = {
         ),
     ),
     "rtn": (rtn, dict(bits=3, group_size=64, symmetric=False)),
+    "gptq": (
+        gptq,
+        dict(
+            bits=3,
+            group_size=64,
+            damp=0.01,
+            block_size=32,
+            act_order=True,
+            true_sequential=True,
+            batch=2,
+        ),
+    ),
     "llm_int8": (llm_int8, dict(threshold=0.05, outlier_stats=True)),
 }
 
@@ -74,6 +87,7 @@ def test_disk_onloading_equals_whole_model(stage, tiny_dir, tmp_path, monkeypatc
 
     for mod in (
         "compress.methods.quant.awq",
+        "compress.methods.quant.gptq",
         "compress.methods.quant.rtn",
         "compress.methods.quant.llm_int8",
     ):

@@ -67,7 +67,11 @@ CLI_CASES = [
     ("rtn_int4", ["~model"], "select another with model=NAME"),
     ("rtn_int4", ["stages=[rtn,rtn]"], "rtn is listed twice"),
     ("minitron_width", ["stages=[prune,distill,prune]"], "prune is listed twice"),
-    ("rtn_int4", ["stages=[awq]"], "Use a recipe that runs it (awq_int3, awq_int4)"),
+    (
+        "rtn_int4",
+        ["stages=[awq]"],
+        "Use a recipe that runs it (awq_gptq_int3, awq_gptq_int4, awq_int3, awq_int4)",
+    ),
     ("rtn_int4", ["seed=1180591620717411303424"], "seed is an integer from 0 to 2**64-1"),
     ("rtn_int4", ["seed=-1"], "seed is an integer from 0 to 2**64-1"),
     ("rtn_int4", ["seed=null"], "seed takes an integer"),

@@ -86,16 +86,8 @@ def quantize(
     if clip_max is not None:
         c = clip_max.float().unsqueeze(-1)
         wg = torch.maximum(torch.minimum(wg, c), -c)
-    qmax = 2**bits - 1
-    if symmetric:
-        s = wg.abs().amax(-1).clamp(min=1e-5) / (2 ** (bits - 1) - 1)
-        s = s.half().float()
-        z = torch.full_like(s, 2 ** (bits - 1))
-    else:
-        hi, lo = wg.amax(-1), wg.amin(-1)
-        s = ((hi - lo).clamp(min=1e-5) / qmax).half().float()
-        z = (-torch.round(lo / s)).clamp(0, qmax)
-    q = (torch.round(wg / s.unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, qmax)
+    s, z = group_params(wg, bits, symmetric)
+    q = codes(wg, s.unsqueeze(-1), z.unsqueeze(-1), bits)
     return QuantizedWeight(
         q=q.reshape(out, k).to(torch.int32),
         scales=s.half(),
@@ -103,6 +95,26 @@ def quantize(
         bits=bits,
         group_size=group_size,
     )
+
+
+def group_params(wg: torch.Tensor, bits: int, symmetric: bool = False):
+    """``(s, z)``, each ``wg.shape[:-1]``, of the groups along ``wg``'s last axis (the grid of the
+    module docstring; ``s`` rounded to fp16, then back to ``wg``'s float dtype)."""
+    qmax = 2**bits - 1
+    if symmetric:
+        s = wg.abs().amax(-1).clamp(min=1e-5) / (2 ** (bits - 1) - 1)
+        s = s.half().to(wg.dtype)
+        z = torch.full_like(s, 2 ** (bits - 1))
+    else:
+        hi, lo = wg.amax(-1), wg.amin(-1)
+        s = ((hi - lo).clamp(min=1e-5) / qmax).half().to(wg.dtype)
+        z = (-torch.round(lo / s)).clamp(0, qmax)
+    return s, z
+
+
+def codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+    """``clamp(round(w / s) + z, 0, 2^b - 1)`` (float), ``s`` and ``z`` broadcast against ``w``."""
+    return (torch.round(w / s) + z).clamp(0, 2**bits - 1)
 
 
 def fake_quantize(

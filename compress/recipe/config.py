@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # checkout or editable install reads the top-level folder
 _PACKAGE = Path(__file__).resolve().parent.parent
 RECIPES = _PACKAGE / "recipes" if (_PACKAGE / "recipes").is_dir() else _PACKAGE.parent / "recipes"
-QUANT_STAGES = ("rtn", "awq")  # stages with ``bits`` and ``group_size``
+QUANT_STAGES = ("rtn", "awq", "gptq")  # stages with ``bits`` and ``group_size``
 _ABSENT = object()
 
 
@@ -359,7 +359,8 @@ def _recipes_with(stage: str) -> list[str]:
 def check_stage_list(cfg) -> None:
     """Known stage names whose settings group the recipe has, each once, and at most one
     quantization stage, the last: what it writes (packed integer layers) no stage can
-    quantize again or train."""
+    quantize again or train. awq with ``awq.quantize=false`` quantizes nothing (it folds its
+    scales into float weights) and needs a quantization stage after it."""
 
     stages = list(cfg.stages)
     for name in stages:
@@ -378,13 +379,33 @@ def check_stage_list(cfg) -> None:
             f"stages={shown}: {twice[0]} is listed twice; a stage runs once, with the settings "
             f"of its group ({twice[0]}.*). List it once."
         )
-    quant = [s for s in stages if s in LAYERWISE_STAGES]
+    quant = quantizing_stages(cfg)
+    later = [s for s in quant if stages.index(s) > stages.index("awq")] if "awq" in stages else []
+    if "awq" in stages and "awq" not in quant and not later:
+        raise CompressError(
+            f"stages={shown}: awq.quantize=false folds AWQ's scales into float weights for a "
+            f"later quantization stage, and none follows awq. Add one after it (stages=[awq,gptq] "
+            f"or [awq,rtn]), or set awq.quantize=true."
+        )
     if len(quant) > 1 or (quant and stages[-1] != quant[0]):
+        hint = ""
+        if quant[0] == "awq" and len(quant) > 1:
+            hint = (
+                f" (to quantize AWQ-scaled weights with {quant[1]}, set awq.quantize=false: awq "
+                f"then folds its scales into float weights; recipes awq_gptq_int4, awq_gptq_int3)"
+            )
         raise CompressError(
             f"stages={shown}: {quant[0]} replaces the linears by quantized ones, which no later "
             f"stage can quantize again or change. Use one of {', '.join(LAYERWISE_STAGES)}, "
-            f"as the last stage."
+            f"as the last stage{hint}."
         )
+
+
+def quantizing_stages(cfg) -> list[str]:
+    """The recipe's stages that replace the linears by quantized ones: the layer-wise ones, but
+    awq with ``awq.quantize=false`` (its scales folded into float weights for a later stage)."""
+    awq_quantizes = (cfg.get("awq") or {}).get("quantize", True) is not False
+    return [s for s in cfg.stages if s in LAYERWISE_STAGES and (s != "awq" or awq_quantizes)]
 
 
 def eval_device(name: str, key: str = "eval.device") -> "torch.device":
@@ -440,7 +461,8 @@ def check_distributed(cfg) -> int:
     return world
 
 
-LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder layer at a time
+# stages that work one decoder layer at a time
+LAYERWISE_STAGES = ("rtn", "awq", "gptq", "llm_int8")
 
 
 def layerwise(cfg) -> bool:
@@ -550,7 +572,7 @@ def needs_calibration(cfg) -> bool:
         and int8.get("outlier_stats", True)
         and int8.get("threshold", 6.0) != 0
     )
-    return int8_calib or bool({"awq", "prune", "distill", "iam"} & set(cfg.stages))
+    return int8_calib or bool({"awq", "gptq", "prune", "distill", "iam"} & set(cfg.stages))
 
 
 def check_decode(dcfg) -> None:

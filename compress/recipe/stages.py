@@ -1,7 +1,7 @@
 """The recipe stages: ``recipes/NAME.yaml``'s ``stages: [...]`` names, each mapped to its function.
 
 A stage is ``fn(model, ctx) -> model`` (``ctx``: ``compress.recipe.pipeline.Context``). Stage ``NAME``
-reads its settings from the config group ``NAME`` (``rtn.*``, ``awq.*``, ``llm_int8.*``,
+reads its settings from the config group ``NAME`` (``rtn.*``, ``awq.*``, ``gptq.*``, ``llm_int8.*``,
 ``prune.*``, ``distill.*``, ``mla.*``, ``iam.*``), except the attention conversions ``gqa`` and ``cla``,
 which share ``attn.*`` (``attn.kv_heads=1 attn.share=2`` composes them); quantization stages spell their common knobs ``bits`` and
 ``group_size``. Each stage also has ``check(cfg, hf_config)``: it refuses its settings in milliseconds, before
@@ -17,7 +17,7 @@ from compress.methods.attn import stage as attn
 from compress.methods.distill import distill
 from compress.methods.iam import stage as iam
 from compress.methods.prune import stage as prune
-from compress.methods.quant import awq, llm_int8, rtn
+from compress.methods.quant import awq, gptq, llm_int8, rtn
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Stage:
 STAGES = {
     "rtn": Stage(rtn.rtn, rtn.check),
     "awq": Stage(awq.awq, awq.check),
+    "gptq": Stage(gptq.gptq, gptq.check),
     "llm_int8": Stage(llm_int8.llm_int8, llm_int8.check),
     "prune": Stage(prune.prune, prune.check),
     "distill": Stage(distill.distill, distill.check),

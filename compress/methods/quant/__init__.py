@@ -1,1 +1,1 @@
-"""Quantization: primitives (quantizer, packing), the packed layer, and the methods (rtn, awq, llm_int8)."""
+"""Quantization: primitives (quantizer, packing), the packed layer, and the methods (rtn, awq, gptq, llm_int8)."""

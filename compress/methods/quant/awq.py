@@ -43,6 +43,11 @@ layer's calibration inputs in memory:
 
 3. Quantize the layer (group-wise, zero point), replace its linears by
    ``QuantLinear``, and pass the *quantized* layer's output to the next layer.
+
+   ``awq.quantize=false`` (AWQ then GPTQ, recipes ``awq_gptq_int*``): the scales are folded and,
+   with ``awq.clip``, the weights clamped to the searched clip, but nothing is rounded; the
+   linears stay float, the next layer sees the float layer's output, and a later stage
+   (``gptq``, or ``rtn``) quantizes.
 """
 
 import logging
@@ -246,6 +251,11 @@ def check(cfg, hf_config=None) -> None:
             f"awq.{key}={v!r}: awq.{key} takes an integer >= 1{' or null' if null_ok else ''} "
             f"({what})."
         )
+    if not isinstance(a.get("quantize", True), bool):
+        raise CompressError(
+            f"awq.quantize={a.get('quantize')!r}: awq.quantize takes true (round and pack) or "
+            f"false (fold the scales into float weights for a later gptq or rtn stage)."
+        )
     if a.get("clip") and a.n_grid < 2:
         raise CompressError(
             f"awq.n_grid={a.n_grid} with awq.clip=true: the clip search tries n_grid/2 shrink "
@@ -254,7 +264,8 @@ def check(cfg, hf_config=None) -> None:
 
 
 def awq(model: nn.Module, ctx) -> nn.Module:
-    """Stage: AWQ with ``ctx.cfg.awq`` = {bits, group_size, duo_scaling, n_grid, search_samples, clip}."""
+    """Stage: AWQ with ``ctx.cfg.awq`` = {bits, group_size, duo_scaling, n_grid, search_samples,
+    clip, quantize}."""
     cfg = ctx.cfg.awq
     adapter = get_adapter(model.config)
     check_grouped(cfg.group_size)
@@ -268,7 +279,8 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     n_search = min(int(cfg.search_samples or len(x)), len(x))
     alphas = {}
     n_layers = len(adapter.decoder_layers(model))
-    for i in tqdm(range(n_layers), desc=f"awq int{bits} g{g}", unit="layer"):
+    what = f"awq int{bits} g{g}" + ("" if _quantizes(cfg) else " (scales only)")
+    for i in tqdm(range(n_layers), desc=what, unit="layer"):
         with layer_on(model, i, device, write=True) as layer:
             x = _awq_layer(
                 layer,
@@ -284,6 +296,9 @@ def awq(model: nn.Module, ctx) -> nn.Module:
                 i,
                 norm_offset,
             )
+    if not _quantizes(cfg):  # the scaled float model, for the stage after (gptq)
+        ctx.record.update(awq_alpha=alphas, awq_group_size=g)
+        return model
     ctx.quantization_config = quantization_config(bits, g)
     ctx.record.update(
         bits=bits,
@@ -326,6 +341,10 @@ def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas,
         clip = None
         if cfg.clip and role not in skip_clip:
             clip = search_clip(lin.weight.data, feats[_input_role(role)], bits, g, cfg.n_grid)
+        if not _quantizes(cfg):  # AWQ before GPTQ: scaled (and clipped) float weights
+            if clip is not None:
+                lin.weight.data = apply_clip(lin.weight.data, clip, g)
+            continue
         qw = quantize(lin.weight.data, bits, g, clip_max=clip)
         packed[path] = QuantLinear.from_quantized(qw, lin.bias)
         lin.weight.data = qw.dequantize().to(lin.weight.dtype)  # W_hat, for the next layer's inputs
@@ -335,6 +354,21 @@ def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas,
     for path, module in packed.items():
         set_module(layer, path, module)
     return x
+
+
+def _quantizes(cfg) -> bool:
+    """``awq.quantize`` (default true); false leaves the scaled weights in float."""
+    return cfg.get("quantize", True) is not False
+
+
+@torch.no_grad()
+def apply_clip(w: torch.Tensor, clip: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w [out, in]`` clamped to ``[-c, c]``, ``c = clip [out, in/g]`` per row and group (what
+    ``quantize(..., clip_max=clip)`` does before rounding), in ``w``'s dtype."""
+    out_f, in_f = w.shape
+    c = clip.to(w.dtype).unsqueeze(-1)
+    wg = w.reshape(out_f, in_f // group_size, group_size)
+    return torch.maximum(torch.minimum(wg, c), -c).reshape(out_f, in_f)
 
 
 def _input_role(role: str) -> str:
