@@ -378,11 +378,11 @@ def check_stage_list(cfg) -> None:
             f"stages={shown}: {twice[0]} is listed twice; a stage runs once, with the settings "
             f"of its group ({twice[0]}.*). List it once."
         )
-    quant = [s for s in stages if s in LAYERWISE_STAGES]
+    quant = [s for s in stages if s in QUANTIZING_STAGES]
     if len(quant) > 1 or (quant and stages[-1] != quant[0]):
         raise CompressError(
             f"stages={shown}: {quant[0]} replaces the linears by quantized ones, which no later "
-            f"stage can quantize again or change. Use one of {', '.join(LAYERWISE_STAGES)}, "
+            f"stage can quantize again or change. Use one of {', '.join(QUANTIZING_STAGES)}, "
             f"as the last stage."
         )
 
@@ -440,7 +440,8 @@ def check_distributed(cfg) -> int:
     return world
 
 
-LAYERWISE_STAGES = ("rtn", "awq", "llm_int8")  # stages that work one decoder layer at a time
+QUANTIZING_STAGES = ("rtn", "awq", "llm_int8")  # stages that replace the linears by quantized ones
+LAYERWISE_STAGES = ("rotate", *QUANTIZING_STAGES)  # stages that work one decoder layer at a time
 
 
 def layerwise(cfg) -> bool:
