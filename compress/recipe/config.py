@@ -396,7 +396,7 @@ def check_stage_list(cfg) -> None:
             )
         raise CompressError(
             f"stages={shown}: {quant[0]} replaces the linears by quantized ones, which no later "
-            f"stage can quantize again or change. Use one of {', '.join(LAYERWISE_STAGES)}, "
+            f"stage can quantize again or change. Use one of {', '.join(QUANTIZING_STAGES)}, "
             f"as the last stage{hint}."
         )
 
@@ -405,7 +405,7 @@ def quantizing_stages(cfg) -> list[str]:
     """The recipe's stages that replace the linears by quantized ones: the layer-wise ones, but
     awq with ``awq.quantize=false`` (its scales folded into float weights for a later stage)."""
     awq_quantizes = (cfg.get("awq") or {}).get("quantize", True) is not False
-    return [s for s in cfg.stages if s in LAYERWISE_STAGES and (s != "awq" or awq_quantizes)]
+    return [s for s in cfg.stages if s in QUANTIZING_STAGES and (s != "awq" or awq_quantizes)]
 
 
 def eval_device(name: str, key: str = "eval.device") -> "torch.device":
@@ -461,8 +461,9 @@ def check_distributed(cfg) -> int:
     return world
 
 
-# stages that work one decoder layer at a time
-LAYERWISE_STAGES = ("rtn", "awq", "gptq", "llm_int8")
+# stages that replace the linears by quantized ones (awq unless awq.quantize=false)
+QUANTIZING_STAGES = ("rtn", "awq", "gptq", "llm_int8")
+LAYERWISE_STAGES = ("rotate", *QUANTIZING_STAGES)  # stages that work one decoder layer at a time
 
 
 def layerwise(cfg) -> bool:

@@ -2,7 +2,7 @@
 
 A stage is ``fn(model, ctx) -> model`` (``ctx``: ``compress.recipe.pipeline.Context``). Stage ``NAME``
 reads its settings from the config group ``NAME`` (``rtn.*``, ``awq.*``, ``gptq.*``, ``llm_int8.*``,
-``prune.*``, ``distill.*``, ``mla.*``, ``iam.*``), except the attention conversions ``gqa`` and ``cla``,
+``prune.*``, ``distill.*``, ``mla.*``, ``iam.*``, ``rotate.*``), except the attention conversions ``gqa`` and ``cla``,
 which share ``attn.*`` (``attn.kv_heads=1 attn.share=2`` composes them); quantization stages spell their common knobs ``bits`` and
 ``group_size``. Each stage also has ``check(cfg, hf_config)``: it refuses its settings in milliseconds, before
 any model loads (``hf_config`` is None when the model is not a local folder), so
@@ -17,7 +17,7 @@ from compress.methods.attn import stage as attn
 from compress.methods.distill import distill
 from compress.methods.iam import stage as iam
 from compress.methods.prune import stage as prune
-from compress.methods.quant import awq, gptq, llm_int8, rtn
+from compress.methods.quant import awq, gptq, llm_int8, rotate, rtn
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Stage:
 
 
 STAGES = {
+    "rotate": Stage(rotate.rotate, rotate.check),
     "rtn": Stage(rtn.rtn, rtn.check),
     "awq": Stage(awq.awq, awq.check),
     "gptq": Stage(gptq.gptq, gptq.check),

@@ -1,0 +1,128 @@
+"""The rotation stage (``compress.methods.quant.rotate``): Hadamard matrices against their
+definition, the folded rotation against transformers' own forward of the unrotated model in
+float64 for every family it takes, refusals, and what it does for RTN on outlier channels."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from compress.errors import CompressError
+from compress.formats.quantizer import quantize
+from compress.methods.quant.rotate import check, hadamard, rotate_model, rotation
+from tests.family_models import family_config
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("n", [2, 4, 12, 20, 24, 40, 48, 64, 576, 640])
+def test_hadamard_orders(n):
+    h = hadamard(n)
+    assert h is not None and h.shape == (n, n) and set(h.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n,kind", [(576, "hadamard"), (6, "hadamard"), (64, "orthogonal")])
+def test_rotation_is_orthogonal_and_seeded(n, kind):
+    q = rotation(n, kind, seed=3)
+    assert torch.allclose(q @ q.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(q, rotation(n, kind, seed=3)) and not torch.equal(q, rotation(n, kind, 4))
+    if kind == "hadamard" and hadamard(n) is not None:  # entries +-1/sqrt(n): spread evenly
+        assert torch.allclose(q.abs(), torch.full((n, n), n**-0.5, dtype=torch.float64))
+
+
+def randomized(family: str, dtype=torch.float64, **overrides):
+    """A tiny random model of ``family`` whose norm weights and biases are random too (ones and
+    zeros would make folding them a no-op)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = family_config(family, vocab_size=512, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.4 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hidden", [64, 48])  # 48 = Paley 12 x Sylvester 4
+def test_rotation_keeps_the_logits_in_float64(family, hidden):
+    model = randomized(family, hidden_size=hidden)
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        before = {n: p.clone() for n, p in model.named_parameters()}
+        rotate_model(model, seed=5)
+        out = model(ids).logits
+    assert rel(out, ref) < 1e-5
+    changed = [
+        n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])
+    ]
+    assert any("q_proj" in n for n in changed) and any("embed_tokens" in n for n in changed)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert all(torch.equal(p, torch.ones_like(p)) for p in norms if p.numel() == hidden)
+
+
+def test_tied_head_is_untied():
+    model = randomized("llama")  # the tiny llama ties its head
+    assert model.config.tie_word_embeddings
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+        rotate_model(model)
+        out = model(ids).logits
+    assert not model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert rel(out, ref) < 1e-5
+
+
+def test_refusals():
+    with pytest.raises(CompressError, match="norms on the attention and MLP outputs"):
+        rotate_model(randomized("gemma3_text", dtype=torch.float32))
+    cfg = OmegaConf.create({"stages": ["rotate"], "rotate": {"kind": "givens", "seed": 0}})
+    with pytest.raises(CompressError, match="rotate.kind='givens'"):
+        check(cfg)
+    cfg = OmegaConf.create({"stages": ["rotate"], "rotate": {"kind": "hadamard", "seed": -1}})
+    with pytest.raises(CompressError, match="rotate.seed=-1"):
+        check(cfg)
+    with pytest.raises(CompressError, match="norms on the attention"):
+        check(OmegaConf.create({"rotate": {}}), family_config("gemma3_text"))
+
+
+def test_stage_order_is_checked_when_composed():
+    from compress.recipe.config import check_stage_list, compose
+
+    with pytest.raises(CompressError, match="awq replaces the linears"):
+        check_stage_list(compose("awq_int4", ["stages=[awq,rotate]"]))
+    check_stage_list(compose("awq_int4", ["stages=[rotate,awq]"]))
+
+
+def test_rotation_helps_rtn_on_outlier_channels():
+    """A linear reading the residual stream with outlier input channels in its weight and its
+    input: group-wise INT4 RTN rounds the rest of those groups coarsely; after the rotation
+    (W Q, x Q: the same output) the outliers are spread over all channels, and RTN's output
+    error is less than half of what it was. (On real models: ``BENCHMARKS.md``.)"""
+    gen = torch.Generator().manual_seed(0)
+    n = 576  # SmolLM2's width: Paley 12 x 12 x Sylvester 4
+    w, x = torch.randn(256, n, generator=gen) * 0.05, torch.randn(512, n, generator=gen)
+    x[:, :4] *= 20
+    w[:, 10:14] *= 15
+    q = rotation(n, seed=0).float()
+
+    def rtn_error(w, x):
+        qw = quantize(w, 4, 32)
+        g = lambda t: t.float().repeat_interleave(32, 1)  # noqa: E731
+        w_hat = (qw.q - g(qw.zeros)) * g(qw.scales)
+        return rel(x @ w_hat.T, x @ w.T)
+
+    plain, rotated = rtn_error(w, x), rtn_error(w @ q, x @ q)
+    assert rotated < 0.5 * plain, (rotated, plain)
