@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from compress.decoder import runtime
 from compress.decoder.model import load
 from compress.errors import CompressError
 from compress.kernels import native, paged_attn_cpu
@@ -193,7 +194,9 @@ def test_16_concurrent_greedy_requests_equal_one_at_a_time(server):
     assert len(set(sequential)) > 4
 
 
-def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folder(tmp_path):
+def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folder(
+    tmp_path, monkeypatch
+):
     """``python -m compress.serve RUN`` on a group-quantized folder on the CPU serves
     batch-invariant in bfloat16 (W4A8 at every M, int8 head); a named setting that rules it out
     (``--dtype float32``, ``--kernel exact``, ``--head none``, prefill ranks,
@@ -223,6 +226,8 @@ def test_the_server_defaults_to_the_invariant_configuration_on_a_quantized_folde
         assert resolved(q, *flags)[2] == "bfloat16", flags
     with pytest.raises(CompressError, match="batch invariance computes"):
         resolved(q, "--batch-invariant", "--kernel", "exact")
+    # the rule for a GPU, on a machine that may have none: resolve_runtime checks the device first
+    monkeypatch.setattr(runtime, "check_device", lambda name, flag="--device": name)
     assert resolved(q, device="cuda") == (False, False, "float32", "exact")
     assert resolved(plain) == (False, False, "float32", "exact")
     odd = save(pack_model(tiny_hf(), 4, 32), tmp_path / "v300", tiny_tokenizer(),
