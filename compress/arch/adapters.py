@@ -14,7 +14,10 @@ methods read. Methods never hard-code module names; they ask the adapter. One de
 ``o_post`` / ``m_post`` are the identity in the Llama family (llama, mistral, qwen2, qwen3) and
 ``attn_out_norm`` / ``mlp_out_norm`` in Gemma 3 (four norms per block; there ``post_norm`` is
 ``pre_feedforward_layernorm``, the norm feeding the MLP). Qwen3 and Gemma 3 normalize each head
-of q and k (``q_norm``, ``k_norm``, width head_dim) before RoPE.
+of q and k (``q_norm``, ``k_norm``, width head_dim) before RoPE; OLMoE normalizes the whole q
+and k projections (``qk_norm_full``). An entry with a ``router`` is a mixture of experts: its
+sparse layers' MLP is the router-weighted sum of top-k experts (``compress.arch.moe`` gives the
+equations and reads the config fields the entry names).
 
 A new family is an entry in :data:`ADAPTERS` plus tests (``tests/test_family_exactness.py``).
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from compress.arch.moe import SOFTMAX_TOPK, TOPK_SOFTMAX
 from compress.errors import CompressError
 
 
@@ -61,6 +65,17 @@ class Adapter:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     attn_scalar: str | None = None  # config field s: attention scale s**-0.5 (None: head_dim)
     attention: str = "gqa"  # "gqa", "cla" (config.cla_share), "mla" (config.kv_lora_rank)
+    bias_field: str = "attention_bias"  # config field of the attention biases (qwen2_moe: qkv_bias)
+    qk_norm_full: bool = False  # q/k norms over the whole projection, not per head (olmoe)
+    windowed: bool = True  # the family's attention can slide (olmoe's never does)
+    # -- mixture of experts (compress.arch.moe); router None: every MLP is dense --
+    router: str | None = None  # a kind of compress.arch.moe.ROUTERS
+    experts_field: str = "num_experts"  # config field of the expert count
+    expert_size_field: str = "moe_intermediate_size"  # config field of each expert's width
+    sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers pick the dense layers
+    shared_expert: bool = False  # a sigmoid-gated shared expert (qwen2_moe)
+    expert_names: tuple = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint names
+    mlp_aliases: tuple = ()  # (checkpoint name, ours) of the MLP (mixtral's block_sparse_moe)
 
     def norms(self) -> tuple[str, ...]:
         """Paths inside a layer of its hidden-width norms, in the order the forward runs them."""
@@ -152,7 +167,54 @@ MLA = Adapter(
         ("down", "mlp.down_proj"),
     ),
 )
-ADAPTERS = {a.family: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, CLA, MLA)}
+# Mixture-of-experts families (compress.arch.moe): the experts are stored fused, as transformers
+# holds them (mlp.experts.gate_up_proj [E, 2I, H], gate rows first; mlp.experts.down_proj
+# [E, H, I]; router mlp.gate.weight [E, H]) or per expert, as save_pretrained writes them
+# (mlp.experts.{e}.gate_proj ...; mixtral: block_sparse_moe.experts.{e}.w1/w3/w2). Their
+# ``linears`` are the attention's: the methods do not reach into experts yet.
+ATTENTION_LINEARS = Adapter.linears[:4]
+QWEN3_MOE = Adapter(
+    family="qwen3_moe",
+    linears=ATTENTION_LINEARS,
+    q_norm="self_attn.q_norm",
+    k_norm="self_attn.k_norm",
+    router=SOFTMAX_TOPK,
+    sparse_step=True,
+)
+QWEN2_MOE = Adapter(
+    family="qwen2_moe",
+    linears=ATTENTION_LINEARS,
+    bias_field="qkv_bias",
+    o_bias=False,
+    router=SOFTMAX_TOPK,
+    sparse_step=True,
+    shared_expert=True,
+)
+MIXTRAL = Adapter(
+    family="mixtral",
+    linears=ATTENTION_LINEARS,
+    qkv_bias=False,
+    o_bias=False,
+    router=TOPK_SOFTMAX,
+    experts_field="num_local_experts",
+    expert_size_field="intermediate_size",
+    expert_names=("w1", "w3", "w2"),
+    mlp_aliases=(("block_sparse_moe", "mlp"),),
+)
+OLMOE = Adapter(
+    family="olmoe",
+    linears=ATTENTION_LINEARS,
+    q_norm="self_attn.q_norm",
+    k_norm="self_attn.k_norm",
+    qk_norm_full=True,
+    windowed=False,
+    router=SOFTMAX_TOPK,
+    expert_size_field="intermediate_size",
+)
+ADAPTERS = {
+    a.family: a
+    for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, CLA, MLA, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+}
 
 
 def get_adapter(config) -> Adapter:

@@ -11,6 +11,11 @@ decoder's one forward, its caches, the methods) reads the spec, never the raw co
     spec.norm_offset             RMSNorm weight (offset + w): 0 (Llama), 1 (Gemma's (1 + w))
     spec.sandwich                norms after attention and MLP too (Gemma 3's four per block)
     spec.qk_norm                 per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    spec.qk_norm_full            those norms span the whole q and k projections (OLMoE)
+    spec.moe                     None (dense), or the experts of the sparse layers
+                                 (``compress.arch.moe.MoESpec``: count, top-k, router kind,
+                                 expert width, shared expert); spec.layers[i].mlp "dense" or
+                                 "experts"
     spec.activation              "silu", "gelu_tanh" or "gelu" of the gated MLP
     spec.embed_scale             None, or the factor the embeddings are multiplied by (Gemma:
                                  sqrt(hidden), rounded to the embedding's dtype as transformers does)
@@ -33,6 +38,7 @@ import math
 from dataclasses import dataclass, replace
 
 from compress.arch.adapters import Adapter, get_adapter, head_dim
+from compress.arch.moe import DENSE, MoESpec, moe_of
 from compress.errors import CompressError
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,6 +66,7 @@ class LayerSpec:
     rope: tuple  # the RoPE parameters as sorted (key, value) pairs; rope_parameters() as a dict
     kv_slot: int  # the cache slot it reads (CLA: the first layer of its group's)
     writes_kv: bool  # it projects and caches K/V (CLA: only a group's first layer)
+    mlp: str = DENSE  # "dense" (a gated MLP) or "experts" (the spec's MoESpec)
 
     def rope_parameters(self) -> dict:
         return dict(self.rope)
@@ -94,6 +101,8 @@ class ArchSpec:
     eos_ids: tuple[int, ...] = ()  # config.eos_token_id: one id, a list, or none
     mla_rope_pairs: int | None = None  # latent attention (compress_mla)
     kv_lora_rank: int | None = None
+    qk_norm_full: bool = False  # q/k norms over the whole projection (OLMoE), not per head
+    moe: MoESpec | None = None  # the sparse layers' experts (compress.arch.moe)
 
     @property
     def n_layers(self) -> int:
@@ -239,6 +248,27 @@ def spec_of(config) -> ArchSpec:
         )
     if getattr(config, "use_bidirectional_attention", False):
         _refuse(config, "attends bidirectionally", "the decoder is causal.")
+    if getattr(config, "clip_qkv", None) is not None:
+        _refuse(
+            config,
+            f"clips q, k and v to clip_qkv={config.clip_qkv}",
+            "the decoder does not clamp q, k and v, which a model trained with clipping needs; "
+            "run this model with transformers.",
+        )
+    if not adapter.windowed and getattr(config, "sliding_window", None) is not None:
+        _refuse(
+            config,
+            f"sets sliding_window={config.sliding_window}, which the family never applies",
+            "remove sliding_window from config.json.",
+        )
+    if adapter.qk_norm_full and H * D != config.hidden_size:
+        _refuse(
+            config,
+            f"has {H} heads of width {D} and hidden size {config.hidden_size}, but its q norm "
+            f"spans hidden_size channels",
+            "heads x head_dim must equal hidden_size.",
+        )
+    moe, mlps = moe_of(config, adapter, n, _refuse)
     share = int(getattr(config, "cla_share", None) or 1) if adapter.attention == "cla" else 1
     layers = []
     for i, (kind, window) in enumerate(_layer_kinds(config, n)):
@@ -251,6 +281,7 @@ def spec_of(config) -> ArchSpec:
                 rope=_rope_of(config, kind, D),
                 kv_slot=i // share,
                 writes_kv=i % share == 0,
+                mlp=mlps[i],
             )
         )
     for layer in layers:
@@ -263,7 +294,7 @@ def spec_of(config) -> ArchSpec:
                 "group only layers of one attention kind.",
             )
     scalar = getattr(config, adapter.attn_scalar, None) if adapter.attn_scalar else None
-    bias = bool(getattr(config, "attention_bias", False))
+    bias = bool(getattr(config, adapter.bias_field, False))
     qkv_bias = bias if adapter.qkv_bias is None else adapter.qkv_bias
     o_bias = bias if adapter.o_bias is None else adapter.o_bias
     return ArchSpec(
@@ -294,6 +325,8 @@ def spec_of(config) -> ArchSpec:
         if adapter.attention == "mla"
         else None,
         kv_lora_rank=getattr(config, "kv_lora_rank", None) if adapter.attention == "mla" else None,
+        qk_norm_full=adapter.qk_norm_full,
+        moe=moe,
     )
 
 

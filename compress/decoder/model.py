@@ -1,6 +1,7 @@
 """Our own decoder-only transformer, in the spirit of gpt-fast's ``model.py``: one forward for every
-family of ``compress.arch.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text and the converted
-cla / mla), reading only the architecture spec (``compress.arch.spec.ArchSpec``, ``model.spec``).
+family of ``compress.arch.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text, the
+mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe and the converted cla / mla), reading only
+the architecture spec (``compress.arch.spec.ArchSpec``, ``model.spec``).
 
 One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
 
@@ -13,10 +14,12 @@ One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
     attend_l = the cache's attention (kv/base.py) under mask_l: the future, the left padding
                and, for a local layer of window w, the keys at positions <= p - w are hidden
 
-``qn``/``kn`` (per-head RMSNorm, Qwen3 and Gemma 3), ``o_post``/``m_post`` (Gemma 3's post-norms)
-are the identity where the spec has none; ``act`` is SiLU or GELU-tanh; the embeddings are
-multiplied by the spec's ``embed_scale`` (Gemma: sqrt(hidden) in the embedding's dtype) and
-``theta_l`` and its scaling are the layer's (Gemma 3: local 10k, global 1M).
+``qn``/``kn`` (per-head RMSNorm, Qwen3 and Gemma 3; over the whole q and k projections, OLMoE),
+``o_post``/``m_post`` (Gemma 3's post-norms) are the identity where the spec has none; a sparse
+layer's MLP is the router-weighted sum of its top-k experts' (``compress.decoder.experts``);
+``act`` is SiLU or GELU-tanh; the embeddings are multiplied by the spec's ``embed_scale``
+(Gemma: sqrt(hidden) in the embedding's dtype) and ``theta_l`` and its scaling are the layer's
+(Gemma 3: local 10k, global 1M).
 
 One forward serves every use: eager, compiled (``compress.decoder.compiled`` runs it with a
 static cache and compile-friendly linears), batched with left padding, teacher-forced
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch.spec import ArchSpec, spec_of
+from compress.decoder.experts import SparseMoE, fused_expert_tensors
 from compress.decoder.kv.base import KVLayout
 from compress.decoder.runtime import RuntimeConfig
 from compress.errors import CompressError
@@ -146,7 +150,11 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
             self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=spec.o_bias)
-        if spec.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+        self.qk_norm_full = spec.qk_norm_full  # the norms span the whole projection (OLMoE)
+        if spec.qk_norm_full:
+            D = self.head_dim
+            self.q_norm, self.k_norm = norm(spec, self.n_heads * D), norm(spec, self.n_kv_heads * D)
+        elif spec.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
             self.q_norm, self.k_norm = norm(spec, spec.head_dim), norm(spec, spec.head_dim)
         self.qkv_proj = None  # the input projections, fused by fuse_projections()
 
@@ -162,9 +170,13 @@ class Attention(nn.Module):
         """``(q [B, H, T, Dk], k [B, Hkv, T, Dk] or None, v or None)``, position-encoded."""
         B, T, _ = x.shape
         H, Hkv = self.n_heads, self.n_kv_heads
-        heads = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
+        out = self.qkv_proj(x)
+        if self.qk_norm_full:
+            q, k, v = out.split([H * self.head_dim, Hkv * self.head_dim, Hkv * self.head_dim], -1)
+            out = torch.cat([self.q_norm(q), self.k_norm(k), v], -1)
+        heads = out.view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)
         qk = heads[:, : H + Hkv]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_norm_full:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], 1)
         qk = apply_rope(qk, cos, sin)
         if not self.writes_kv:
@@ -288,9 +300,11 @@ def attention_class(spec: ArchSpec, layer: int) -> type:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, spec: ArchSpec):
+    """The gated MLP, of width ``hidden`` (default: the spec's intermediate size)."""
+
+    def __init__(self, spec: ArchSpec, hidden: int | None = None):
         super().__init__()
-        dim, hidden, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        dim, hidden, bias = spec.hidden_size, hidden or spec.intermediate_size, spec.mlp_bias
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
@@ -300,6 +314,15 @@ class FeedForward(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def mlp(spec: ArchSpec, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: a :class:`FeedForward`, or a sparse layer's experts
+    (``compress.decoder.experts.SparseMoE``, with its shared expert a :class:`FeedForward`)."""
+    if spec.layers[layer].mlp == "dense":
+        return FeedForward(spec)
+    width = spec.moe.shared_intermediate_size
+    return SparseMoE(spec, ACTIVATIONS[spec.activation], width and FeedForward(spec, width))
 
 
 class Block(nn.Module):
@@ -312,7 +335,7 @@ class Block(nn.Module):
         for name in a.norms():
             setattr(self, name, norm(spec))
         self.self_attn = attention_class(spec, layer)(spec, layer)
-        self.mlp = FeedForward(spec)
+        self.mlp = mlp(spec, layer)
 
     def forward(self, x, cos, sin, cache, pos, start):
         n_in, o_post, n_mlp, m_post = (n and getattr(self, n) for n in self.norm_names)
@@ -479,9 +502,12 @@ def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str =
 
 def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
     """Replace the attention's input projections by ``qkv_proj`` and gate/up by ``gate_up_proj``
-    in every layer (fewer, larger matmuls); latent attention is absorbed first."""
+    in every layer (fewer, larger matmuls); latent attention is absorbed first. A sparse layer's
+    experts are stored fused already; its shared expert, if any, is fused like a dense MLP."""
     for i, block in enumerate(model.model.layers):
         a, f = block.self_attn, block.mlp
+        shared = isinstance(f, SparseMoE)
+        f = f.shared_expert if shared else f
         if isinstance(a, LatentAttention):
             if qcfg:
                 raise CompressError(
@@ -492,11 +518,12 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
         a.qkv_proj = fuse_linears(
             [getattr(a, n) for n in a.inputs()], qcfg, device, f"model.layers.{i}.self_attn.qkv"
         )
-        f.gate_up_proj = fuse_linears(
-            [f.gate_proj, f.up_proj], qcfg, device, f"model.layers.{i}.mlp.gate_up"
-        )
         for name in a.inputs() + a.dropped():
             delattr(a, name)
+        if f is None:
+            continue
+        where = f"model.layers.{i}.mlp.shared_expert" if shared else f"model.layers.{i}.mlp"
+        f.gate_up_proj = fuse_linears([f.gate_proj, f.up_proj], qcfg, device, f"{where}.gate_up")
         del f.gate_proj, f.up_proj
 
 
@@ -632,7 +659,7 @@ def load(
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())
-    load_state(model, read_tensors(folder), str(folder))
+    load_state(model, fused_expert_tensors(read_tensors(folder), model.spec), str(folder))
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)

@@ -1,0 +1,116 @@
+"""The MLP as experts: a frozen :class:`MoESpec`, read from an HF config with its family's entry.
+
+A sparse layer's MLP routes each token x (a row of the MLP's input) to ``top_k`` of
+``n_experts`` gated MLPs and sums their outputs, weighted by the router::
+
+    logits = W_r x                                   W_r [n_experts, hidden] (``mlp.gate.weight``)
+    p = softmax(logits)                              in fp32
+    (w, e) = top_k(p)                                the k largest p and their experts
+    w <- w / sum(w)                                  "topk_softmax" always (Mixtral: this is the
+                                                     softmax over the top-k logits); "softmax_topk"
+                                                     only with norm_topk_prob
+    y = sum_j w_j * down_e_j(act(gate_e_j(x)) * up_e_j(x))
+      + sigmoid(g . x) * shared(x)                   qwen2_moe's shared expert, gated by g
+                                                     (``shared_expert_gate``); no other family has one
+
+The two router kinds differ in their dtype order too: "softmax_topk" (qwen2_moe, qwen3_moe,
+olmoe) rounds w to the activations' dtype before the product; "topk_softmax" (mixtral) keeps w
+in fp32, multiplies in fp32 and rounds the product. Layers are dense or sparse per config:
+qwen2_moe and qwen3_moe make layer i dense when it is in ``mlp_only_layers`` or when
+``(i + 1) % decoder_sparse_step != 0``; mixtral and olmoe have no dense layers.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"  # the router kinds (docstring)
+ROUTERS = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+DENSE, EXPERTS = "dense", "experts"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse layer's MLP (see the module docstring)."""
+
+    n_experts: int
+    top_k: int
+    router: str  # one of ROUTERS
+    norm_topk: bool  # w renormalized over the top k (always for "topk_softmax")
+    intermediate_size: int  # each expert's width
+    shared_intermediate_size: int | None = None  # qwen2_moe's sigmoid-gated shared expert
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def moe_of(config, adapter, n_layers: int, refuse: Callable) -> tuple[MoESpec | None, tuple]:
+    """``(MoESpec or None, the MLP kind of each layer: "dense" or "experts")``; ``refuse(config,
+    problem, fix)`` raises for a field that does not fit (before any weight is read)."""
+    if adapter.router is None:
+        return None, (DENSE,) * n_layers
+    if adapter.router not in ROUTERS:
+        refuse(
+            config,
+            f"is read by a family entry with router kind '{adapter.router}'",
+            f"the decoder routes {' and '.join(ROUTERS)}; set Adapter.router in "
+            f"compress/arch/adapters.py to one of them or add the router to compress/arch/moe.py.",
+        )
+    E = getattr(config, adapter.experts_field, None)
+    if not _count(E) or E < 1:
+        refuse(
+            config,
+            f"has {adapter.experts_field}={E!r}",
+            "a mixture of experts needs a whole number >= 1 of experts.",
+        )
+    k = getattr(config, "num_experts_per_tok", None)
+    if not _count(k) or not 1 <= k <= E:
+        refuse(
+            config,
+            f"routes each token to num_experts_per_tok={k!r} of {E} experts",
+            f"set num_experts_per_tok to a whole number from 1 to {adapter.experts_field}={E}.",
+        )
+    width = getattr(config, adapter.expert_size_field, None)
+    if not _count(width) or width < 1:
+        refuse(
+            config,
+            f"has {adapter.expert_size_field}={width!r}",
+            "each expert's intermediate size must be a whole number >= 1.",
+        )
+    shared = None
+    if adapter.shared_expert:
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        if not _count(shared) or shared < 1:
+            refuse(
+                config,
+                f"has shared_expert_intermediate_size={shared!r}",
+                "the shared expert's intermediate size must be a whole number >= 1.",
+            )
+    kinds = [EXPERTS] * n_layers
+    if adapter.sparse_step:
+        step = getattr(config, "decoder_sparse_step", 1)
+        if not _count(step) or step < 1:
+            refuse(
+                config,
+                f"has decoder_sparse_step={step!r}",
+                "set it to a whole number >= 1 (every step-th layer is sparse).",
+            )
+        only = list(getattr(config, "mlp_only_layers", None) or [])
+        bad = [i for i in only if not _count(i) or not 0 <= i < n_layers]
+        if bad:
+            refuse(
+                config,
+                f"lists mlp_only_layers {bad}, which are not layers 0..{n_layers - 1}",
+                "list only the model's layers there.",
+            )
+        kinds = [DENSE if i in only or (i + 1) % step else EXPERTS for i in range(n_layers)]
+    renorm = adapter.router == TOPK_SOFTMAX or bool(getattr(config, "norm_topk_prob", False))
+    spec = MoESpec(
+        n_experts=E,
+        top_k=k,
+        router=adapter.router,
+        norm_topk=renorm,
+        intermediate_size=width,
+        shared_intermediate_size=shared,
+    )
+    return spec, tuple(kinds)

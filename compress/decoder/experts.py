@@ -1,0 +1,173 @@
+"""The decoder's mixture-of-experts MLP: a router, the experts, and a shared expert (qwen2_moe).
+
+For the rows x of the MLP's input (``compress.arch.moe`` gives the equations and the two router
+kinds)::
+
+    logits = F.linear(x, W_r)                           in the activations' dtype
+    p = softmax(logits, fp32); (w, e) = top_k(p)        w <- w / sum(w) if the spec renormalizes
+    softmax_topk:  w <- round(w)                        to the activations' dtype, then
+                   y_j = round(w_j * f_e_j(x))          the product in that dtype
+    topk_softmax:  y_j = round(w_j * f_e_j(x))          the product in fp32 (Mixtral)
+    f_e(x) = down_e(act(gate_e(x)) * up_e(x))           gate_e, up_e the rows of gate_up_proj[e]
+    y = sum_j y_j (+ sigmoid(g . x) * shared(x))
+
+as transformers computes them, in its order: the experts' outputs are added into zeros expert
+by expert, in ascending expert order. Only routed experts run: the rows routed to expert e are
+gathered (``index_select``), run through ``gate_up_proj[e]`` and ``down_proj[e]`` and scattered
+back (``index_add_``). With few rows (at most n_experts routed slots: decode) and in a compiled
+step (``compress.decoder.compiled``), each row instead multiplies by its own k experts' weights,
+gathered (``gate_up_proj[e]``), with no loop over experts and no host sync; either way a batch-1
+decode step reads the weights of its top-k experts only.
+
+Checkpoints hold the experts fused, as transformers holds them in memory
+(``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, ``mlp.experts.down_proj`` [E, H, I])
+or per expert, as ``save_pretrained`` writes them (``mlp.experts.{e}.gate_proj.weight`` ...;
+Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``); :func:`fused_expert_tensors` reads both.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.arch.moe import EXPERTS, SOFTMAX_TOPK, MoESpec
+from compress.arch.spec import ArchSpec
+from compress.errors import CompressError
+
+
+class Router(nn.Module):
+    """``forward(x [N, H]) -> (w [N, k], e [N, k])``: the top-k experts of each row, weighted."""
+
+    def __init__(self, moe: MoESpec, dim: int):
+        super().__init__()
+        self.top_k, self.kind, self.renorm = moe.top_k, moe.router, moe.norm_topk
+        self.weight = nn.Parameter(torch.empty(moe.n_experts, dim))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, e = torch.topk(p, self.top_k, dim=-1)
+        if self.renorm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if self.kind == SOFTMAX_TOPK:
+            w = w.to(logits.dtype)
+        return w, e
+
+
+class Experts(nn.Module):
+    """``forward(x [N, H], w [N, k], e [N, k]) -> [N, H]``: each routed expert over its rows."""
+
+    def __init__(self, moe: MoESpec, dim: int, act):
+        super().__init__()
+        E, inter = moe.n_experts, moe.intermediate_size
+        self.n_experts, self.act = E, act
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, dim))
+        self.down_proj = nn.Parameter(torch.empty(E, dim, inter))
+
+    def forward(self, x, w, e):
+        if torch.compiler.is_compiling() or x.shape[0] * e.shape[-1] <= self.n_experts:
+            return self.gathered(x, w, e)
+        return self.grouped(x, w, e)
+
+    def gathered(self, x, w, e):
+        """Each row through its own k experts' weights, gathered (decode: no loop, no sync)."""
+        e, order = e.sort(dim=-1)  # ascending expert, the order transformers adds them in
+        w = w.gather(-1, order)
+        gate, up = (self.gate_up_proj[e] @ x[:, None, :, None]).squeeze(-1).chunk(2, -1)
+        y = (self.down_proj[e] @ (self.act(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+        out = torch.zeros_like(x)
+        for j in range(e.shape[-1]):
+            out = out + (y[:, j] * w[:, j, None]).to(out.dtype)
+        return out
+
+    def grouped(self, x, w, e):
+        """Each routed expert over the rows routed to it, in ascending expert order."""
+        out = torch.zeros_like(x)
+        k = e.shape[-1]
+        flat = e.reshape(-1)
+        order = flat.argsort(stable=True)  # routed (row, j) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        weights, at = w.reshape(-1, 1), 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[at : at + n]
+            at += n
+            rows = slots // k
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up_proj[expert]).chunk(2, -1)
+            y = F.linear(self.act(gate) * up, self.down_proj[expert])
+            out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """A sparse layer's MLP: ``mlp.gate`` (the router), ``mlp.experts`` and, given ``shared``
+    (a dense MLP of the shared expert's width, qwen2_moe), ``mlp.shared_expert`` weighted by
+    ``sigmoid(mlp.shared_expert_gate(x))``."""
+
+    def __init__(self, spec: ArchSpec, act, shared: nn.Module | None = None):
+        super().__init__()
+        self.gate = Router(spec.moe, spec.hidden_size)
+        self.experts = Experts(spec.moe, spec.hidden_size, act)
+        self.shared_expert = shared
+        if shared is not None:
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        y = self.experts(x, *self.gate(x))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.view(shape)
+
+
+def fused_expert_tensors(tensors: dict, spec: ArchSpec) -> dict:
+    """A checkpoint's tensors with each sparse layer's experts fused (see the module docstring):
+    the family's MLP aliases renamed, per-expert weights stacked into ``gate_up_proj`` and
+    ``down_proj``; fused ones, and every other tensor, as they are."""
+    if spec.moe is None:
+        return tensors
+    a = spec.adapter
+    out, stored = {}, {}  # stored: our name -> the checkpoint's
+    for name, t in tensors.items():
+        ours = name
+        for old, new in a.mlp_aliases:
+            ours = ours.replace(f".{old}.", f".{new}.")
+        out[ours], stored[ours] = t, name
+    g, u, d = a.expert_names
+    for layer in spec.layers:
+        if layer.mlp != EXPERTS:
+            continue
+        p = f"{a.layers}.{layer.index}.{a.mlp}.experts"
+        parts = {
+            role: [out.pop(f"{p}.{e}.{name}.weight", None) for e in range(spec.moe.n_experts)]
+            for role, name in (("gate", g), ("up", u), ("down", d))
+        }
+        found = [t for ts in parts.values() for t in ts if t is not None]
+        if not found:
+            continue  # fused, or missing: load_state names what it lacks
+        if len(found) < 3 * spec.moe.n_experts:
+            missing = next(
+                f"{p}.{e}.{name}.weight"
+                for (role, ts), name in zip(parts.items(), (g, u, d))
+                for e, t in enumerate(ts)
+                if t is None
+            )
+            here = next(n for n in stored.values() if f".{layer.index}." in n and ".experts." in n)
+            prefix = here[: here.index(".experts.")]  # the checkpoint's name of the MLP
+            missing = prefix + missing[len(f"{a.layers}.{layer.index}.{a.mlp}") :]
+            raise CompressError(
+                f"the checkpoint holds some of layer {layer.index}'s experts but lacks "
+                f"'{missing}'; it does not match its config.json (num experts "
+                f"{spec.moe.n_experts})."
+            )
+        if f"{p}.gate_up_proj" in out:
+            raise CompressError(
+                f"the checkpoint holds layer {layer.index}'s experts both fused and per expert; "
+                f"keep one form."
+            )
+        out[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([gt, ut]) for gt, ut in zip(parts["gate"], parts["up"])]
+        )
+        out[f"{p}.down_proj"] = torch.stack(parts["down"])
+    return out
