@@ -356,3 +356,17 @@ def test_gathered_and_grouped_experts_agree(family):
         b = block.mlp.experts.grouped(x, w, e)
     assert set(e.flatten().tolist()) == set(range(E))
     assert rel(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("recipe", ["rtn_int4", "awq_int4", "gptq_int4", "minitron_width", "gqa"])
+def test_methods_refuse_experts_before_loading(family, recipe):
+    """Until the methods reach the experts, a method recipe on an MoE folder is refused in
+    ``validate`` (milliseconds, before any weight is read), naming the family; ``fp`` runs."""
+    from compress.recipe.config import compose, validate
+
+    name, _, _, folder = family
+    over = [f"model.path={folder}", "eval.seqlen=256"]
+    cfg = compose(recipe, over)
+    with pytest.raises(CompressError, match="mixture-of-experts model: the methods do not"):
+        validate(cfg)
+    validate(compose("fp", over))

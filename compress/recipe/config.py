@@ -511,6 +511,7 @@ def validate(cfg: DictConfig) -> None:
     if config is not None:
         hf_config = config_from_dict(config, str(cfg.model.path))
         spec_of(hf_config)  # the decoder's own checks: a family or layout it cannot run
+        check_experts(cfg, hf_config)
     for name in cfg.stages:  # each stage refuses its own settings
         get_stage(name).check(cfg, hf_config)
     check_source(cfg.data.eval.source, role="eval")
@@ -533,6 +534,18 @@ def validate(cfg: DictConfig) -> None:
     check_config(cfg.get("hub"))
     if hf_config is not None:
         check_positions(cfg, hf_config)
+
+
+def check_experts(cfg, hf_config) -> None:
+    """Refuse method stages on a mixture-of-experts model: the methods reach only the attention
+    projections of its family entry, and would leave every expert in full precision."""
+    if spec_of(hf_config).moe is not None and cfg.stages:
+        raise CompressError(
+            f"stages={_spell(list(cfg.stages))} on '{hf_config.model_type}', a mixture-of-experts "
+            f"model: the methods do not quantize, prune or convert experts yet, so the experts "
+            f"would stay in full precision. Run recipe=fp to evaluate it as it is, or decode and "
+            f"serve the folder directly (python -m compress.decoder, python -m compress.serve)."
+        )
 
 
 def check_positions(cfg, hf_config) -> None:

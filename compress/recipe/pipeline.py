@@ -57,6 +57,7 @@ from compress.io.source import cache_dir, load_lazy, load_model, resolve_path
 from compress.layers.head import quantize_head
 from compress.recipe.config import (
     check_distributed,
+    check_experts,
     check_offload,
     layerwise,
     recipe_device,
@@ -315,6 +316,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict:
     torch.manual_seed(cfg.seed)
     stage_fns = [(name, get_stage(name).run) for name in cfg.stages]
     model, tok, source, spill = load_source(cfg, run_dir)
+    check_experts(cfg, model.config)  # a hub id's config is known only now
     held = {"model": model}  # the stages' model is dropped once saved (before the evaluation)
     del model
     try:
