@@ -21,7 +21,6 @@ compare every position.
 """
 
 import copy
-import json
 import shutil
 from dataclasses import replace
 
@@ -37,6 +36,7 @@ from compress.decoder.experts import Experts, Router, SparseMoE
 from compress.decoder.kv import new_cache
 from compress.decoder.model import FeedForward, Transformer, load
 from compress.errors import CompressError
+from tests.test_arch_spec import write_config
 from tests.test_family_exactness import (
     COMMON,
     FP16_TOL,
@@ -304,15 +304,6 @@ def test_missing_expert_tensor_is_named(family, tmp_path):
     with pytest.raises(CompressError, match="lacks") as e:
         load(part)
     assert gone in str(e.value)
-
-
-def write_config(folder, config, **raw):
-    """A folder with config.json only: loading must fail on the config, before any weight."""
-    folder.mkdir()
-    d = config.to_dict()
-    d.update(raw)
-    (folder / "config.json").write_text(json.dumps(d))
-    return folder
 
 
 @pytest.mark.parametrize(

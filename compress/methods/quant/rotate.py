@@ -170,7 +170,8 @@ def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0, device
     for i in range(len(a.decoder_layers(model))):
         with layer_on(model, i, device, write=True) as layer:
             q_dev = q.to(next(layer.parameters()).device)
-            present = {r: layer.get_submodule(p) for r, p in a.linears if _has(layer, p)}
+            named = a.named_linears(layer)  # the roles this layer has (CLA: some without k/v)
+            present = {r: named[p] for r, p in a.linears if p in named}
             _fold(
                 layer.get_submodule(a.input_norm),
                 a.norm_offset,
@@ -184,14 +185,6 @@ def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0, device
     embed.weight.copy_((embed.weight.double() @ q_dev).to(embed.weight.dtype))
     _read(head, q_dev)
     return model
-
-
-def _has(layer: nn.Module, path: str) -> bool:
-    try:
-        layer.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def rotate(model: nn.Module, ctx) -> nn.Module:
