@@ -143,7 +143,7 @@ class StaticDecoder(nn.Module):
         if (
             self.step != self.forward
         ):  # the compiled graph does not count the token; eager append did
-            cache.lens = [L + 1] * cache.n_layers
+            cache.mark(L + 1)
             self.compiled_calls += 1
         return out
 

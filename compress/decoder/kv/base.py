@@ -180,6 +180,12 @@ class Cache:
             f"full, kivi or packkv."
         )
 
+    def mark(self, length: int) -> None:
+        """Count ``length`` tokens in every layer, leaving the slots as they are: after the
+        compiled step wrote slot ``length - 1`` (its graph does not count), or to read a full
+        cache as of its first ``length`` tokens (layer skip's agreement)."""
+        self.lens = [length] * self.n_layers
+
     def settle(self) -> None:
         """After a prefill: do now the work the next append would do anyway (compressed caches
         compress the prompt here); a no-op for the uncompressed caches."""

@@ -77,7 +77,7 @@ def agreement(model, ids: list[int], skip) -> float:
     hits = 0
     for t in range(len(ids) - 1):  # one token at a time, as the draft runs
         kept = [(k[:, :, t].clone(), v[:, :, t].clone()) for k, v in zip(cache.k, cache.v)]
-        cache.lens = [t] * cache.n_layers  # the full cache holds the target's K/V of every slot
+        cache.mark(t)  # the full cache holds the target's K/V of every slot
         pos = torch.tensor([t], device=device)
         guess = model(torch.tensor([[ids[t]]], device=device), cache, pos=pos, skip=skip)[0, -1]
         hits += int(guess.argmax() == target[t])
