@@ -28,7 +28,7 @@ from compress.recipe import pipeline
 from compress.recipe.config import check_stage_list, validate
 from compress.recipe.pipeline import run
 from compress.recipe.stages import get_stage
-from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
+from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model, run_bench
 from tests.family_models import family_config, family_model
 from tests.test_methods_families import decoder_logits, hf_logits, rel_err, tokens
 
@@ -431,3 +431,14 @@ def test_stage_refuses_cross_layer_attention():
         get_stage("gptq").check(stage_cfg(), model.config)
     with pytest.raises(CompressError, match="cross-layer attention"):
         run_stage(model)
+
+
+def test_gpu_check_script_runs_on_the_cpu():
+    """``eval/bench/gpu_check.py`` (the GPU's checks of GPTQ and the rotation) at CPU sizes: the
+    device's codes equal the CPU's (here the same device), the stage's and rotation's logits
+    agree."""
+    out = run_bench("gpu_check", "--device", "cpu", "--small").stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 256 x 128")]
+    assert len(rows) == 3 and all(r.split("|")[5].strip() == "1.0000" for r in rows)
+    values = dict(line.split(": ") for line in out.splitlines() if ": " in line)
+    assert float(values["stage_logits_rel"]) < 1e-5 and float(values["rotation_logits_rel"]) < 1e-5
