@@ -52,7 +52,9 @@ def check_linear(device, d_in: int, d_out: int, bits: int, act_order: bool) -> d
         hs[dev] = h.value()
     ref_h = 2 * x.double().T @ x.double() / x.shape[0]
     out = {"hessian_rel": rel(hs[device].cpu(), ref_h)}
+    t0 = time.perf_counter()
     q_cpu = gptq_quantize(w, hs["cpu"], bits, 128, act_order=act_order)
+    out["gptq_cpu_s"] = time.perf_counter() - t0
     sync(device)
     t0 = time.perf_counter()
     q_dev = gptq_quantize(w.to(device), hs[device], bits, 128, act_order=act_order)
@@ -61,7 +63,8 @@ def check_linear(device, d_in: int, d_out: int, bits: int, act_order: bool) -> d
     out["codes_equal"] = (q_dev.q.cpu() == q_cpu.q).float().mean().item()
     out["weights_rel"] = rel(dequantized(q_dev).cpu(), dequantized(q_cpu))
     xs = x[:256]
-    out["out_err_vs_rtn"] = rel(xs @ dequantized(q_dev).cpu().T, xs @ w.T)
+    out["out_err"] = rel(xs @ dequantized(q_dev).cpu().T, xs @ w.T)
+    out["out_err_cpu"] = rel(xs @ dequantized(q_cpu).T, xs @ w.T)
     return out
 
 
@@ -82,7 +85,9 @@ def tiny_llama(seed: int = 0):
 
 
 def check_stage(device) -> dict:
-    """The gptq stage on a tiny Llama, calibrated on ``device`` and on the CPU."""
+    """The gptq stage on a tiny Llama, calibrated on ``device`` and on the CPU: GPTQ's rounding
+    decisions follow float32 sums, so a different order of summation flips a few codes and the
+    error compensation carries the flip on; the two models' logits agree closely, not exactly."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (4, 64), generator=gen)
     cfg = SimpleNamespace(
@@ -126,16 +131,16 @@ def main(argv=None) -> None:
         + (f" ({torch.cuda.get_device_name()})" if "cuda" in args.device else "")
     )
     print(
-        "| in x out | bits | act_order | H rel vs fp64 | codes = CPU | W rel vs CPU | out err | GPTQ s |"
+        "| in x out | bits | act_order | H rel vs fp64 | codes = CPU | W rel vs CPU | out err | CPU's | GPTQ s | CPU's |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for d_in, d_out in shapes:
         for bits, act in ((4, False), (4, True), (3, True)):
             r = check_linear(args.device, d_in, d_out, bits, act)
             print(
                 f"| {d_in} x {d_out} | {bits} | {act} | {r['hessian_rel']:.1e} | "
-                f"{r['codes_equal']:.4f} | {r['weights_rel']:.1e} | {r['out_err_vs_rtn']:.3f} | "
-                f"{r['gptq_s']:.3f} |"
+                f"{r['codes_equal']:.4f} | {r['weights_rel']:.1e} | {r['out_err']:.4f} | {r['out_err_cpu']:.4f} | "
+                f"{r['gptq_s']:.3f} | {r['gptq_cpu_s']:.3f} |"
             )
     for name, value in {**check_stage(args.device), **check_rotation(args.device)}.items():
         print(f"{name}: {value:.2e}")
