@@ -33,13 +33,6 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def dequantized(qw) -> torch.Tensor:
-    g = qw.group_size
-    return (qw.q - qw.zeros.repeat_interleave(g, 1)).float() * qw.scales.float().repeat_interleave(
-        g, 1
-    )
-
-
 def check_linear(device, d_in: int, d_out: int, bits: int, act_order: bool) -> dict:
     """One linear: Hessian and GPTQ on ``device`` against the CPU."""
     gen = torch.Generator().manual_seed(0)
@@ -61,10 +54,10 @@ def check_linear(device, d_in: int, d_out: int, bits: int, act_order: bool) -> d
     sync(device)
     out["gptq_s"] = time.perf_counter() - t0
     out["codes_equal"] = (q_dev.q.cpu() == q_cpu.q).float().mean().item()
-    out["weights_rel"] = rel(dequantized(q_dev).cpu(), dequantized(q_cpu))
+    out["weights_rel"] = rel(q_dev.dequantize().cpu(), q_cpu.dequantize())
     xs = x[:256]
-    out["out_err"] = rel(xs @ dequantized(q_dev).cpu().T, xs @ w.T)
-    out["out_err_cpu"] = rel(xs @ dequantized(q_cpu).T, xs @ w.T)
+    out["out_err"] = rel(xs @ q_dev.dequantize().cpu().T, xs @ w.T)
+    out["out_err_cpu"] = rel(xs @ q_cpu.dequantize().T, xs @ w.T)
     return out
 
 
