@@ -41,8 +41,8 @@ def _data_dir() -> Path:
     """The exported COMPRESS_DATA_DIR when it holds WikiText-2, else the checkout's shared/data."""
     exported = os.environ.get("COMPRESS_DATA_DIR")
     if exported and (Path(exported) / "wikitext-2").is_dir():
-        return Path(exported)
-    return ROOT.parent / "shared" / "data"
+        return Path(exported).resolve()  # tests that change folder still find it
+    return (ROOT.parent / "shared" / "data").resolve()
 
 
 DATA = _data_dir()

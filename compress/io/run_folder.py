@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import CompressError
+from compress.errors import CompressError, Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,13 @@ def atomic_dir(final: Path) -> Path:
     is complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    _mark(tmp)
+    try:
+        _mark(tmp)
+    except BaseException as e:  # Ctrl-C while marking: the caller never saw the folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(tmp) from None
+        raise
     return tmp
 
 

@@ -346,9 +346,10 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         log.info("process %d: stages done; process 0 writes the run folder", rank)
         return {"recipe": cfg.name, "rank": rank, "stages": timings}
 
-    tmp = atomic_dir(run_dir)
     head = (cfg.get("quant") or {}).get("lm_head", "none")
+    tmp = None
     try:
+        tmp = atomic_dir(run_dir)  # inside the try: a Ctrl-C right after it still removes it
         pause_point("temp_made")
         t = time.time()
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
@@ -445,7 +446,8 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         pause_point("manifest_written")
         commit_dir(tmp, run_dir)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
             raise Interrupted(tmp) from None
         raise
