@@ -9,7 +9,17 @@ The Python API (``compress/api.py``), imported on first use so ``import compress
 
 from compress.version import __version__
 
-_API = ("run", "quantize", "save", "load", "RunResult", "RTNConfig", "AWQConfig", "Int8Config")
+_API = (
+    "run",
+    "quantize",
+    "save",
+    "load",
+    "RunResult",
+    "RTNConfig",
+    "AWQConfig",
+    "GPTQConfig",
+    "Int8Config",
+)
 __all__ = ["__version__", *_API]
 
 

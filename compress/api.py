@@ -10,6 +10,7 @@
 
     compress.quantize(model, compress.RTNConfig(bits=4, group_size=128))
     compress.quantize(model, compress.AWQConfig(bits=4), tokenizer=tok)  # calibrates
+    compress.quantize(model, compress.GPTQConfig(bits=3), tokenizer=tok)
     compress.save(model, "outputs/my_int4", tokenizer=tok)
 
 A config's unset knobs take the values of the recipe it names (``recipes/NAME.yaml``).
@@ -123,43 +124,46 @@ def run(
 
 @dataclass(frozen=True)
 class RTNConfig:
-    """Round-to-nearest, group-wise with a zero point (``rtn.*``)."""
+    """Round-to-nearest, group-wise with a zero point (``rtn.*``), saved in ``format``
+    (``quant.format``: compressed-tensors or autoawq)."""
 
     bits: int = 4
     group_size: int | str = "auto"  # auto: 128, else 64, else 32; -1: one scale per output row
     symmetric: bool = False
+    format: str = "compressed-tensors"
     recipe: ClassVar[str] = "rtn_int4"
     stage: ClassVar[str] = "rtn"
 
     def overrides(self) -> list[str]:
-        return overrides_of(
-            {"rtn": {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}}
-        )
+        rtn = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+        return overrides_of({"rtn": rtn, "quant": {"format": self.format}})
 
 
 @dataclass(frozen=True)
-class AWQConfig:
-    """AWQ scale and clip search (``awq.*``), on ``calib_samples`` x ``calib_seqlen`` tokens."""
+class _Calibrated:
+    """A calibrating method's knobs (``STAGE.*``), on ``calib_samples`` x ``calib_seqlen``
+    tokens, saved in ``format`` (``quant.format``)."""
 
     bits: int = 4
     group_size: int | str = "auto"
     calib_samples: int | None = None  # None: the recipe's (128 of 512 tokens)
     calib_seqlen: int | None = None
-    options: dict = field(default_factory=dict)  # other awq.* keys: n_grid, clip, duo_scaling, ...
-    recipe: ClassVar[str] = "awq_int4"
-    stage: ClassVar[str] = "awq"
+    options: dict = field(default_factory=dict)  # other STAGE.* keys
+    format: str = "compressed-tensors"
+    stage: ClassVar[str] = ""
 
     def __post_init__(self):
+        name = type(self).__name__
         if not isinstance(self.options, dict):
             raise CompressError(
-                f"AWQConfig(options={self.options!r}): options is a dict of awq.* keys, "
-                f"e.g. options={{'n_grid': 2, 'clip': False}}."
+                f"{name}(options={self.options!r}): options is a dict of {self.stage}.* keys, "
+                f"e.g. options={{'batch': 8}}."
             )
-        for name, low in (("calib_samples", 1), ("calib_seqlen", 2)):
-            v = getattr(self, name)
+        for key, low in (("calib_samples", 1), ("calib_seqlen", 2)):
+            v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise CompressError(
-                    f"AWQConfig({name}={v!r}): {name} is an integer >= {low}, or None for the "
+                    f"{name}({key}={v!r}): {key} is an integer >= {low}, or None for the "
                     f"recipe's ({'128 samples' if low == 1 else '512 tokens'})."
                 )
 
@@ -169,12 +173,30 @@ class AWQConfig:
             for k, v in (("samples", self.calib_samples), ("seqlen", self.calib_seqlen))
             if v is not None
         }
+        knobs = {"bits": self.bits, "group_size": self.group_size, **self.options}
         return overrides_of(
             {
-                "awq": {"bits": self.bits, "group_size": self.group_size, **self.options},
+                self.stage: knobs,
+                "quant": {"format": self.format},
                 **({"calib": calib} if calib else {}),
             }
         )
+
+
+@dataclass(frozen=True)
+class AWQConfig(_Calibrated):
+    """AWQ scale and clip search (``awq.*``; options: n_grid, clip, duo_scaling, ...)."""
+
+    recipe: ClassVar[str] = "awq_int4"
+    stage: ClassVar[str] = "awq"
+
+
+@dataclass(frozen=True)
+class GPTQConfig(_Calibrated):
+    """GPTQ (``gptq.*``; options: damp, block_size, act_order, true_sequential, batch)."""
+
+    recipe: ClassVar[str] = "gptq_int4"
+    stage: ClassVar[str] = "gptq"
 
 
 @dataclass(frozen=True)
@@ -206,7 +228,8 @@ def quantize(model, config, tokenizer=None, calibration=None):
 
     if not hasattr(config, "overrides"):
         raise CompressError(
-            f"quantize takes RTNConfig, AWQConfig or Int8Config, not {type(config).__name__}."
+            f"quantize takes RTNConfig, AWQConfig, GPTQConfig or Int8Config, not "
+            f"{type(config).__name__}."
         )
     given, model = model, unwrap(model)  # torch.compile's wrapper: quantize the module inside
     check_model(model, "quantize")

@@ -225,3 +225,17 @@ def serve_in_thread(app, start_timeout: float = 60, log_level: str = "critical")
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, tokenizer):
+    """``{family: folder}`` of the tiny random models, with SmolLM2's tokenizer."""
+    from tests.family_models import FAMILIES, family_model  # after TRITON_INTERPRET is set
+
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        family_model(family).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        out[family] = folder
+    return out

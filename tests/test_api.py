@@ -13,6 +13,7 @@ from compress.arch.adapters import get_adapter
 from compress.errors import CompressError
 from compress.formats.quantizer import quantize as rtn_reference
 from compress.io.checkpoint import load_run
+from compress.layers import group_params
 from tests.conftest import ROOT, make_tiny_model
 
 TINY = {"eval": {"windows": 2, "seqlen": 64}, "calib": {"samples": 4, "seqlen": 64}}
@@ -103,8 +104,8 @@ def test_quantize_rtn_in_memory_then_save_and_load(tmp_path, tokenizer):
         assert torch.equal(layer.dequantize(), rtn_reference(source[name], 4, 64).dequantize()), (
             name
         )
-    assert model.config.quantization_config["quant_method"] == "awq"
-    assert model.config.quantization_config["group_size"] == 64
+    assert model.config.quantization_config["quant_method"] == "compressed-tensors"
+    assert group_params(model.config.quantization_config) == (4, 64)
 
     compress.save(model, tmp_path / "q", tokenizer=tokenizer)
     loaded, tok = load_run(tmp_path / "q")
@@ -138,6 +139,7 @@ def test_quantize_refuses_bad_settings_before_work():
     "recipe, config",
     [
         ("awq_int4", compress.AWQConfig(calib_samples=4, calib_seqlen=64)),
+        ("gptq_int4", compress.GPTQConfig(calib_samples=4, calib_seqlen=64)),
         ("llm_int8", compress.Int8Config(threshold=6.0)),
     ],
 )

@@ -89,7 +89,8 @@ def test_awq_saved_int4_reproduces_chosen_weights(tiny_dir, tmp_path, monkeypatc
         return qw
 
     monkeypatch.setattr(awq_mod, "quantize", spy)
-    cfg = compose("awq_int4", [f"model.path={tiny_dir}", *TINY_OVERRIDES, "awq.batch=2"])
+    over = [f"model.path={tiny_dir}", *TINY_OVERRIDES, "awq.batch=2", "quant.format=autoawq"]
+    cfg = compose("awq_int4", over)
     report = run(cfg, tmp_path / "run")
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "awq" and qcfg["version"] == "gemm" and qcfg["group_size"] == 128

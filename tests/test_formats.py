@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.layers import LAYERS, Int8Linear, QuantLinear, quantized_layer
+from compress.formats import compressed_tensors as ct
+from compress.layers import LAYERS, Int8Linear, QuantLinear, group_params, quantized_layer
 
 METHOD_PACKAGES = (
     "compress.methods.quant",
@@ -72,19 +73,21 @@ def test_kernels_import_no_method_package():
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}, QuantLinear),
         ({"quant_method": "compress", "bits": 3, "group_size": 64}, QuantLinear),
         ({"quant_method": "bitsandbytes", "llm_int8_threshold": 4.5}, Int8Linear),
+        (ct.quantization_config(3, 64), QuantLinear),
     ],
 )
 def test_registry_builds_the_layer_of_each_quant_method(qcfg, cls):
     lin = nn.Linear(128, 64, bias=True)
     layer = quantized_layer(qcfg, lin, "model.layers.0.mlp.up_proj")
-    assert type(layer) is cls and set(LAYERS) == {"awq", "compress", "bitsandbytes"}
+    assert type(layer) is cls
+    assert set(LAYERS) == {"awq", "compress", "compressed-tensors", "bitsandbytes"}
     assert (layer.in_features, layer.out_features) == (128, 64)
     assert layer.bias is not None and layer.bias.shape == (64,)
     if cls is QuantLinear:
-        assert (layer.bits, layer.group_size) == (qcfg["bits"], qcfg["group_size"])
-        assert layer.format == ("awq" if qcfg["bits"] == 4 else "compress")
+        assert (layer.bits, layer.group_size) == group_params(qcfg)
+        assert layer.format == ("awq" if layer.bits == 4 else "compress")
         names = {n for n, _ in layer.named_buffers()}
-        assert ("qweight" in names) == (qcfg["bits"] == 4)
+        assert ("qweight" in names) == (layer.bits == 4)
     else:
         assert layer.threshold == 4.5 and layer.name == "model.layers.0.mlp.up_proj"
         assert layer.weight.dtype == torch.int8 and layer.SCB.dtype == torch.float32
@@ -93,7 +96,7 @@ def test_registry_builds_the_layer_of_each_quant_method(qcfg, cls):
 def test_registry_rejects_unknown_quant_method():
     with pytest.raises(
         CompressError,
-        match=r"unknown quant_method 'gptq'.*'awq', 'compress' and "
+        match=r"unknown quant_method 'gptq'.*'awq', 'compress', 'compressed-tensors' and "
         r"'bitsandbytes'",
     ):
         quantized_layer({"quant_method": "gptq", "bits": 4}, nn.Linear(64, 32))

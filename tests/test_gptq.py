@@ -380,7 +380,7 @@ def test_awq_without_quantize_folds_then_gptq_quantizes(tmp_path, tokenizer):
     assert all(type(m) is nn.Linear for m in get_adapter(model.config).all_linears(model).values())
     assert rel_err(hf_logits(model, ids), reference) < 1e-5
     model = gptq(model, ctx)
-    assert ctx.quantization_config["quant_method"] == "awq"
+    assert ctx.quantization_config["quant_method"] == "compressed-tensors"
     save_checkpoint(model, tokenizer, tmp_path / "run", ctx.quantization_config, torch.float32)
     assert rel_err(decoder_logits(tmp_path / "run", ids), hf_logits(model, ids)) < 1e-4
 
@@ -442,3 +442,18 @@ def test_gpu_check_script_runs_on_the_cpu():
     assert len(rows) == 3 and all(r.split("|")[5].strip() == "1.0000" for r in rows)
     values = dict(line.split(": ") for line in out.splitlines() if ": " in line)
     assert float(values["stage_logits_rel"]) < 1e-5 and float(values["rotation_logits_rel"]) < 1e-5
+
+
+def test_gptq_vs_awq_script_runs_small(tiny_dir, tmp_path):
+    """``eval/bench/gptq_vs_awq.py`` at tiny sizes: both recipes calibrate, both folders decode,
+    and it prints the two ratios the issue's bars read."""
+    out = run_bench(
+        "gptq_vs_awq", "--model", tiny_dir, "--small", "--rounds", "1", "--out", tmp_path
+    ).stdout
+    rows = [
+        line for line in out.splitlines() if line.startswith("| awq_int4") or "| gptq_int4" in line
+    ]
+    assert len(rows) == 2 and all(float(r.split("|")[4]) > 0 for r in rows)
+    assert (
+        "GPTQ / AWQ calibration time" in out and (tmp_path / "gptq_int4" / "report.json").is_file()
+    )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
+from compress.formats import compressed_tensors as ct
 from compress.layers import QuantLinear
 from compress.layers.head import quantize_head, recorded_head
 from tests.conftest import compose
@@ -54,7 +55,7 @@ def rel_err(a, b) -> float:
 def test_codes_follow_the_groupwise_asymmetric_formula(kind):
     stub = Stub()
     w = stub.lm_head.weight.detach().clone()
-    head = quantize_head(stub, kind, {"group_size": 64})
+    head = quantize_head(stub, kind, ct.quantization_config(4, 64))
     assert stub.lm_head is head and isinstance(head, QuantLinear)
     assert (head.bits, head.group_size) == (BITS[kind], 64)
     q_ref, z_ref, s_ref, ratio = reference_codes(w, BITS[kind], 64)
@@ -74,7 +75,7 @@ def test_head_logits_equal_float64_dequantize_then_matmul(kind, dtype):
     """fp32: the K-packed planes; bf16: ATen's int4pack (one call for int4, two for int8)."""
     stub = Stub(seed=1)
     w = stub.lm_head.weight.detach().clone()
-    head = quantize_head(stub, kind, {"group_size": 32})
+    head = quantize_head(stub, kind, ct.quantization_config(4, 32))
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = torch.full((5, 256), float("nan"))
     y.copy_(head(x))

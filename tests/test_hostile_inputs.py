@@ -43,7 +43,7 @@ other tests already ran the same way are tested there, not here (the map below).
 #   --temperature -1, --temperature nan, --top-p 2, --temperature 0.7 --top-p 0, --top-k 0,
 #   --seed 2**70, --seed -1, --max-new-tokens 0, --max-new-tokens -1, --threads 0
 #       test_bad_input.py::test_sampling_settings_are_refused_alike_by_cli_api_and_server
-#   damaged qweight (manifest), damaged folder with --no-verify runs
+#   damaged weight_packed (manifest), damaged folder with --no-verify runs
 #       test_manifest_verify.py::test_decoder_cli_refuses_a_damaged_folder_and_runs_it_with_no_verify
 # server CLI
 #   --port 99999, --device tpu9
@@ -168,8 +168,8 @@ def fx(tmp_path_factory):
         f[name] = root / name
 
     qweight, scales = (
-        "model.layers.0.self_attn.k_proj.qweight",
-        "model.layers.1.mlp.down_proj.scales",
+        "model.layers.0.self_attn.k_proj.weight_packed",
+        "model.layers.1.mlp.down_proj.weight_scale",
     )
     variant("damaged", run, lambda d: overwrite(d / W, qweight))
     variant("damaged_scales", run, lambda d: overwrite(d / W, scales, b"\x00\x3c", 0))
@@ -339,7 +339,7 @@ DECODER_FOLDERS = [  # (name, folder, extra arguments, what the message names)
     ("no safetensors", "{no_weights}", [], "safetensors"),
     ("truncated safetensors, no manifest", "{truncated_raw}", [], "corrupt or truncated"),
     ("truncated safetensors, manifest", "{truncated}", [], W),
-    ("damaged scales (manifest)", "{damaged_scales}", [], "down_proj.scales"),
+    ("damaged scales (manifest)", "{damaged_scales}", [], "down_proj.weight_scale"),
     ("damaged embedding (manifest)", "{damaged_embed}", [], "embed_tokens.weight"),
     ("NaN weight, no manifest", "{nan}", [], "NaN"),
     ("manifest.json not JSON", "{bad_manifest}", [], "manifest.json"),
@@ -349,7 +349,7 @@ DECODER_FOLDERS = [  # (name, folder, extra arguments, what the message names)
     ("no tokenizer files", "{no_tokenizer}", [], "tokenizer"),
     ("--chat without a chat template", "{no_template}", ["--chat"], "--chat"),
     ("--draft missing folder", "{run}", ["--draft", "{nope}"], "{nope}"),
-    ("--draft damaged folder", "{run}", ["--draft", "{damaged}"], "k_proj.qweight"),
+    ("--draft damaged folder", "{run}", ["--draft", "{damaged}"], "k_proj.weight_packed"),
     ("--iam missing folder", "{run}", ["--iam", "{nope}"], "compress.cli.iam generate"),
 ]
 
@@ -435,7 +435,7 @@ SERVE_CLI = [  # (name, folder, flags, what the message names)
     ("--log-level loud", "{run}", ["--log-level", "loud"], "--log-level"),
     ("--port abc", "{run}", ["--port", "abc"], "--port"),
     ("folder does not exist", "{nope}", [], "{nope}"),
-    ("damaged folder (manifest)", "{damaged}", [], "k_proj.qweight"),
+    ("damaged folder (manifest)", "{damaged}", [], "k_proj.weight_packed"),
     ("config.json unknown model_type", "{cfg_unknown}", ["--port", "0"], "lama"),
     ("no safetensors", "{no_weights}", ["--port", "0"], "safetensors"),
     ("no tokenizer", "{no_tokenizer}", ["--port", "0"], "tokenizer"),

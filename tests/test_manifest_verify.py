@@ -65,9 +65,9 @@ def test_manifest_holds_each_tensors_sha256(folders):
 @pytest.mark.parametrize(
     "tensor",
     [
-        "model.layers.0.self_attn.k_proj.qweight",
-        "model.layers.1.mlp.down_proj.scales",
-        "model.layers.1.mlp.gate_proj.qzeros",
+        "model.layers.0.self_attn.k_proj.weight_packed",
+        "model.layers.1.mlp.down_proj.weight_scale",
+        "model.layers.1.mlp.gate_proj.weight_zero_point",
         "model.embed_tokens.weight",
         "model.norm.weight",
     ],
@@ -129,7 +129,7 @@ def test_a_manifest_without_tensor_hashes_still_refuses_the_file(folders, tmp_pa
         m["files"][W].pop(k)
     (d / "manifest.json").write_text(json.dumps(m))
     assert verify_folder(d)
-    overwrite(d / W, "model.layers.0.self_attn.q_proj.qweight")
+    overwrite(d / W, "model.layers.0.self_attn.q_proj.weight_packed")
     with pytest.raises(CompressError, match="'model.safetensors' does not match"):
         verify_folder(d)
 
@@ -159,13 +159,13 @@ def cli(*args):
 def test_decoder_cli_refuses_a_damaged_folder_and_runs_it_with_no_verify(folders, tmp_path):
     _, q, _ = folders
     bad = copy(q, tmp_path / "bad")
-    overwrite(bad / W, "model.layers.1.self_attn.o_proj.qweight")
+    overwrite(bad / W, "model.layers.1.self_attn.o_proj.weight_packed")
     args = ["compress.decoder", str(bad), "--prompt", "the quick", "--max-new-tokens", "2"]
     args += ["--device", "cpu", "--dtype", "float32", "--no-warmup"]
     r = cli(*args)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
-    assert "tensor 'model.layers.1.self_attn.o_proj.qweight'" in r.stderr
+    assert "tensor 'model.layers.1.self_attn.o_proj.weight_packed'" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     r = cli(*args, "--no-verify")
     assert r.returncode == 0, r.stderr
@@ -176,7 +176,7 @@ def test_server_cli_refuses_a_damaged_folder_before_loading(folders, tmp_path):
 
     _, q, _ = folders
     bad = copy(q, tmp_path / "bad")
-    overwrite(bad / W, "model.layers.0.mlp.up_proj.qweight")
+    overwrite(bad / W, "model.layers.0.mlp.up_proj.weight_packed")
     with pytest.raises(SystemExit) as e:
         main([str(bad), "--port", "0"])
     assert e.value.code == 2

@@ -66,18 +66,6 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory, tokenizer):
-    """``{family: folder}`` of the tiny random models, with SmolLM2's tokenizer."""
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        family_model(family).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        out[family] = folder
-    return out
-
-
 def run_on(recipe, folder, out, *extra):
     overrides = [f"model.path={folder}", *SMALL, *EXTRA.get(recipe, []), *extra]
     return run(compose(recipe, overrides), out)
@@ -252,7 +240,7 @@ def test_quantized_folder_agrees_with_transformers(family, recipe, family_dirs, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
     """transformers' own AWQ loader (``quant_method: awq``, through gptqmodel's kernels) reads the
-    INT4 folder with no flags: every quantized linear becomes its AWQ module, dequantizing to our
+    INT4 folder in AutoAWQ's layout (``quant.format=autoawq``) with no flags: every quantized linear becomes its AWQ module, dequantizing to our
     weights bit for bit in the config's float16, and its logits agree with our decoder's."""
     pytest.importorskip("gptqmodel", reason="the interop extra: pip install -e '.[interop]'")
     from transformers import AutoModelForCausalLM
@@ -261,7 +249,7 @@ def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
     from compress.layers.quant_linear import QuantLinear
 
     out = tmp_path / "run"
-    run_on("awq_int4", family_dirs[family], out)
+    run_on("awq_int4", family_dirs[family], out, "quant.format=autoawq")
     hf = AutoModelForCausalLM.from_pretrained(out).eval()  # no flags
     assert hf.dtype == torch.float16  # AutoAWQ's convention, from config.json
     ours, _ = load_run(out)

@@ -191,7 +191,7 @@ def test_a_compiled_model_saves_its_own_names(tmp_path):
     folder = compress.save(compiled, tmp_path / "c")
     names = [n for f in folder.glob("*.safetensors") for n in safe_open(f, "pt").keys()]
     assert names and not [n for n in names if n.startswith("_orig_mod")]
-    assert "model.layers.0.self_attn.q_proj.qweight" in names
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in names
     model, _ = load(folder)
     assert len(generate(model, [[1, 2, 3]], 2, ignore_eos=True).tokens[0]) == 2
 

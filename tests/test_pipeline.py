@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from compress.__main__ import rewrite_argv
 from compress.errors import CompressError
 from compress.eval.perplexity import evaluate
+from compress.formats import compressed_tensors as ct
 from compress.formats.awq_gemm import unpack_awq
 from compress.formats.quantizer import quantize
 from compress.io.checkpoint import load_run
@@ -40,15 +41,10 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     ]  # temp folder renamed
 
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qcfg == {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": 128,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": None,
-    }
-    # the saved tensors decode to RTN of the source weights (AutoAWQ GEMM layout)
+    assert qcfg == ct.quantization_config(4, 128)
+    assert qcfg["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    # the saved tensors decode, by the format's own library, to RTN of the source weights
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from transformers import AutoModelForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(tiny_dir)
@@ -56,10 +52,15 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
     w = src.model.layers[1].mlp.down_proj.weight.data
     qw = quantize(w, 4, 128)
     p = "model.layers.1.mlp.down_proj."
-    assert t[p + "qweight"].dtype == torch.int32 and t[p + "qweight"].shape == (256, 128 // 8)
-    assert torch.equal(unpack_awq(t[p + "qweight"]), qw.q.t())
-    assert torch.equal(unpack_awq(t[p + "qzeros"]), qw.zeros.t())
-    assert torch.equal(t[p + "scales"], qw.scales.t())
+    assert t[p + "weight_packed"].dtype == torch.int32
+    assert t[p + "weight_packed"].shape == (128, 256 * 4 // 32)
+    assert t[p + "weight_shape"].tolist() == [128, 256]
+    signed = unpack_from_int32(t[p + "weight_packed"], 4, torch.Size([128, 256]))
+    assert torch.equal(signed.int() + 8, qw.q)
+    zeros = unpack_from_int32(t[p + "weight_zero_point"], 4, torch.Size([128, 2]), packed_dim=0)
+    assert torch.equal(zeros.int() + 8, qw.zeros)
+    assert torch.equal(t[p + "weight_scale"], qw.scales)
+
     assert "lm_head.weight" not in t  # tied to the embeddings
 
     saved = json.loads((out / "report.json").read_text())
@@ -92,6 +93,31 @@ def test_rtn_int4_run_folder(tiny_dir, tmp_path):
         assert entry["bytes"] == (out / name).stat().st_size
         assert entry["sha256"] == sha256_file(out / name)
     assert manifest["recipe"]["rtn"]["bits"] == 4 and "rtn" in manifest["stages"]
+
+
+def test_rtn_int4_autoawq_format(tiny_dir, tmp_path):
+    """``quant.format=autoawq``: AutoAWQ's GEMM layout, as transformers' AWQ loader reads it."""
+    out = tmp_path / "run"
+    run_recipe("rtn_int4", tiny_dir, out, "quant.format=autoawq", "decode.enabled=false")
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    t = load_file(str(out / "model.safetensors"))
+    qw = quantize(src.model.layers[1].mlp.down_proj.weight.data, 4, 128)
+    p = "model.layers.1.mlp.down_proj."
+    assert t[p + "qweight"].dtype == torch.int32 and t[p + "qweight"].shape == (256, 128 // 8)
+    assert torch.equal(unpack_awq(t[p + "qweight"]), qw.q.t())
+    assert torch.equal(unpack_awq(t[p + "qzeros"]), qw.zeros.t())
+    assert torch.equal(t[p + "scales"], qw.scales.t())
 
 
 def test_packed_checkpoint_equals_fake_quant(tiny_dir, tmp_path, tokenizer):
@@ -198,7 +224,7 @@ def test_error_quantized_model_path(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(
         CompressError,
         match=rf"'{tmp_path}/q' is already quantized \(quant_method "
-        rf"'awq', 4 bits\).*source model instead \(this folder was made from "
+        rf"'compressed-tensors', 4 bits\).*source model instead \(this folder was made from "
         rf"'{tiny_dir}'\)",
     ):
         run_recipe("awq_int4", tmp_path / "q", tmp_path / "run")
@@ -296,11 +322,10 @@ def test_error_nan_weight(tiny_dir, tmp_path):
 def test_error_run_folder_shape_mismatch(tiny_dir, tmp_path):
     run_recipe("rtn_int4", tiny_dir, tmp_path / "run")
     t = load_file(str(tmp_path / "run" / "model.safetensors"))
-    t["model.layers.0.self_attn.k_proj.scales"] = t["model.layers.0.self_attn.k_proj.scales"][
-        :, :8
-    ].contiguous()
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    t[name] = t[name][:8].contiguous()
     save_file(t, str(tmp_path / "run" / "model.safetensors"))
-    with pytest.raises(CompressError, match=r"k_proj.scales.*expects \(1, 64\)"):
+    with pytest.raises(CompressError, match=r"k_proj.weight_scale.*expects \(64, 1\)"):
         load_run(tmp_path / "run", verify=False)  # past the manifest's check, which refuses it
 
 
@@ -331,7 +356,9 @@ def test_rtn_per_row_group(tiny_dir, tmp_path):
 
     run_recipe("rtn_int8", tiny_dir, tmp_path / "run", "rtn.group_size=-1")
     qcfg = json.loads((tmp_path / "run" / "config.json").read_text())["quantization_config"]
-    assert qcfg["group_size"] == -1 and qcfg["bits"] == 8
+    weights = qcfg["config_groups"]["group_0"]["weights"]  # compressed-tensors' per-row scheme
+    assert weights["strategy"] == "channel" and weights["group_size"] is None
+    assert weights["num_bits"] == 8
     packed, _ = load_run(tmp_path / "run")
     src = AutoModelForCausalLM.from_pretrained(tiny_dir)
     w = src.model.layers[0].mlp.down_proj.weight.data

@@ -382,9 +382,9 @@ def test_a_plain_hf_folder_loads_unverified(tiny_dir):
 
 def test_loaders_verify_by_default(q, tmp_path):
     d = copy(q, tmp_path / "d")
-    overwrite(d / W, "model.layers.0.mlp.up_proj.qweight")
+    overwrite(d / W, "model.layers.0.mlp.up_proj.weight_packed")
     for call in (load, load_run):
-        with pytest.raises(CompressError, match="up_proj.qweight.*verify=False"):
+        with pytest.raises(CompressError, match="up_proj.weight_packed.*verify=False"):
             call(d)
         call(d, verify=False)
 

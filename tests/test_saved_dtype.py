@@ -13,7 +13,7 @@ from compress.io.checkpoint import load_run, save_checkpoint, unquantized_dtype
 from compress.recipe.pipeline import Context, run
 from tests.conftest import TINY_OVERRIDES, compose, make_tiny_model
 
-LINEAR_PARTS = ("qweight", "qzeros", "scales")
+LINEAR_PARTS = ("weight_packed", "weight_zero_point", "weight_scale", "weight_shape")
 
 
 def logits(model, tokens):
@@ -51,8 +51,10 @@ def test_rtn_int4_folder_is_fp16_outside_the_quantized_linears(tiny_dir, tmp_pat
     report = run(compose("rtn_int4", over), out)
     t = load_file(str(out / "model.safetensors"))
     for name, v in t.items():
-        if name.rsplit(".", 1)[-1] in ("qweight", "qzeros"):
+        if name.rsplit(".", 1)[-1] in ("weight_packed", "weight_zero_point"):
             assert v.dtype == torch.int32, name
+        elif name.endswith(".weight_shape"):
+            assert v.dtype == torch.int64, name
         else:  # embedding, norms, and the fp16 group scales
             assert v.dtype == torch.float16, name
     config = json.loads((out / "config.json").read_text())

@@ -474,11 +474,18 @@ def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str =
     first = layers[0]
     if any(type(m) is not type(first) for m in layers):
         return Parallel(layers)
+    if isinstance(first, QuantLinear) and any(
+        (m.bits, m.group_size) != (first.bits, first.group_size) for m in layers
+    ):
+        return Parallel(layers)  # a format with a scheme per layer (compressed-tensors)
     with torch.device("meta"):
-        fused = nn.Linear(
-            first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None
-        )
-        if type(first) is not nn.Linear:
+        out = sum(m.out_features for m in layers)
+        fused = nn.Linear(first.in_features, out, bias=first.bias is not None)
+        if isinstance(first, QuantLinear):
+            fused = QuantLinear(
+                first.in_features, out, first.bits, first.group_size, fused.bias is not None
+            )
+        elif type(first) is not nn.Linear:
             fused = quantized_layer(qcfg, fused, name)
     fused.to_empty(device=device)
     state, parts = {}, [m.state_dict() for m in layers]
@@ -659,7 +666,8 @@ def load(
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())
-    load_state(model, fused_expert_tensors(read_tensors(folder), model.spec), str(folder))
+    tensors = read_tensors(folder, model, qcfg)
+    load_state(model, fused_expert_tensors(tensors, model.spec), str(folder))
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)

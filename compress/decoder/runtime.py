@@ -33,6 +33,7 @@ import torch
 
 from compress.decoder.devices import check_device
 from compress.errors import CompressError
+from compress.layers import GROUP_QUANTIZED
 from compress.layers.head import recorded_head
 
 FAST_DTYPE = "bfloat16"
@@ -125,9 +126,10 @@ def fast_head(folder) -> str:
 
 
 def group_quantized(folder) -> bool:
-    """Whether ``folder``'s config.json names a group-quantized format (awq, compress)."""
+    """Whether ``folder``'s config.json names a group-quantized format (compressed-tensors,
+    awq, compress)."""
     qcfg = _config(folder).get("quantization_config")
-    return isinstance(qcfg, dict) and qcfg.get("quant_method") in ("awq", "compress")
+    return isinstance(qcfg, dict) and qcfg.get("quant_method") in GROUP_QUANTIZED
 
 
 def _check_named(given: dict) -> None:

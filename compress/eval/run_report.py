@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from compress.eval.layer_views import plot_run_views
+from compress.layers import group_params
 
 
 def _fmt(v) -> str:
@@ -30,8 +31,9 @@ def bit_width(report: dict, config: dict, recipe: dict) -> int | None:
     """Bits per weight of the quantized linears: the stage's record, else config.json's
     quantization_config, else the model dtype of an unquantized run (None if unknown)."""
     qcfg = config.get("quantization_config") or {}
-    if report.get("bits") or qcfg.get("bits"):
-        return report.get("bits") or qcfg["bits"]
+    stored = (group_params(qcfg) or (None,))[0]
+    if report.get("bits") or stored:
+        return report.get("bits") or stored
     if qcfg.get("load_in_8bit"):
         return 8
     if not qcfg:

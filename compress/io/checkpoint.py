@@ -10,8 +10,9 @@ A run folder holds an HF-format checkpoint::
     tokenizer files    as tokenizer.save_pretrained writes them
 
 ``quantization_config["quant_method"]`` says which layer replaces the decoder's
-linears on load (``compress.layers.LAYERS``): "awq" (INT4, AutoAWQ GEMM) and
-"compress" (other widths) load as ``QuantLinear``; "bitsandbytes" as ``Int8Linear``.
+linears on load (``compress.layers.LAYERS``): "compressed-tensors" (pack-quantized, repacked
+to the kernels' layout on load), "awq" (INT4, AutoAWQ GEMM) and "compress" (other widths) load
+as ``QuantLinear``; "bitsandbytes" as ``Int8Linear``.
 Layers whose names contain an entry of ``modules_to_not_convert`` (bitsandbytes:
 ``llm_int8_skip_modules``) stay ``nn.Linear``.
 In a quantized checkpoint, every tensor outside the quantized layers (embedding, norms,
@@ -40,7 +41,6 @@ from compress.io.shards import (
     MAX_SHARD_BYTES,
     WEIGHTS,  # noqa: F401  (the single-file name, re-exported)
     Entry,
-    read,
     tensor_files,
     weight_files,
     write_sharded,
@@ -48,6 +48,7 @@ from compress.io.shards import (
 from compress.io.shards import header as read_header
 from compress.io.tokenizer import load_tokenizer
 from compress.layers import quantized_layer
+from compress.layers.codec import codec_for
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def _unquantized(model: nn.Module, sd: dict) -> list[str]:
 def _value(model: nn.Module, sd: dict, name: str) -> torch.Tensor:
     """``sd[name]``, read from disk when a disk-backed model holds it there."""
     t = sd[name]
-    return read(disk(model).files, [name])[name] if t.device.type == "meta" else t
+    return disk(model).read([name])[name] if t.device.type == "meta" else t
 
 
 def unquantized_dtype(model: nn.Module, source_dtype=None) -> torch.dtype:
@@ -115,15 +116,24 @@ def state_dict_for_save(model: nn.Module, dtype=None) -> dict[str, torch.Tensor]
     }
 
 
-def save_entries(model: nn.Module, dtype=None) -> list[Entry]:
+def save_entries(model: nn.Module, dtype=None, qcfg: dict | None = None) -> list[Entry]:
     """The tensors a checkpoint holds, as ``state_dict_for_save`` makes them, to be read one at
-    a time (a disk-backed model's layers from their files)."""
+    a time (a disk-backed model's layers from their files); a compressed-tensors ``qcfg``
+    stores the quantized layers in its names (``compress.layers.codec``)."""
     sd = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     cast = set(_unquantized(model, sd)) if dtype is not None else set()
-    out = []
+    codec = codec_for(model, qcfg)
+    out, coded = [], set()
     for k, v in sd.items():
+        if codec is not None and (prefix := codec.owner(k)) is not None:
+            if prefix not in coded:
+                coded.add(prefix)
+                value = lambda name: _value(model, sd, name).detach()  # noqa: E731
+                for name, (shape, dt, read_one) in codec.encode(prefix, value).items():
+                    out.append(Entry(name, shape, dt, read_one))
+            continue
         target = dtype if k in cast else v.dtype
         out.append(
             Entry(
@@ -155,7 +165,7 @@ def save_checkpoint(
     if dtype is not None:  # "torch_dtype" for readers older than transformers 5
         config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    write_sharded(folder, save_entries(model, dtype), max_shard_bytes)
+    write_sharded(folder, save_entries(model, dtype, quantization_config), max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
@@ -175,11 +185,14 @@ def swap_quantized(model: nn.Module, config, qcfg: dict | None) -> None:
         skip = qcfg.get("modules_to_not_convert") or qcfg.get("llm_int8_skip_modules") or []
         for name, lin in get_adapter(config).all_linears(model).items():
             if not any(s in name for s in skip):
-                set_module(model, name, quantized_layer(qcfg, lin, name))
+                if (layer := quantized_layer(qcfg, lin, name)) is not None:
+                    set_module(model, name, layer)
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors file(s) (shards through their index)."""
+def read_tensors(folder: Path, model: nn.Module | None = None, qcfg: dict | None = None):
+    """Every tensor of a folder's safetensors file(s) (shards through their index), under
+    ``model``'s names when ``qcfg`` stores its quantized layers in other names
+    (compressed-tensors, ``compress.layers.codec``)."""
     from safetensors.torch import load_file
 
     with guard_safetensors(folder):
@@ -193,7 +206,8 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     with guard_safetensors(folder):
         for f in files:
             out.update(load_file(str(f)))
-    return out
+    codec = codec_for(model, qcfg) if model is not None else None
+    return codec.decode_all(out) if codec is not None else out
 
 
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -277,7 +291,7 @@ def load_run(folder, verify: bool = True) -> tuple[nn.Module, object]:
         check_loadable(folder)
     config, qcfg = read_config(folder)
     model = build_model(config, qcfg)
-    load_state(model, read_tensors(folder), str(folder))
+    load_state(model, read_tensors(folder, model, qcfg), str(folder))
     model.eval()
     check_finite(model, f"run folder '{folder}'")
     return model, read_tokenizer(folder)
@@ -300,16 +314,19 @@ def open_lazy(folder: Path, qcfg: dict | None = None, config=None, spill: Path |
         if qcfg:
             with torch.device("meta"):
                 swap_quantized(model, config, qcfg)
-        _check_shapes(model, files, str(folder))
-        return make_lazy(model, files, str(folder), spill)
+        codec = codec_for(model, qcfg)
+        _check_shapes(model, files, str(folder), codec)
+        return make_lazy(model, files, str(folder), spill, codec)
 
 
-def _check_shapes(model: nn.Module, files: dict, where: str) -> None:
+def _check_shapes(model: nn.Module, files: dict, where: str, codec=None) -> None:
     """Names and shapes of a folder's tensors (headers only) against the model built from its
     config, as ``load_state`` checks them."""
     headers = {}
     for f in set(files.values()):
         headers.update(read_header(f))
+    if codec is not None:
+        headers = codec.headers(headers)
     expected = model.state_dict()
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, ref in expected.items():

@@ -46,6 +46,22 @@ class DiskLayers:
     files: dict
     spill: Path | None = None  # where ``layer_on(..., write=True)`` writes a layer
     dtype: torch.dtype = torch.float32  # the layers' compute dtype
+    codec: object = None  # a ``compress.layers.codec.Codec`` when quantized layers are stored
+    # under other names (compressed-tensors); None: every tensor under its own name
+
+    def read(self, names) -> dict:
+        """The tensors ``names`` (the model's names): stored ones as they are, a coded layer's
+        buffers repacked from its stored tensors."""
+        plain, layers = [], {}
+        for n in names:
+            prefix = None if n in self.files or self.codec is None else self.codec.owner(n)
+            (plain if prefix is None else layers.setdefault(prefix, [])).append(n)
+        out = read(self.files, plain)
+        for prefix, wanted in layers.items():
+            stored = read(self.files, self.codec.disk_names(prefix))
+            buffers = self.codec.decode(prefix, stored)
+            out.update({n: buffers[n] for n in wanted})
+        return out
 
 
 def disk(model: nn.Module) -> DiskLayers | None:
@@ -80,9 +96,12 @@ def layer_buffers_ok(model: nn.Module) -> bool:
     return not any(m._non_persistent_buffers_set for layer in layers for m in layer.modules())
 
 
-def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = None) -> nn.Module:
+def make_lazy(
+    model: nn.Module, files: dict, where: str, spill: Path | None = None, codec=None
+) -> nn.Module:
     """Fill the non-layer tensors of ``model`` (from ``empty_model``) from ``files``
-    (``{name: safetensors file}``) and mark its decoder layers disk-backed."""
+    (``{name: safetensors file}``) and mark its decoder layers disk-backed (``codec``: see
+    :class:`DiskLayers`)."""
     adapter = get_adapter(model.config)
     keep = (adapter.embed, adapter.lm_head)  # stored dtype
     layers = adapter.layers + "."
@@ -105,7 +124,8 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
         raise CompressError(
             f"'{where}' lacks tensor '{missing[0]}'; the checkpoint does not match its config.json."
         )
-    tensors = read(files, [n for n in wanted if n in files])
+    d = DiskLayers(files=dict(files), spill=spill, codec=codec)
+    tensors = d.read([n for n in wanted if n in files])
     for n, t in tensors.items():
         module, pname, stored = wanted[n]
         if t.is_floating_point() and not stored:  # the embedding and head: checked when used
@@ -113,7 +133,7 @@ def make_lazy(model: nn.Module, files: dict, where: str, spill: Path | None = No
             _check_finite(t, n)
         _set(module, pname, t)
     _retie(model)
-    model.__dict__[_ATTR] = DiskLayers(files=dict(files), spill=spill)
+    model.__dict__[_ATTR] = d
     model.eval().requires_grad_(False)
     return model
 
@@ -195,7 +215,7 @@ def layer_on(model: nn.Module, i: int, device, write: bool = False):
         return
     prefix = f"{adapter.layers}.{i}."
     names = list(layer.state_dict())
-    tensors = read(d.files, [prefix + k for k in names])
+    tensors = d.read([prefix + k for k in names])
     layer.to_empty(device=device)
     with torch.no_grad():
         for k, ref in layer.state_dict().items():

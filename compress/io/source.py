@@ -26,6 +26,7 @@ from compress.io.offload import layer_buffers_ok
 from compress.io.run_folder import atomic_dir, commit_dir, sha256_file, sha256_files
 from compress.io.shards import weight_files
 from compress.io.tokenizer import check_vocabulary, load_tokenizer
+from compress.layers import group_params
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ def check_path(path: str) -> dict | None:
         if (p / "manifest.json").is_file():
             made_from = json.loads((p / "manifest.json").read_text()).get("source", {}).get("path")
             made_from = f" (this folder was made from '{made_from}')" if made_from else ""
-        bits = f", {qcfg['bits']} bits" if "bits" in qcfg else ""
+        stored = (group_params(qcfg) or (qcfg.get("bits"),))[0]
+        bits = f", {stored} bits" if stored else ""
         raise CompressError(
             f"model folder '{path}' is already quantized (quant_method "
             f"'{qcfg.get('quant_method')}'{bits}); compress quantizes and prunes full-precision "

@@ -5,6 +5,8 @@ A checkpoint's ``config.json`` names its format in ``quantization_config["quant_
 
     "awq"           INT4, AutoAWQ GEMM packing (compress/formats/awq_gemm.py)        -> QuantLinear
     "compress"      any other width, our bit planes (compress/formats/bitplanes.py)  -> QuantLinear
+    "compressed-tensors"  pack-quantized (compress/formats/compressed_tensors.py)    -> QuantLinear
+                    (repacked on load and save: compress/layers/codec.py)
     "bitsandbytes"  bitsandbytes' int8 layout, LLM.int8 forward             -> Int8Linear
 
 Layers know formats (``compress.formats``) and kernels (``compress.kernels``), not methods: nothing
@@ -14,13 +16,16 @@ here imports the quantization, pruning or training code.
 from torch import nn
 
 from compress.errors import CompressError
+from compress.formats import compressed_tensors as ct
 from compress.layers.int8_linear import Int8Linear
 from compress.layers.quant_linear import QuantLinear, layout_for
 
 __all__ = [
+    "GROUP_QUANTIZED",
     "LAYERS",
     "Int8Linear",
     "QuantLinear",
+    "group_params",
     "layout_for",
     "quantized_layer",
 ]
@@ -36,6 +41,16 @@ def _group_quantized(qcfg: dict, linear: nn.Linear, name: str) -> QuantLinear:
     )
 
 
+def _compressed_tensors(qcfg: dict, linear: nn.Linear, name: str) -> QuantLinear | None:
+    got = ct.scheme(qcfg, name)
+    if got is None:  # ignored, or no scheme targets it
+        return None
+    bits, group_size, _ = got
+    return QuantLinear(
+        linear.in_features, linear.out_features, bits, group_size, bias=linear.bias is not None
+    )
+
+
 def _int8(qcfg: dict, linear: nn.Linear, name: str) -> Int8Linear:
     return Int8Linear(
         linear.in_features,
@@ -46,11 +61,32 @@ def _int8(qcfg: dict, linear: nn.Linear, name: str) -> Int8Linear:
     )
 
 
-LAYERS = {"awq": _group_quantized, "compress": _group_quantized, "bitsandbytes": _int8}
+LAYERS = {
+    "awq": _group_quantized,
+    "compress": _group_quantized,
+    ct.METHOD: _compressed_tensors,
+    "bitsandbytes": _int8,
+}
+GROUP_QUANTIZED = ("awq", "compress", ct.METHOD)  # the formats that load as QuantLinear
 
 
-def quantized_layer(qcfg: dict, linear: nn.Linear, name: str = "") -> nn.Module:
-    """An empty layer of ``linear``'s shape in the format of ``qcfg["quant_method"]``.
+def group_params(qcfg: dict | None) -> tuple[int, int] | None:
+    """``(bits, group_size)`` of a group-quantized ``quantization_config`` (compressed-tensors:
+    its first scheme), else None."""
+    qcfg = qcfg or {}
+    method = qcfg.get("quant_method")
+    if method in ("awq", "compress"):
+        return qcfg.get("bits"), qcfg.get("group_size")
+    if method == ct.METHOD:
+        for group in (qcfg.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            return w.get("num_bits"), w.get("group_size")
+    return None
+
+
+def quantized_layer(qcfg: dict, linear: nn.Linear, name: str = "") -> nn.Module | None:
+    """An empty layer of ``linear``'s shape in the format of ``qcfg["quant_method"]`` (None: the
+    format leaves it in floating point).
 
     ``name`` (the module's full name) lets a layer name itself in run-time errors.
     """

@@ -32,7 +32,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.formats.quantizer import auto_group_size, quantize
-from compress.layers import QuantLinear
+from compress.layers import QuantLinear, group_params
 
 HEAD_BITS = {"none": None, "int8": 8, "int4": 4}
 
@@ -65,7 +65,7 @@ def head_group_size(in_features: int, qcfg: dict | None) -> int:
     """The run's group size when it divides the head's input (``quantization_config``), else
     ``auto``'s: 128, else 64, else 32."""
 
-    g = (qcfg or {}).get("group_size")
+    g = (group_params(qcfg) or (None, None))[1]
     if isinstance(g, int) and g > 0 and in_features % g == 0:
         return g
     return auto_group_size([in_features])

@@ -29,6 +29,26 @@ def layout_for(bits: int) -> str:
     return "awq" if bits == 4 else "compress"
 
 
+def pack_buffers(q_t: torch.Tensor, z_t: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """The packed buffers (the module docstring's names) of codes ``q_t [in, out]`` and zeros
+    ``z_t [in/g, out]``."""
+    if layout_for(bits) == "awq":
+        return {"qweight": pack_awq(q_t), "qzeros": pack_awq(z_t)}
+    out = {f"qweight_{k}": t for k, t in pack_planes(q_t, bits).items()}
+    out.update({f"qzeros_{k}": t for k, t in pack_planes(z_t, bits).items()})
+    return out
+
+
+def buffer_codes(buffers: dict, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_buffers`: ``(q [in, out], z [in/g, out])`` (int32)."""
+    if layout_for(bits) == "awq":
+        return unpack_awq(buffers["qweight"]), unpack_awq(buffers["qzeros"])
+    planes = plane_widths(bits)
+    q = unpack_planes({f"w{p}": buffers[f"qweight_w{p}"] for p in planes}, bits)
+    z = unpack_planes({f"w{p}": buffers[f"qzeros_w{p}"] for p in planes}, bits)
+    return q, z
+
+
 class QuantLinear(nn.Module):
     def __init__(
         self,
@@ -76,14 +96,8 @@ class QuantLinear(nn.Module):
         out_features, in_features = qw.q.shape
         layer = cls(in_features, out_features, qw.bits, qw.group_size, bias=bias is not None)
         q_t, z_t = qw.q.t().contiguous(), qw.zeros.t().contiguous()  # [in, out], [in/g, out]
-        if layer.format == "awq":
-            layer.qweight.copy_(pack_awq(q_t))
-            layer.qzeros.copy_(pack_awq(z_t))
-        else:
-            for name, t in pack_planes(q_t, qw.bits).items():
-                getattr(layer, f"qweight_{name}").copy_(t)
-            for name, t in pack_planes(z_t, qw.bits).items():
-                getattr(layer, f"qzeros_{name}").copy_(t)
+        for name, t in pack_buffers(q_t, z_t, qw.bits).items():
+            getattr(layer, name).copy_(t)
         layer.scales.copy_(qw.scales.t())
         if bias is not None:
             layer.bias = bias.detach().clone()
@@ -91,12 +105,7 @@ class QuantLinear(nn.Module):
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Unpacked codes: ``q [in, out]`` and ``z [in/g, out]`` (int32)."""
-        if self.format == "awq":
-            return unpack_awq(self.qweight), unpack_awq(self.qzeros)
-        planes = plane_widths(self.bits)
-        q = unpack_planes({f"w{p}": getattr(self, f"qweight_w{p}") for p in planes}, self.bits)
-        z = unpack_planes({f"w{p}": getattr(self, f"qzeros_w{p}") for p in planes}, self.bits)
-        return q, z
+        return buffer_codes(self._buffers, self.bits)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """Reference dequantization: ``W_hat [out, in]`` in ``dtype``."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from compress.eval.run_report import bit_width, metrics_table, protocol
+from compress.layers import GROUP_QUANTIZED, group_params
 
 PLACEHOLDER_REPO = "ORG/NAME"
 PLACEHOLDER_NOTE = f"Replace `{PLACEHOLDER_REPO}` below with this repository's id."
@@ -81,9 +82,12 @@ def public_recipe(recipe: dict) -> dict:
 
 def loaders(config: dict, stages: list) -> list[str]:
     """Which libraries besides compress.decoder can load this checkpoint."""
-    method = (config.get("quantization_config") or {}).get("quant_method")
+    qcfg = config.get("quantization_config") or {}
+    method = qcfg.get("quant_method")
     if method == "awq":
         return ["transformers", "vllm"]
+    if method == "compressed-tensors":  # vLLM's integer kernels take 4 and 8 bits
+        return ["transformers", "vllm"] if group_params(qcfg)[0] in (4, 8) else ["transformers"]
     if method == "bitsandbytes":
         return ["transformers"]
     if config.get(
@@ -121,6 +125,7 @@ def _how_to_load(
     if "transformers" in libs:
         needs = {
             "awq": "`pip install gptqmodel`: transformers 5 loads AWQ checkpoints through it",
+            "compressed-tensors": "`pip install compressed-tensors`",
             "bitsandbytes": "`pip install bitsandbytes`",
         }.get(method)
         if remote:
@@ -221,7 +226,7 @@ def render(
             f"stored. compress's decoder quantizes it as the evaluation did.",
             "",
         ]
-    if qcfg.get("quant_method") in ("awq", "compress"):
+    if qcfg.get("quant_method") in GROUP_QUANTIZED:
         lines += [default_decoding(report), ""]
     if repo_id == PLACEHOLDER_REPO:
         lines += [PLACEHOLDER_NOTE, ""]

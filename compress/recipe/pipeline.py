@@ -118,11 +118,11 @@ class Context:
         return calib_samples(self.tokenizer, text, c.samples, c.seqlen, seed=self.cfg.seed)
 
 
-def _weight_bytes(model, dtype=None) -> tuple[int, int]:
-    """Bytes of every saved tensor (as ``save_checkpoint(..., dtype)`` writes them), and of the
-    decoder linears alone."""
+def _weight_bytes(model, dtype=None, qcfg=None) -> tuple[int, int]:
+    """Bytes of every saved tensor (as ``save_checkpoint(..., qcfg, dtype)`` writes them), and of
+    the decoder linears alone."""
 
-    entries = save_entries(model, dtype)
+    entries = save_entries(model, dtype, qcfg)
     prefixes = tuple(f"{name}." for name in get_adapter(model.config).all_linears(model))
     total = sum(e.nbytes for e in entries)
     linear = sum(e.nbytes for e in entries if e.name.startswith(prefixes))
@@ -353,7 +353,7 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
         pause_point("temp_made")
         t = time.time()
         dtype = save_dtype(model, source, m.trust_remote_code) if ctx.quantization_config else None
-        weight_bytes, linear_bytes = _weight_bytes(model, dtype)
+        weight_bytes, linear_bytes = _weight_bytes(model, dtype, ctx.quantization_config)
         save_checkpoint(model, tok, tmp, ctx.quantization_config, dtype)
         if spill is not None:
             shutil.rmtree(spill, ignore_errors=True)

@@ -77,13 +77,20 @@ def tiny_llama(seed: int = 0):
     return model
 
 
+class Config(SimpleNamespace):
+    """A recipe's keys as attributes, and ``get`` as a DictConfig has (no omegaconf needed)."""
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+
 def check_stage(device) -> dict:
     """The gptq stage on a tiny Llama, calibrated on ``device`` and on the CPU: GPTQ's rounding
     decisions follow float32 sums, so a different order of summation flips a few codes and the
     error compensation carries the flip on; the two models' logits agree closely, not exactly."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (4, 64), generator=gen)
-    cfg = SimpleNamespace(
+    cfg = Config(
         gptq=SimpleNamespace(
             bits=4, group_size=64, damp=0.01, block_size=128, act_order=True,
             true_sequential=True, batch=2,

@@ -69,7 +69,12 @@ from compress.io.offload import (
     layer_on,
 )
 from compress.layers import QuantLinear
-from compress.methods.quant.rtn import check_width, quantization_config, resolve_group_size
+from compress.methods.quant.rtn import (
+    check_width,
+    quantization_config,
+    resolve_group_size,
+    stored_format,
+)
 
 log = logging.getLogger(__name__)
 __all__ = [
@@ -237,6 +242,7 @@ def check(cfg, hf_config=None) -> None:
     bits, the group size, and whole numbers (``search_samples`` null: every calibration sample)."""
     a = cfg.awq
     check_width(a, "awq", hf_config)
+    stored_format(cfg)
     check_grouped(a.group_size)
     rules = (
         ("n_grid", False, "the alpha values the scale search tries (20 upstream)"),
@@ -299,7 +305,7 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     if not _quantizes(cfg):  # the scaled float model, for the stage after (gptq)
         ctx.record.update(awq_alpha=alphas, awq_group_size=g)
         return model
-    ctx.quantization_config = quantization_config(bits, g)
+    ctx.quantization_config = quantization_config(bits, g, fmt=stored_format(ctx.cfg))
     ctx.record.update(
         bits=bits,
         group_size=g,

@@ -56,7 +56,12 @@ from compress.io.offload import (
     layer_on,
 )
 from compress.layers import QuantLinear
-from compress.methods.quant.rtn import check_width, quantization_config, resolve_group_size
+from compress.methods.quant.rtn import (
+    check_width,
+    quantization_config,
+    resolve_group_size,
+    stored_format,
+)
 
 __all__ = ["gptq", "gptq_quantize", "Hessian", "sequential_steps", "check", "SEQUENTIAL"]
 
@@ -253,6 +258,7 @@ def check(cfg, hf_config=None) -> None:
     cross-layer attention (:func:`check_family`)."""
     c = cfg.gptq
     check_width(c, "gptq", hf_config)
+    stored_format(cfg)
     if hf_config is not None:
         check_family(get_adapter(hf_config))
     damp = c.get("damp")
@@ -301,7 +307,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
             x = gptq_layer(
                 layer, adapter, x, per_layer[i], settings, batch, bool(cfg.true_sequential)
             )
-    ctx.quantization_config = quantization_config(bits, g)
+    ctx.quantization_config = quantization_config(bits, g, fmt=stored_format(ctx.cfg))
     ctx.record.update(
         bits=bits,
         group_size=g,

@@ -9,6 +9,8 @@ every in_features (Gemma 3 270M: 640, 1024 and 2048 take 128)."""
 from torch import nn
 
 from compress.arch.adapters import get_adapter, layer_in_features, set_module
+from compress.errors import CompressError
+from compress.formats import compressed_tensors as ct
 from compress.formats.quantizer import (
     auto_group_size,
     check_bits,
@@ -29,8 +31,9 @@ def check_width(c, key: str, hf_config=None) -> None:
 
 
 def check(cfg, hf_config=None) -> None:
-    """Refuse ``rtn.*`` before the model loads."""
+    """Refuse ``rtn.*`` and ``quant.format`` before the model loads."""
     check_width(cfg.rtn, "rtn", hf_config)
+    stored_format(cfg)
 
 
 def resolve_group_size(model: nn.Module, group_size) -> int:
@@ -45,8 +48,28 @@ def resolve_group_size(model: nn.Module, group_size) -> int:
     return group_size
 
 
-def quantization_config(bits: int, group_size: int, symmetric: bool = False) -> dict:
-    """config.json's ``quantization_config`` for a group-quantized checkpoint."""
+FORMATS = ("compressed-tensors", "autoawq")
+
+
+def stored_format(cfg) -> str:
+    """``quant.format``: compressed-tensors (default) or autoawq."""
+    fmt = (cfg.get("quant") or {}).get("format") or FORMATS[0]
+    if fmt not in FORMATS:
+        raise CompressError(
+            f"quant.format={fmt!r}: the saved format is compressed-tensors (pack-quantized, "
+            f"which vLLM and transformers load natively) or autoawq (AutoAWQ's GEMM layout at "
+            f"INT4, compress's bit planes at other widths)."
+        )
+    return fmt
+
+
+def quantization_config(
+    bits: int, group_size: int, symmetric: bool = False, fmt: str = FORMATS[0]
+) -> dict:
+    """config.json's ``quantization_config`` for a group-quantized checkpoint in format ``fmt``
+    (:data:`FORMATS`)."""
+    if fmt == "compressed-tensors":
+        return ct.quantization_config(bits, group_size, symmetric)
     if layout_for(bits) == "awq":
         return {
             "quant_method": "awq",
@@ -91,7 +114,8 @@ def rtn(model: nn.Module, ctx) -> nn.Module:
     device = getattr(ctx, "device", None)
     check_fits(model, device or "cpu", 0, "rtn")
     model = pack_model(model, q.bits, g, q.get("symmetric", False), device=device)
-    ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False))
+    fmt = stored_format(ctx.cfg)
+    ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False), fmt)
     ctx.record["group_size"] = g
     ctx.record["bits"] = q.bits
     return model
