@@ -130,7 +130,7 @@ def save_entries(model: nn.Module, dtype=None, qcfg: dict | None = None) -> list
         if codec is not None and (prefix := codec.owner(k)) is not None:
             if prefix not in coded:
                 coded.add(prefix)
-                value = lambda name: _value(model, sd, name).detach()  # noqa: E731
+                value = lambda name: _value(model, sd, name).detach()
                 for name, (shape, dt, read_one) in codec.encode(prefix, value).items():
                     out.append(Entry(name, shape, dt, read_one))
             continue
