@@ -56,10 +56,10 @@ class DiskLayers:
         for n in names:
             prefix = None if n in self.files or self.codec is None else self.codec.owner(n)
             (plain if prefix is None else layers.setdefault(prefix, [])).append(n)
-        out = read(self.files, plain)
+        stored = {p: self.codec.disk_names(p) for p in layers}
+        out = read(self.files, plain + [n for names in stored.values() for n in names])
         for prefix, wanted in layers.items():
-            stored = read(self.files, self.codec.disk_names(prefix))
-            buffers = self.codec.decode(prefix, stored)
+            buffers = self.codec.decode(prefix, {n: out.pop(n) for n in stored[prefix]})
             out.update({n: buffers[n] for n in wanted})
         return out
 

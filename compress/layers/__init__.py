@@ -31,24 +31,20 @@ __all__ = [
 ]
 
 
+def _quant_linear(linear: nn.Linear, bits: int, group_size: int) -> QuantLinear:
+    bias = linear.bias is not None
+    return QuantLinear(linear.in_features, linear.out_features, bits, group_size, bias=bias)
+
+
 def _group_quantized(qcfg: dict, linear: nn.Linear, name: str) -> QuantLinear:
-    return QuantLinear(
-        linear.in_features,
-        linear.out_features,
-        qcfg["bits"],
-        qcfg["group_size"],
-        bias=linear.bias is not None,
-    )
+    return _quant_linear(linear, qcfg["bits"], qcfg["group_size"])
 
 
 def _compressed_tensors(qcfg: dict, linear: nn.Linear, name: str) -> QuantLinear | None:
     got = ct.scheme(qcfg, name)
     if got is None:  # ignored, or no scheme targets it
         return None
-    bits, group_size, _ = got
-    return QuantLinear(
-        linear.in_features, linear.out_features, bits, group_size, bias=linear.bias is not None
-    )
+    return _quant_linear(linear, got[0], got[1])
 
 
 def _int8(qcfg: dict, linear: nn.Linear, name: str) -> Int8Linear:

@@ -50,8 +50,8 @@ class Codec:
         return prefix if prefix in self.layers and local != "bias" else None
 
     def disk_names(self, prefix: str) -> list[str]:
-        c = self.layers[prefix]
-        return [f"{prefix}.{k}" for k in ct.shapes(1, 1, c.bits, 1, c.symmetric)]
+        symmetric = self.layers[prefix].symmetric  # no zero point stored
+        return [f"{prefix}.{k}" for k in ct.NAMES if not (symmetric and k == "weight_zero_point")]
 
     def decode(self, prefix: str, disk: dict) -> dict[str, torch.Tensor]:
         """The layer's buffers (full names) from its stored tensors (full names)."""

@@ -24,13 +24,14 @@ SMALL = {"calib": {"samples": 2, "seqlen": 32}, "eval": {"windows": 1, "seqlen":
 
 
 def calibrate(recipe: str, model, out: Path, windows: int, small: bool) -> dict:
-    settings = {"eval": {"windows": windows, "compare_source": False}, "decode": {"enabled": False}}
-    if small:
-        settings = {**settings, **SMALL, "eval": {**SMALL["eval"], "compare_source": False}}
-        settings[recipe.split("_")[0]] = {"n_grid": 2} if recipe.startswith("awq") else {}
+    stage = recipe.split("_")[0]
+    settings = {"eval": {"windows": windows}, **(SMALL if small else {})}
+    settings["eval"] = {**settings["eval"], "compare_source": False}
+    settings["decode"] = {"enabled": False}
+    if small and stage == "awq":
+        settings["awq"] = {"n_grid": 2}
     kw = {"model": model} if model else {}
     result = compress.run(recipe, out=out / recipe, **kw, **settings)
-    stage = recipe.split("_")[0]
     return {
         "stage_s": result.report["stages"][stage],
         "ppl": result.report["ppl"],
