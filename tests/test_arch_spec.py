@@ -102,8 +102,8 @@ def write_config(folder, config, **raw):
         ("llama", {"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         (
             "llama",
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-            "RoPE type 'yarn'",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "RoPE type 'dynamic'",
         ),
         ("gemma3_text", {"attn_logit_softcapping": 50.0}, "softcaps attention"),
         ("mistral", {"sliding_window": 0}, "sliding_window=0"),

@@ -555,3 +555,126 @@ def test_bad_input_leaves_no_run_folder(recipe, extra, folder, match, tiny_dir, 
             recipe, odd_dirs[folder] if folder else tiny_dir, out, "distill.tokens=0", *extra
         )
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+# ---- our MLA as a stock deepseek_v3 folder ----------------------------------------------------
+
+
+def test_deepseek_style_is_exact_where_nothing_is_truncated():
+    """MQA source, every RoPE pair kept, the latent at full rank: the one shared RoPE key and
+    the latent are exact, so with the latent norm made the identity the converted stock
+    DeepseekV3ForCausalLM's logits are the source's (the norm alone is not an identity: with it
+    the logits differ)."""
+    from compress.methods.attn.deepseek_mla import convert_deepseek_mla
+
+    source = make_tiny_model(num_key_value_heads=1)
+    D = source.config.head_dim
+    out = convert_deepseek_mla(source, rank=D, rope_dim=D, tokens=ids(64, 4))
+    x = ids()
+    with torch.no_grad():
+        normed = out(x).logits
+        for layer in out.model.layers:
+            layer.self_attn.kv_a_layernorm.forward = lambda t: t
+        assert rel(out(x).logits, source(x).logits) < 1e-5
+    assert rel(normed, source(x).logits) > 1e-3
+    assert type(out).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_deepseek_latent_anchor_makes_the_norm_an_identity():
+    """With ``anchor`` (latent channel 0 a constant far above the rest) the stock latent RMSNorm
+    is the identity on the other channels to about 1e-4: at full rank the converted model's
+    logits are the source's, norm and all."""
+    from compress.methods.attn.deepseek_mla import convert_deepseek_mla
+
+    source = make_tiny_model(num_key_value_heads=1)
+    D = source.config.head_dim
+    out = convert_deepseek_mla(source, rank=D + 1, rope_dim=D, tokens=ids(64, 4), anchor=True)
+    x = ids()
+    with torch.no_grad():
+        assert rel(out(x).logits, source(x).logits) < 1e-3
+    bias = out.model.layers[0].self_attn.kv_a_proj_with_mqa.bias
+    assert bias[0] > 0 and not bias[1:].any()
+
+
+def test_deepseek_shared_key_is_the_top_component():
+    """With G KV heads, the shared key of a pair is the top eigenvector's combination: a source
+    whose heads' keys are complex multiples of one another (RoPE-pair-wise) loses nothing."""
+    from compress.methods.attn.deepseek_mla import deepseek_layer
+
+    g = torch.Generator().manual_seed(3)
+    H, G, D, hidden = 4, 2, 8, 32
+    base = torch.randn(D, hidden, generator=g, dtype=torch.float64)
+    c = torch.complex(
+        torch.randn(D // 2, dtype=torch.float64), torch.randn(D // 2, dtype=torch.float64)
+    )
+    bc = (
+        torch.complex(base[: D // 2], base[D // 2 :]) * c[:, None]
+    )  # head 1 = c * head 0, pair-wise
+    wk = torch.cat([base, torch.cat([bc.real, bc.imag])])
+    wq = torch.randn(H * D, hidden, generator=g, dtype=torch.float64)
+    wv = torch.randn(G * D, hidden, generator=g, dtype=torch.float64)
+    x = torch.randn(200, hidden, generator=g, dtype=torch.float64)
+    gram = x.T @ x / x.shape[0]
+    new = deepseek_layer(wq, wk, wv, gram, H, G, rank=G * D, rope_dim=D)
+    # scores at one random angle per pair, sum_j Re(q~_j e^(i a_j) conj(k~_j)), against the source
+
+    def pairs(w, heads):  # [heads, D/2] complex projections of x, half-split layout
+        y = (x @ w.T).view(-1, heads, D)
+        return torch.complex(y[..., : D // 2], y[..., D // 2 :])
+
+    def inter(w, heads, width):  # interleaved rope rows -> complex
+        y = (x @ w.T).view(-1, heads, width)[..., -D:]
+        return torch.complex(y[..., 0::2], y[..., 1::2])
+
+    angle = torch.exp(1j * torch.rand(D // 2, generator=g, dtype=torch.float64) * 6.28)
+    qs, ks = pairs(wq, H), pairs(wk, G)
+    want = (qs * angle * ks.conj()[:, torch.arange(H) // 2]).real.sum(-1)
+    qn = inter(new["q_proj.weight"], H, D)
+    kn = inter(new["kv_a_proj_with_mqa.weight"][-D:], 1, D)
+    got = (qn * angle * kn.conj()).real.sum(-1)
+    assert rel(got, want) < 1e-10
+
+
+def test_deepseek_recipe_writes_a_stock_folder(tiny_dir, tmp_path):
+    """``recipe=mla mla=deepseek_v3``: a deepseek_v3 folder with the stock config's keys only
+    (no auto_map, no modeling files), which transformers loads without trust_remote_code and
+    our decoder matches within 1e-4; its cache is the latent plus one RoPE key per token."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from compress.decoder.kv import new_cache
+    from compress.decoder.model import load
+
+    out = tmp_path / "run"
+    report = run_recipe(
+        "mla",
+        tiny_dir,
+        out,
+        "mla=deepseek_v3",
+        "distill.tokens=0",
+        "mla.kv_lora_rank=24",
+        "mla.rope_dim=8",
+    )
+    raw = json.loads((out / "config.json").read_text())
+    stock = transformers.DeepseekV3Config().to_dict()
+    assert raw["model_type"] == "deepseek_v3" and "auto_map" not in raw
+    assert set(raw) <= set(stock) | {"transformers_version", "architectures", "dtype"}, set(
+        raw
+    ) - set(stock)
+    assert not list(out.glob("*.py"))
+    assert raw["first_k_dense_replace"] == raw["num_hidden_layers"] and raw["q_lora_rank"] is None
+    assert report["attn"] == {
+        "style": "deepseek_v3",
+        "kv_lora_rank": 24,
+        "rope_dim": 8,
+        "latent_anchor": True,
+    }
+    assert raw["attention_bias"] is True  # the anchor is kv_a_proj_with_mqa's bias
+    assert report["kv_bytes_per_token"] == 2 * 2 * (24 + 8)  # 2 layers, fp16
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours, _ = load(out)
+    x = ids(40, 1)
+    with torch.no_grad():
+        want = hf(x).logits[0]
+        got = ours(x, new_cache(ours, "full", 1, 40))[0]
+    assert rel(got, want) < 1e-4

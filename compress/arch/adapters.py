@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from compress.arch.moe import SOFTMAX_TOPK, TOPK_SOFTMAX
+from compress.arch.moe import SIGMOID_GROUP, SOFTMAX_TOPK, TOPK_SOFTMAX
 from compress.errors import CompressError
 
 
@@ -73,7 +73,11 @@ class Adapter:
     experts_field: str = "num_experts"  # config field of the expert count
     expert_size_field: str = "moe_intermediate_size"  # config field of each expert's width
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers pick the dense layers
-    shared_expert: bool = False  # a sigmoid-gated shared expert (qwen2_moe)
+    # "gated": qwen2_moe's shared expert (shared_expert_intermediate_size), weighted by
+    # sigmoid(shared_expert_gate(x)); "plain": deepseek_v3's n_shared_experts, one ungated MLP
+    shared_expert: str | None = None
+    shared_name: str = "shared_expert"  # the shared expert's module under the MLP
+    dense_first: str | None = None  # config field: the count of leading dense layers
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint names
     mlp_aliases: tuple = ()  # (checkpoint name, ours) of the MLP (mixtral's block_sparse_moe)
 
@@ -92,12 +96,27 @@ class Adapter:
         return layer.get_submodule(dict(self.linears)[role])
 
     def named_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
-        """``{path inside the layer: module}`` for the layer's projections."""
-        return {
+        """``{path inside the layer: module}`` for the layer's projections; in a
+        mixture-of-experts family also those of its MLP (:meth:`mlp_linears`)."""
+        out = {
             path: layer.get_submodule(path)
             for role, path in self.linears
             if role not in self.optional or _has(layer, path)
         }
+        return out | self.mlp_linears(layer) if self.router else out
+
+    def mlp_linears(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """A mixture-of-experts layer's MLP projections, where they are linears: a dense
+        layer's gate/up/down, the shared expert's, and each expert's once they are one module
+        per expert (``compress.layers.experts.unfuse_experts``; transformers' fused experts
+        have none)."""
+        m, names = self.mlp, ("gate_proj", "up_proj", "down_proj")
+        paths = [f"{m}.{n}" for n in names] + [f"{m}.{self.shared_name}.{n}" for n in names]
+        e = 0
+        while _has(layer, f"{m}.experts.{e}"):
+            paths += [f"{m}.experts.{e}.{n}" for n in self.expert_names]
+            e += 1
+        return {p: layer.get_submodule(p) for p in paths if _has(layer, p)}
 
     def linear_shapes(self, config) -> dict[str, tuple[int, int]]:
         """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
@@ -114,7 +133,20 @@ class Adapter:
             "up": (inter, hidden),
             "down": (hidden, inter),
         }
-        return {path: shapes[role] for role, path in self.linears}
+        out = {path: shapes[role] for role, path in self.linears}
+        if self.router:  # the dense layers' MLP, an expert's, the shared expert's
+            m, (g, _, d) = self.mlp, self.expert_names
+            width = getattr(config, self.expert_size_field)
+            out.update({f"{m}.gate_proj": (inter, hidden), f"{m}.down_proj": (hidden, inter)})
+            out.update(
+                {f"{m}.experts.0.{g}": (width, hidden), f"{m}.experts.0.{d}": (hidden, width)}
+            )
+            shared = getattr(config, "shared_expert_intermediate_size", None)
+            shared = shared or width * (getattr(config, "n_shared_experts", None) or 0)
+            if self.shared_expert and shared:
+                out[f"{m}.{self.shared_name}.gate_proj"] = (shared, hidden)
+                out[f"{m}.{self.shared_name}.down_proj"] = (hidden, shared)
+        return out
 
     def all_linears(self, model: nn.Module) -> dict[str, nn.Module]:
         """``{full module name: module}`` for every projection of every decoder layer."""
@@ -188,7 +220,7 @@ QWEN2_MOE = Adapter(
     o_bias=False,
     router=SOFTMAX_TOPK,
     sparse_step=True,
-    shared_expert=True,
+    shared_expert="gated",
 )
 MIXTRAL = Adapter(
     family="mixtral",
@@ -211,9 +243,37 @@ OLMOE = Adapter(
     router=SOFTMAX_TOPK,
     expert_size_field="intermediate_size",
 )
+# DeepSeek V3: multi-head latent attention (compress.arch.spec.LatentSpec; q_proj, or q_a_proj ->
+# q_a_layernorm -> q_b_proj with q_lora_rank; kv_a_proj_with_mqa -> [latent | shared RoPE key],
+# kv_a_layernorm on the latent, kv_b_proj -> each head's [k_nope | v]), dense first layers, then
+# a grouped sigmoid router with shared experts.
+DEEPSEEK_V3 = Adapter(
+    family="deepseek_v3",
+    attention="deepseek_mla",
+    linears=(),  # the decoder runs latent attention from float weights: methods reach the MLPs
+    windowed=False,
+    router=SIGMOID_GROUP,
+    experts_field="n_routed_experts",
+    shared_expert="plain",
+    shared_name="shared_experts",
+    dense_first="first_k_dense_replace",
+)
 ADAPTERS = {
     a.family: a
-    for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, CLA, MLA, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)
+    for a in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        GEMMA3,
+        CLA,
+        MLA,
+        QWEN3_MOE,
+        QWEN2_MOE,
+        MIXTRAL,
+        OLMOE,
+        DEEPSEEK_V3,
+    )
 }
 
 

@@ -12,6 +12,9 @@ decoder's one forward, its caches, the methods) reads the spec, never the raw co
     spec.sandwich                norms after attention and MLP too (Gemma 3's four per block)
     spec.qk_norm                 per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     spec.qk_norm_full            those norms span the whole q and k projections (OLMoE)
+    spec.latent                  None, or DeepSeek V3's latent attention (:class:`LatentSpec`:
+                                 q_lora_rank, kv_lora_rank, the nope / rope / v head widths,
+                                 interleaved RoPE); spec.head_dim is then the RoPE width
     spec.moe                     None (dense), or the experts of the sparse layers
                                  (``compress.arch.moe.MoESpec``: count, top-k, router kind,
                                  expert width, shared expert); spec.layers[i].mlp "dense" or
@@ -41,7 +44,7 @@ from compress.arch.adapters import Adapter, get_adapter, head_dim
 from compress.arch.moe import DENSE, MoESpec, moe_of
 from compress.errors import CompressError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
@@ -70,6 +73,25 @@ class LayerSpec:
 
     def rope_parameters(self) -> dict:
         return dict(self.rope)
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """DeepSeek V2/V3 multi-head latent attention (``compress.decoder.model.DeepSeekAttention``).
+
+    Per token x: q_h = [q_nope,h | q_rope,h] = (W_q x)_h, or W_qb RMSNorm(W_qa x) with q_lora_rank;
+    [c | k_rope] = W_kva x, c <- RMSNorm(c) (kv_lora_rank channels, ``kv_a_layernorm``), k_rope one
+    RoPE key of ``rope`` channels shared by all heads; [k_nope,h | v_h] = (W_kvb c)_h. The score is
+    (q_nope,h . k_nope,h + rope(q_rope,h) . rope(k_rope)) * scale. ``interleave``: the RoPE
+    channels pair (0, 1), (2, 3) ... (DeepSeek's checkpoints) instead of (i, i + rope/2).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope: int  # qk_nope_head_dim
+    rope: int  # qk_rope_head_dim
+    v_dim: int  # v_head_dim
+    interleave: bool
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,7 @@ class ArchSpec:
     kv_lora_rank: int | None = None
     qk_norm_full: bool = False  # q/k norms over the whole projection (OLMoE), not per head
     moe: MoESpec | None = None  # the sparse layers' experts (compress.arch.moe)
+    latent: LatentSpec | None = None  # DeepSeek's latent attention
 
     @property
     def n_layers(self) -> int:
@@ -212,12 +235,74 @@ def _rope_of(config, kind: str, head_dim: int) -> tuple:
             f"the decoder computes {', '.join(ROPE_TYPES)}.",
         )
     params["rope_type"] = rope_type
+    if rope_type == "yarn":
+        orig = params.get("original_max_position_embeddings")
+        if not _whole(orig):
+            _refuse(
+                config,
+                f"asks for YaRN with original_max_position_embeddings={orig!r}",
+                "set it to the context length the model was pretrained at.",
+            )
+        if params.get("factor") is None:  # DeepSeek V3: the ratio of the two lengths
+            params["factor"] = config.max_position_embeddings / orig
+        if not isinstance(params["factor"], int | float) or params["factor"] <= 0:
+            _refuse(config, f"has YaRN factor={params['factor']!r}", "set a factor > 0.")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         _refuse(config, f"rotates {partial} of each head", "the decoder rotates whole heads only.")
     if head_dim % 2:
         _refuse(config, f"has odd head_dim={head_dim}", "RoPE needs an even head width.")
     return _frozen(params)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _latent_of(config) -> LatentSpec:
+    q_lora = getattr(config, "q_lora_rank", None)
+    fields = {
+        "kv_lora_rank": getattr(config, "kv_lora_rank", None),
+        "qk_nope_head_dim": getattr(config, "qk_nope_head_dim", None),
+        "qk_rope_head_dim": getattr(config, "qk_rope_head_dim", None),
+        "v_head_dim": getattr(config, "v_head_dim", None),
+    }
+    if q_lora is not None:
+        fields["q_lora_rank"] = q_lora
+    for name, value in fields.items():
+        if not _whole(value) and not (name == "qk_nope_head_dim" and value == 0):
+            _refuse(config, f"has {name}={value!r}", f"set {name} to a whole number >= 1.")
+    if fields["qk_rope_head_dim"] % 2:
+        _refuse(
+            config,
+            f"has odd qk_rope_head_dim={fields['qk_rope_head_dim']}",
+            "RoPE rotates pairs of channels: use an even width.",
+        )
+    return LatentSpec(
+        q_lora_rank=q_lora,
+        kv_lora_rank=fields["kv_lora_rank"],
+        nope=fields["qk_nope_head_dim"],
+        rope=fields["qk_rope_head_dim"],
+        v_dim=fields["v_head_dim"],
+        interleave=bool(getattr(config, "rope_interleave", True)),
+    )
+
+
+def _attn_scale(config, adapter, D: int, latent: LatentSpec | None, rope: dict) -> float:
+    """The score scale: Gemma's query_pre_attn_scalar**-0.5, DeepSeek's (nope + rope)**-0.5
+    times YaRN's mscale(factor, mscale_all_dim)^2, else head_dim**-0.5."""
+    if latent is not None:
+        scale = (latent.nope + latent.rope) ** -0.5
+        if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+            scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        return scale
+    scalar = getattr(config, adapter.attn_scalar, None) if adapter.attn_scalar else None
+    return (scalar if scalar else D) ** -0.5
 
 
 def spec_of(config) -> ArchSpec:
@@ -293,7 +378,7 @@ def spec_of(config) -> ArchSpec:
                 f"sliding window differs",
                 "group only layers of one attention kind.",
             )
-    scalar = getattr(config, adapter.attn_scalar, None) if adapter.attn_scalar else None
+    latent = _latent_of(config) if adapter.attention == "deepseek_mla" else None
     bias = bool(getattr(config, adapter.bias_field, False))
     qkv_bias = bias if adapter.qkv_bias is None else adapter.qkv_bias
     o_bias = bias if adapter.o_bias is None else adapter.o_bias
@@ -315,7 +400,7 @@ def spec_of(config) -> ArchSpec:
         o_bias=o_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         embed_scale=math.sqrt(config.hidden_size) if adapter.embed_scale else None,
-        attn_scale=(scalar if scalar else D) ** -0.5,
+        attn_scale=_attn_scale(config, adapter, D, latent, layers[0].rope_parameters()),
         final_softcap=getattr(config, "final_logit_softcapping", None),
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=getattr(config, "max_position_embeddings", None),
@@ -327,6 +412,7 @@ def spec_of(config) -> ArchSpec:
         kv_lora_rank=getattr(config, "kv_lora_rank", None) if adapter.attention == "mla" else None,
         qk_norm_full=adapter.qk_norm_full,
         moe=moe,
+        latent=latent,
     )
 
 

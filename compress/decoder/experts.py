@@ -22,27 +22,38 @@ decode step reads the weights of its top-k experts only.
 Checkpoints hold the experts fused, as transformers holds them in memory
 (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, ``mlp.experts.down_proj`` [E, H, I])
 or per expert, as ``save_pretrained`` writes them (``mlp.experts.{e}.gate_proj.weight`` ...;
-Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``); :func:`fused_expert_tensors` reads both.
+Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``); :func:`fused_expert_tensors` reads both,
+and per-expert compressed-tensors layers (``...gate_proj.weight_packed`` ..., an RTN run's),
+which it dequantizes: the experts then compute in floating point (no integer expert kernel).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch.moe import EXPERTS, SOFTMAX_TOPK, MoESpec
+from compress.arch.moe import EXPERTS, SIGMOID_GROUP, SOFTMAX_TOPK, MoESpec
 from compress.arch.spec import ArchSpec
 from compress.errors import CompressError
+from compress.formats import compressed_tensors as ct
 
 
 class Router(nn.Module):
-    """``forward(x [N, H]) -> (w [N, k], e [N, k])``: the top-k experts of each row, weighted."""
+    """``forward(x [N, H]) -> (w [N, k], e [N, k])``: the top-k experts of each row, weighted.
+    The sigmoid_group router keeps its weight and ``e_score_correction_bias`` in fp32 whatever
+    the model's dtype (``keeps_fp32``), as transformers does."""
 
     def __init__(self, moe: MoESpec, dim: int):
         super().__init__()
         self.top_k, self.kind, self.renorm = moe.top_k, moe.router, moe.norm_topk
         self.weight = nn.Parameter(torch.empty(moe.n_experts, dim))
+        self.keeps_fp32 = moe.router == SIGMOID_GROUP
+        if self.keeps_fp32:
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))
+            self.groups, self.topk_group, self.scale = moe.n_group, moe.topk_group, moe.routed_scale
 
     def forward(self, x):
+        if self.keeps_fp32:
+            return self.sigmoid_group(x)
         logits = F.linear(x, self.weight)
         p = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, e = torch.topk(p, self.top_k, dim=-1)
@@ -51,6 +62,21 @@ class Router(nn.Module):
         if self.kind == SOFTMAX_TOPK:
             w = w.to(logits.dtype)
         return w, e
+
+    def sigmoid_group(self, x):
+        """DeepSeek V3's router (``compress.arch.moe``): w in fp32."""
+        s = F.linear(x.float(), self.weight.float()).sigmoid()
+        c = s + self.e_score_correction_bias.float()
+        G = self.groups
+        group = c.unflatten(-1, (G, -1)).topk(2, dim=-1)[0].sum(-1)  # [N, G]
+        best = torch.topk(group, self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group).scatter_(1, best, 1).bool()
+        c = c.masked_fill(~keep.repeat_interleave(c.shape[-1] // G, -1), float("-inf"))
+        e = torch.topk(c, self.top_k, dim=-1, sorted=False)[1]
+        w = s.gather(1, e)
+        if self.renorm:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scale, e
 
 
 class Experts(nn.Module):
@@ -101,35 +127,65 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A sparse layer's MLP: ``mlp.gate`` (the router), ``mlp.experts`` and, given ``shared``
-    (a dense MLP of the shared expert's width, qwen2_moe), ``mlp.shared_expert`` weighted by
-    ``sigmoid(mlp.shared_expert_gate(x))``."""
+    (a dense MLP of the shared expert's width), the shared expert under the family's name
+    (``mlp.shared_expert`` weighted by ``sigmoid(mlp.shared_expert_gate(x))``, qwen2_moe;
+    ``mlp.shared_experts`` ungated, deepseek_v3)."""
 
     def __init__(self, spec: ArchSpec, act, shared: nn.Module | None = None):
         super().__init__()
         self.gate = Router(spec.moe, spec.hidden_size)
         self.experts = Experts(spec.moe, spec.hidden_size, act)
-        self.shared_expert = shared
+        self.shared_name = spec.adapter.shared_name if shared is not None else None
+        self.gated = shared is not None and spec.moe.shared_gated
         if shared is not None:
+            self.add_module(self.shared_name, shared)
+        if self.gated:
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
+
+    def shared(self) -> nn.Module | None:
+        """The shared expert, if any."""
+        return getattr(self, self.shared_name) if self.shared_name else None
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         y = self.experts(x, *self.gate(x))
-        if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared()
+        if shared is not None:
+            z = shared(x)
+            y = y + (torch.sigmoid(self.shared_expert_gate(x)) * z if self.gated else z)
         return y.view(shape)
 
 
-def fused_expert_tensors(tensors: dict, spec: ArchSpec) -> dict:
+def dequantized_experts(tensors: dict, qcfg: dict | None) -> dict:
+    """``tensors`` with every expert's compressed-tensors layer (``...experts.{e}.NAME.weight_packed``
+    and its scale, zero point and shape) replaced by its float ``...NAME.weight``."""
+    if (qcfg or {}).get("quant_method") != ct.METHOD:
+        return tensors
+    suffix = ".weight_packed"
+    layers = [n[: -len(suffix)] for n in tensors if n.endswith(suffix) and ".experts." in n]
+    for prefix in layers:
+        local = {k: tensors.pop(f"{prefix}.{k}") for k in ct.NAMES if f"{prefix}.{k}" in tensors}
+        got = ct.scheme(qcfg, prefix)
+        if got is None:
+            raise CompressError(
+                f"expert layer '{prefix}' is stored compressed, but the quantization_config's "
+                f"ignore list or targets leave it in floating point; fix config.json."
+            )
+        tensors[f"{prefix}.weight"] = ct.dequantize(local, *got)
+    return tensors
+
+
+def fused_expert_tensors(tensors: dict, spec: ArchSpec, qcfg: dict | None = None) -> dict:
     """A checkpoint's tensors with each sparse layer's experts fused (see the module docstring):
-    the family's MLP aliases renamed, per-expert weights stacked into ``gate_up_proj`` and
-    ``down_proj``; fused ones, and every other tensor, as they are."""
+    the family's MLP aliases renamed, per-expert weights (compressed-tensors ones dequantized)
+    stacked into ``gate_up_proj`` and ``down_proj``; fused ones, and every other tensor, as
+    they are."""
     if spec.moe is None:
         return tensors
     a = spec.adapter
     out, stored = {}, {}  # stored: our name -> the checkpoint's
-    for name, t in tensors.items():
+    for name, t in dequantized_experts(tensors, qcfg).items():
         ours = name
         for old, new in a.mlp_aliases:
             ours = ours.replace(f".{old}.", f".{new}.")

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch.spec import ArchSpec, spec_of
+from compress.arch.spec import ArchSpec, spec_of, yarn_mscale
 from compress.decoder.experts import SparseMoE, fused_expert_tensors
 from compress.decoder.kv.base import KVLayout
 from compress.decoder.runtime import RuntimeConfig
@@ -71,10 +71,14 @@ from compress.layers.head import quantize_head
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
-    """Frequencies ``f_i = theta^(-2i/d)`` [d/2], with "linear" or "llama3" scaling if asked.
+    """Frequencies ``f_i = theta^(-2i/d)`` [d/2], with "linear", "llama3" or "yarn" scaling.
 
     llama3: wavelengths longer than ``ctx/low_freq_factor`` are divided by ``factor``, shorter
     than ``ctx/high_freq_factor`` kept, and those between interpolated smoothly.
+    yarn (Peng et al. 2023, arXiv 2309.00071, eqs. 17-19): ``f_i = f_i/s (1 - g_i) + f_i g_i``,
+    g_i = 1 - clamp((i - lo) / (hi - lo), 0, 1), lo and hi the dimensions where the pretrained
+    context ``ctx`` makes ``beta_fast`` and ``beta_slow`` rotations (floored / ceiled unless
+    ``truncate`` is false); cos and sin are then scaled by :func:`rope_gain`.
     """
     theta = float(rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -92,10 +96,39 @@ def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        factor, ctx = rope["factor"], rope["original_max_position_embeddings"]
+        fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+        def dim_of(rotations):  # the dimension making ``rotations`` turns over ctx
+            return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = dim_of(fast), dim_of(slow)
+        if rope.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        keep = 1 - ramp
+        return inv_freq / factor * (1 - keep) + inv_freq * keep
     raise CompressError(
         f"RoPE type '{kind}' is not supported by compress's decoder (it reads "
-        f"'default', 'linear' and 'llama3'); config.json's rope_parameters asks for it."
+        f"'default', 'linear', 'llama3' and 'yarn'); config.json's rope_parameters asks for it."
     )
+
+
+def rope_gain(rope: dict) -> float:
+    """The factor cos and sin are multiplied by: YaRN's ``attention_factor``, by default
+    ``mscale(s, mscale) / mscale(s, mscale_all_dim)`` with both given, else ``mscale(s)``
+    (``compress.arch.spec.yarn_mscale``); 1 for the other kinds."""
+    if rope.get("rope_type", "default") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, m, m_all = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return yarn_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -269,8 +302,102 @@ class LatentAttention(Attention):
         return q, k, None
 
 
+def interleaved_to_half(rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``[x0, x1, x2, x3, ...]`` of RoPE pairs (0, 1), (2, 3) ... reordered to
+    ``[x0, x2, ..., x1, x3, ...]``, the half-split pairs (i, i + r/2) :func:`apply_rope` rotates
+    (along dim 0 of the last ``r`` rows given)."""
+    return torch.cat([rows[0::2], rows[1::2]])
+
+
+class DeepSeekAttention(LatentAttention):
+    """DeepSeek V2/V3 multi-head latent attention (``compress.arch.spec.LatentSpec``), decoded
+    absorbed as :class:`LatentAttention` is. With W_kb,h and W_vb,h head h's rows of
+    ``kv_b_proj`` ([nope, L] and [v, L]) and c the normed latent::
+
+        q_lat,h = q_nope,h W_kb,h        score = (q_lat,h . c + rope(q_rope,h) . rope(k_rope)) * scale
+        u_h = sum_t p(t) c(t)            y = sum_h u_h (W_o,h W_vb,h)^T
+
+    so the cache holds one key per token, ``[c | k_rope]`` (L + r values: DeepSeek V3's latent
+    cache), whose first L channels are the value. W_kb goes into ``q_proj`` (or ``q_b_proj``),
+    W_vb into ``o_proj``; interleaved RoPE rows are reordered to the half-split layout in both
+    q and ``kv_a_proj_with_mqa``, which leaves every score unchanged.
+    """
+
+    def __init__(self, spec: ArchSpec, layer: int):
+        nn.Module.__init__(self)
+        lat = spec.latent
+        self.kv_slot, self.writes_kv, self.window = layer, True, spec.layers[layer].window
+        H, L, r = spec.n_heads, lat.kv_lora_rank, lat.rope
+        self.n_heads, self.n_kv_heads, self.rope, self.latent = H, 1, r, L
+        self.nope, self.v_dim, self.q_lora, self.interleave = (
+            lat.nope,
+            lat.v_dim,
+            lat.q_lora_rank,
+            lat.interleave,
+        )
+        dim, bias, qk = spec.hidden_size, spec.qkv_bias, lat.nope + r
+        if self.q_lora is None:
+            self.q_proj = nn.Linear(dim, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(dim, self.q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora, 1e-6)  # transformers' default eps
+            self.q_b_proj = nn.Linear(self.q_lora, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, L + r, bias=bias)
+        self.kv_a_layernorm = RMSNorm(L, 1e-6)
+        self.kv_b_proj = nn.Linear(L, H * (lat.nope + lat.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * lat.v_dim, dim, bias=spec.o_bias)
+        self.qkv_proj = None
+
+    def inputs(self) -> list[str]:
+        return ["q_proj" if self.q_lora is None else "q_a_proj", "kv_a_proj_with_mqa"]
+
+    def dropped(self) -> list[str]:
+        return ["kv_b_proj"]
+
+    def absorb(self) -> None:
+        """Fold ``kv_b_proj`` into the query and ``o_proj`` (see the class), in float64."""
+        H, n, r, L, v = self.n_heads, self.nope, self.rope, self.latent, self.v_dim
+        kvb = self.kv_b_proj.weight.double().view(H, n + v, L)
+        q = self.q_proj if self.q_lora is None else self.q_b_proj
+        wq, dtype = q.weight.double().view(H, n + r, -1), q.weight.dtype
+        q_rope = wq[:, n:]
+        if self.interleave:
+            q_rope = interleaved_to_half(q_rope.transpose(0, 1)).transpose(0, 1)
+            kva = self.kv_a_proj_with_mqa
+            kva.weight.data[L:] = interleaved_to_half(kva.weight.data[L:])
+            if kva.bias is not None:
+                kva.bias.data[L:] = interleaved_to_half(kva.bias.data[L:])
+        q_lat = absorb_query(wq[:, :n].transpose(1, 2), kvb[:, :n].reshape(H * n, L), H)
+        q.weight = nn.Parameter(
+            torch.cat([q_lat.transpose(1, 2), q_rope], 1).reshape(H * (L + r), -1).to(dtype)
+        )
+        q.out_features = H * (L + r)
+        w_o = absorb_output(self.o_proj.weight.double(), kvb[:, n:].reshape(H * v, L), H)
+        self.o_proj.weight = nn.Parameter(w_o.to(self.o_proj.weight.dtype))
+        self.o_proj.in_features = H * L
+
+    def project(self, x, cos, sin):
+        B, T, _ = x.shape
+        H, r, L = self.n_heads, self.rope, self.latent
+        out = self.qkv_proj(x)
+        if self.q_lora is None:
+            q = out[..., : H * (L + r)]
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(out[..., : self.q_lora]))
+        q = q.view(B, T, H, L + r).transpose(1, 2)
+        c = self.kv_a_layernorm(out[..., -(L + r) : -r])
+        kr = apply_rope(out[:, None, :, -r:], cos, sin)  # [B, 1, T, r]
+        k = torch.cat([c[:, None], kr], -1)  # [B, 1, T, L + r]
+        return torch.cat([q[..., :L], apply_rope(q[..., L:], cos, sin)], -1), k, None
+
+
 # attention kinds (``LayerSpec.attention``) -> the module a layer of that kind is built as
-ATTENTIONS = {"gqa": Attention, "cla": Attention, "mla": LatentAttention}
+ATTENTIONS = {
+    "gqa": Attention,
+    "cla": Attention,
+    "mla": LatentAttention,
+    "deepseek_mla": DeepSeekAttention,
+}
 BUILT_IN = tuple(ATTENTIONS)
 
 
@@ -322,7 +449,7 @@ def mlp(spec: ArchSpec, layer: int) -> nn.Module:
     if spec.layers[layer].mlp == "dense":
         return FeedForward(spec)
     width = spec.moe.shared_intermediate_size
-    return SparseMoE(spec, ACTIVATIONS[spec.activation], width and FeedForward(spec, width))
+    return SparseMoE(spec, ACTIVATIONS[spec.activation], width and FeedForward(spec, width) or None)
 
 
 class Block(nn.Module):
@@ -370,6 +497,7 @@ class Transformer(nn.Module):
         groups = spec.rope_groups()
         self.rope_row = [groups.index(layer.rope) for layer in spec.layers]
         self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+        self.rope_gains = [rope_gain(dict(r)) for r in groups]  # YaRN's cos/sin factor
         if spec.tied:
             self.tie_weights()
 
@@ -435,7 +563,11 @@ class Transformer(nn.Module):
         angles = (rel[None, ..., None].float() * self.inv_freq[:, None, None]).repeat(1, 1, 1, 2)[
             :, :, None
         ]  # [R, B or 1, 1, T, D]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if any(g != 1.0 for g in self.rope_gains):
+            gains = torch.tensor(self.rope_gains, device=cos.device)[:, None, None, None, None]
+            cos, sin = cos * gains, sin * gains
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         x = self.model.embed_tokens(idx)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
@@ -474,6 +606,8 @@ def fuse_linears(layers: list[nn.Module], qcfg: dict | None, device, name: str =
     first = layers[0]
     if any(type(m) is not type(first) for m in layers):
         return Parallel(layers)
+    if any((m.bias is None) != (first.bias is None) for m in layers):
+        return Parallel(layers)  # DeepSeek's q_proj without a bias beside kv_a_proj's
     if isinstance(first, QuantLinear) and any(
         (m.bits, m.group_size) != (first.bits, first.group_size) for m in layers
     ):
@@ -513,10 +647,10 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
     experts are stored fused already; its shared expert, if any, is fused like a dense MLP."""
     for i, block in enumerate(model.model.layers):
         a, f = block.self_attn, block.mlp
-        shared = isinstance(f, SparseMoE)
-        f = f.shared_expert if shared else f
+        sparse = isinstance(f, SparseMoE)
+        f = f.shared() if sparse else f
         if isinstance(a, LatentAttention):
-            if qcfg:
+            if any(type(m) is not nn.Linear for m in a.children() if hasattr(m, "in_features")):
                 raise CompressError(
                     "the decoder runs latent (MLA) attention from float weights only; this "
                     "folder's attention projections are quantized."
@@ -529,7 +663,7 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
             delattr(a, name)
         if f is None:
             continue
-        where = f"model.layers.{i}.mlp.shared_expert" if shared else f"model.layers.{i}.mlp"
+        where = f"model.layers.{i}.mlp" + (f".{block.mlp.shared_name}" if sparse else "")
         f.gate_up_proj = fuse_linears([f.gate_proj, f.up_proj], qcfg, device, f"{where}.gate_up")
         del f.gate_proj, f.up_proj
 
@@ -667,13 +801,17 @@ def load(
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())
     tensors = read_tensors(folder, model, qcfg)
-    load_state(model, fused_expert_tensors(tensors, model.spec), str(folder))
+    load_state(model, fused_expert_tensors(tensors, model.spec, qcfg), str(folder))
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)
     use(model, kernel)
+    fp32 = {
+        id(p) for m in model.modules() if getattr(m, "keeps_fp32", False) for p in m.parameters()
+    }
     for p in model.parameters():
-        p.data = p.data.to(dtype)
+        if id(p) not in fp32:
+            p.data = p.data.to(dtype)
     if qdtype is not None and qdtype != dtype:
         cast_quantized(model, qdtype)
     if lean:

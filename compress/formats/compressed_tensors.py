@@ -189,3 +189,11 @@ def decode(tensors: dict, bits: int, symmetric: bool = False):
     else:
         zeros = unpack(tensors["weight_zero_point"], bits, out, 0)
     return q, zeros, scales
+
+
+def dequantize(tensors: dict, bits: int, group_size: int, symmetric: bool, dtype=torch.float32):
+    """The float weight ``(q - z) s`` [out, in] of one layer's tensors (local names)."""
+    q, zeros, scales = decode(tensors, bits, symmetric)
+    g = q.shape[1] if group_size == -1 else group_size
+    z, s = zeros.repeat_interleave(g, dim=1), scales.to(dtype).repeat_interleave(g, dim=1)
+    return (q - z).to(dtype) * s

@@ -49,6 +49,7 @@ from compress.io.shards import header as read_header
 from compress.io.tokenizer import load_tokenizer
 from compress.layers import quantized_layer
 from compress.layers.codec import codec_for
+from compress.layers.experts import unfuse_experts
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def save_entries(model: nn.Module, dtype=None, qcfg: dict | None = None) -> list
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     cast = set(_unquantized(model, sd)) if dtype is not None else set()
-    codec = codec_for(model, qcfg)
+    codec = codec_for(model, qcfg, dtype or model.dtype)
     out, coded = [], set()
     for k, v in sd.items():
         if codec is not None and (prefix := codec.owner(k)) is not None:
@@ -175,6 +176,8 @@ def build_model(config, qcfg: dict | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if qcfg:  # quantized experts are stored one per expert, as the methods quantize them
+        unfuse_experts(model, get_adapter(config))
     swap_quantized(model, config, qcfg)
     return model
 

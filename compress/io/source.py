@@ -175,7 +175,8 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
     """``(model, tokenizer, Source)`` with the decoder layers left on disk
     (``compress.io.checkpoint.open_lazy``: read one at a time, memory-mapped, widened to float32),
     or None when the source cannot be read that way: a hub id, remote code, no safetensors,
-    layers with state outside their weights, or layers that read another layer's K/V (CLA)."""
+    layers with state outside their weights, layers that read another layer's K/V (CLA), or
+    experts (stored one tensor per expert, which transformers fuses as it loads them)."""
     from transformers import AutoConfig
 
     where, name = resolve_path(path)
@@ -184,7 +185,7 @@ def load_lazy(path: str = DEFAULT_MODEL, trust_remote_code: bool = False, spill=
 
     config = AutoConfig.from_pretrained(where)
     spec = spec_of(config)
-    if spec.n_slots < spec.n_layers:  # CLA: a layer reads the K/V another computed in the forward
+    if spec.n_slots < spec.n_layers or spec.moe is not None:  # CLA; experts (docstring)
         return None
     tok = load_tokenizer(where, name=path)
     check_vocabulary(tok, config.vocab_size, path)

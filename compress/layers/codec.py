@@ -33,7 +33,8 @@ class Codec:
 
     Names are full state-dict names; a layer's ``bias`` is stored under its own name."""
 
-    def __init__(self, model: nn.Module, qcfg: dict):
+    def __init__(self, model: nn.Module, qcfg: dict, expert_scales=torch.float16):
+        self.expert_scales = expert_scales  # the dtype of experts' stored scales (encode)
         self.layers: dict[str, Coded] = {}
         self.buffers: dict[str, list[str]] = {}  # each layer's packed buffers (not its bias)
         for name, m in model.named_modules():
@@ -75,7 +76,8 @@ class Codec:
         c = self.layers[prefix]
         shapes = ct.shapes(c.out_features, c.in_features, c.bits, c.group_size, c.symmetric)
         dtypes = {"weight_packed": torch.int32, "weight_zero_point": torch.int32}
-        dtypes.update(weight_scale=torch.float16, weight_shape=torch.int64)
+        scale = self.expert_scales if ".experts." in prefix else torch.float16
+        dtypes.update(weight_scale=scale, weight_shape=torch.int64)
 
         made = {}  # the layer's stored tensors, made at the first read, each handed out once
 
@@ -83,7 +85,7 @@ class Codec:
             if k not in made:
                 buffers = {b: value(f"{prefix}.{b}") for b in self.buffers[prefix]}
                 q_t, z_t = buffer_codes(buffers, c.bits)
-                s = buffers["scales"].t().contiguous()
+                s = buffers["scales"].t().to(scale).contiguous()
                 made.update(ct.encode(q_t.t().contiguous(), z_t.t(), s, c.bits, c.symmetric))
             return made.pop(k)
 
@@ -131,9 +133,13 @@ class Codec:
         return out
 
 
-def codec_for(model: nn.Module, qcfg: dict | None) -> Codec | None:
+def codec_for(model: nn.Module, qcfg: dict | None, dtype=None) -> Codec | None:
     """A :class:`Codec` when ``qcfg`` is compressed-tensors', else None (the buffers are stored
-    under their own names)."""
+    under their own names). ``dtype``: the checkpoint's float dtype, in which experts' scales
+    are stored, since transformers decompresses experts into their scales' dtype and then
+    computes them in the model's (a bfloat16 folder's expert scales are the float16 ones
+    rounded to bfloat16, relative error at most 2^-9)."""
     if (qcfg or {}).get("quant_method") != ct.METHOD:
         return None
-    return Codec(model, qcfg)
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    return Codec(model, qcfg, dtype if dtype in floats else torch.float16)

@@ -536,15 +536,56 @@ def validate(cfg: DictConfig) -> None:
         check_positions(cfg, hf_config)
 
 
+EXPERT_STAGES = ("rtn", "awq")  # the stages that reach every expert (compress.layers.experts)
+WHY_NOT_EXPERTS = {
+    "llm_int8": "bitsandbytes' int8 layers hold only nn.Linear, and transformers keeps experts "
+    "fused, so they would stay in 16 bits (bitsandbytes issue 1849); no int8 expert format "
+    "loads in transformers",
+    "gptq": "its Hessians do not yet cover experts, nor experts calibration never reaches",
+    "prune": "Minitron's expert pruning is not built",
+    "gqa": "attention conversion of mixture-of-experts models is not built",
+    "cla": "attention conversion of mixture-of-experts models is not built",
+    "mla": "attention conversion of mixture-of-experts models is not built",
+    "rotate": "the rotation does not yet rotate the router and the experts",
+    "iam": "IAM's attention mapping is not built for mixture-of-experts models",
+    "distill": "distillation of a mixture-of-experts student is not built",
+}
+
+
 def check_experts(cfg, hf_config) -> None:
-    """Refuse method stages on a mixture-of-experts model: the methods reach only the attention
-    projections of its family entry, and would leave every expert in full precision."""
-    if spec_of(hf_config).moe is not None and cfg.stages:
+    """Refuse, on a mixture-of-experts model, a stage that does not reach the experts (it would
+    leave them in full precision), and an RTN scheme transformers cannot load for experts."""
+    if spec_of(hf_config).moe is None or not cfg.stages:
+        return
+    other = [s for s in cfg.stages if s not in EXPERT_STAGES]
+    if other:
+        why = WHY_NOT_EXPERTS.get(other[0], "it does not reach experts yet")
         raise CompressError(
             f"stages={_spell(list(cfg.stages))} on '{hf_config.model_type}', a mixture-of-experts "
-            f"model: the methods do not quantize, prune or convert experts yet, so the experts "
-            f"would stay in full precision. Run recipe=fp to evaluate it as it is, or decode and "
-            f"serve the folder directly (python -m compress.decoder, python -m compress.serve)."
+            f"model: {other[0]} cannot run there ({why}); of the methods only "
+            f"{' and '.join(EXPERT_STAGES)} quantize every expert yet. Use recipe=awq_int4 "
+            f"awq.symmetric=true (or rtn_int4 rtn.symmetric=true), or recipe=fp to evaluate the "
+            f"model as it is."
+        )
+    fmt = (cfg.get("quant") or {}).get("format") or "compressed-tensors"
+    if fmt != "compressed-tensors":
+        raise CompressError(
+            f"quant.format={fmt} on a mixture-of-experts model: only the compressed-tensors "
+            f"format stores experts (one tensor per expert); leave quant.format at its default."
+        )
+    for stage in cfg.stages:
+        if cfg[stage].get("symmetric", False):
+            continue
+        raise CompressError(
+            f"{stage}.symmetric=false on '{hf_config.model_type}', a mixture-of-experts model: "
+            f"transformers' compressed-tensors loader decompresses experts without zero points "
+            f"(transformers 5.25, integrations/compressed_tensors.py), so an asymmetric "
+            f"folder would not load there. Add {stage}.symmetric=true (llm-compressor's W4A16)."
+        )
+    if "awq" in cfg.stages and cfg.awq.get("quantize", True) is False:
+        raise CompressError(
+            "awq.quantize=false on a mixture-of-experts model: the stage after it (gptq) does "
+            "not reach experts yet. Use recipe=awq_int4 awq.symmetric=true."
         )
 
 

@@ -18,14 +18,16 @@ Per family (read from the architecture spec, ``compress.arch.spec``):
   attends globally; a CLA group must anyway share one window, ``compress.arch.spec.spec_of``).
 """
 
-from compress.arch.spec import ROPE_TYPES, spec_of
+from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.formats.attention import KINDS
+
+ROPE_TYPES = ("default", "linear", "llama3")  # the RoPE kinds the converted models compute
 
 
 def check_source(config, method: str) -> None:
     """Refuse a model a conversion does not handle, naming the fix."""
-    if config.model_type in KINDS:
+    if config.model_type in KINDS or config.model_type == "deepseek_v3":
         raise CompressError(
             f"the model is already converted ({config.model_type}); {method} converts a plain "
             f"Llama-family checkpoint. Set model.path to the source model (a gqa run folder, being "

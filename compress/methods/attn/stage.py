@@ -9,16 +9,21 @@ Recipe keys::
     mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
     mla.rope_select: mla: 2norm | uniform | high | low
     mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
+    mla.style:       mla: mha2mla (the keys above; a compress_mla folder) | deepseek_v3 (a stock
+                     deepseek_v3 folder, ``compress.methods.attn.deepseek_mla``: one shared RoPE
+                     key of mla.rope_dim channels, a latent of mla.kv_lora_rank, its RMSNorm)
 
 ``cla`` and ``mla`` give models of their own type (``compress.formats.attention``), whose modeling files
-the run folder carries. report.json gets ``attn`` (what was converted, with which settings).
+the run folder carries; ``mla.style=deepseek_v3`` gives transformers' own DeepseekV3ForCausalLM. report.json gets ``attn`` (what was converted, with which settings).
 """
 
 import logging
 
+from compress.errors import CompressError
 from compress.formats.attention import folder_files
 from compress.methods.attn.checks import check_llama_layers, check_rope, check_source
 from compress.methods.attn.cla import check_share, convert_cla
+from compress.methods.attn.deepseek_mla import check_deepseek_mla, convert_deepseek_mla
 from compress.methods.attn.gqa import check_kv_heads, mean_pool_kv
 from compress.methods.attn.mla import check_mla, convert_mla
 
@@ -60,10 +65,25 @@ def cla(model, ctx):
     return out
 
 
+STYLES = ("mha2mla", "deepseek_v3")
+
+
+def _style(m) -> str:
+    style = str(m.get("style") or "mha2mla")
+    if style not in STYLES:
+        raise CompressError(
+            f"mla.style={style!r}: use mha2mla (a compress_mla folder) or deepseek_v3 (a stock "
+            f"deepseek_v3 folder: recipe=mla mla=deepseek_v3)."
+        )
+    return style
+
+
 def mla(model, ctx):
     """Partial RoPE + joint low-rank K/V (``mla.*``)."""
 
     m = ctx.cfg.mla
+    if _style(m) == "deepseek_v3":
+        return deepseek_v3(model, ctx)
     d_kv, pairs, select = int(m.d_kv), int(m.rope_pairs), str(m.rope_select)
     svd = str(m.get("svd") or "weights")
     check_source(model.config, "mla")
@@ -86,6 +106,31 @@ def mla(model, ctx):
     return out
 
 
+def deepseek_v3(model, ctx):
+    """Our MLA as a stock DeepSeek V3 model (``mla.kv_lora_rank``, ``mla.rope_dim``)."""
+    m = ctx.cfg.mla
+    rank, rope_dim, anchor = int(m.kv_lora_rank), int(m.rope_dim), bool(m.latent_anchor)
+    check_deepseek_source(model.config, rank, rope_dim, anchor)
+    log.info("mla: deepseek_v3 style, latent %d, shared RoPE key of %d", rank, rope_dim)
+    out = convert_deepseek_mla(model, rank, rope_dim, ctx.calibration(), anchor)
+    _record(ctx, style="deepseek_v3", kv_lora_rank=rank, rope_dim=rope_dim, latent_anchor=anchor)
+    return out
+
+
+def check_deepseek_source(config, rank: int, rope_dim: int, anchor: bool) -> None:
+    check_source(config, "mla")
+    check_llama_layers(config, "mla")
+    check_rope(config, "mla")
+    kind = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if kind != "default":
+        raise CompressError(
+            f"mla.style=deepseek_v3 keeps the source's RoPE frequencies for DeepSeek's own RoPE, "
+            f"which it writes unscaled; this model's RoPE is '{kind}'-scaled. Use "
+            f"mla.style=mha2mla for it."
+        )
+    check_deepseek_mla(config, rank, rope_dim, anchor)
+
+
 def check_gqa_stage(cfg, hf_config=None) -> None:
     """Refuse ``attn.kv_heads`` that mean-pooling cannot meet, from config.json alone."""
     kv_heads = (cfg.get("attn") or {}).get("kv_heads")
@@ -103,7 +148,16 @@ def check_cla_stage(cfg, hf_config=None) -> None:
 
 
 def check_mla_stage(cfg, hf_config=None) -> None:
-    """Refuse a family the converted Llama cannot compute."""
+    """Refuse a family the converted Llama cannot compute, or a deepseek_v3 style it cannot
+    meet."""
+    m = cfg.get("mla") or {}
+    if _style(m) == "deepseek_v3":
+        if hf_config is not None:
+            anchor = m.get("latent_anchor", True)
+            if not isinstance(anchor, bool):
+                raise CompressError(f"mla.latent_anchor={anchor!r}: true or false.")
+            check_deepseek_source(hf_config, int(m.kv_lora_rank), int(m.rope_dim), anchor)
+        return
     if hf_config is not None:
         check_source(hf_config, "mla")
         check_llama_layers(hf_config, "mla")

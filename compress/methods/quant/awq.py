@@ -41,6 +41,20 @@ layer's calibration inputs in memory:
    max|w| * (1 - i/20), i = 0..9, minimising the error of the group's partial
    dot products ``x_g . w_g`` on 512 sampled tokens; then clamp W.
 
+   **Mixture of experts** (the groups come from the spec here too): the MLP input norm feeds
+   the router, every expert's gate/up and the shared expert's gate/up (and qwen2_moe's
+   shared-expert gate), so one scale s over the hidden channels is folded into that norm, those
+   linears' input columns and, exactly, the router's and the shared gate's weights (``W_r (x/s)``
+   with ``W_r diag(s)`` is ``W_r x``: routing is unchanged); its loss is the whole sparse
+   block's output. Each expert's up -> down pair (and the shared expert's) is a group of its
+   own. **All-experts calibration** (``awq.experts: all``, the default): every expert's
+   statistics and loss use every calibration token (its down input ``act(gate_e x) * up_e x``
+   computed for all of them), while the layer's output, the next layer's input, is the routed
+   one. ``awq.experts: routed`` uses the tokens routed to the expert, and an expert routed fewer
+   than ``awq.expert_min_tokens`` tokens falls back to all tokens (reported in
+   ``awq_experts_fallback``); the report gives each expert's routed count
+   (``awq_experts_routed``). Nothing is left unquantized or scaled by a NaN.
+
 3. Quantize the layer (group-wise, zero point), replace its linears by
    ``QuantLinear``, and pass the *quantized* layer's output to the next layer.
 
@@ -69,8 +83,10 @@ from compress.io.offload import (
     layer_on,
 )
 from compress.layers import QuantLinear
+from compress.layers.experts import LinearExperts, unfuse_experts
 from compress.methods.quant.rtn import (
     check_width,
+    float_linears,
     quantization_config,
     resolve_group_size,
     stored_format,
@@ -88,9 +104,10 @@ __all__ = [
 ]
 
 
-def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
+def scale_groups(layer: nn.Module, adapter: Adapter, attention_only: bool = False) -> list[dict]:
     """The four AWQ groups: previous op, the linears it feeds, their input role, the block to
-    inspect (see the module docstring for why each fold is exact in every family)."""
+    inspect (see the module docstring for why each fold is exact in every family);
+    ``attention_only``: the first two (a mixture of experts' MLP: :func:`moe_groups`)."""
     lin = lambda role: adapter.linear(layer, role)  # noqa: E731
     groups = [
         dict(
@@ -103,6 +120,8 @@ def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
     ]
     if lin("v").weight.shape == lin("o").weight.shape:  # skipped for GQA, as upstream does
         groups.append(dict(name="o", prev=lin("v"), linears=[lin("o")], inp="o", block=None))
+    if attention_only:
+        return groups
     groups.append(
         dict(
             name="gate_up",
@@ -114,6 +133,64 @@ def scale_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
     )
     groups.append(dict(name="down", prev=lin("up"), linears=[lin("down")], inp="down", block=None))
     return groups
+
+
+def gated_parts(layer: nn.Module, adapter: Adapter) -> list[tuple[str, nn.Module, object]]:
+    """``(label, gated MLP, its activation)`` of a mixture-of-experts family's layer: each
+    expert (label ``e``) and the shared expert ("shared") of a sparse layer, or the dense MLP
+    ("dense"). A gated MLP names its linears ``names`` (experts) or gate/up/down_proj."""
+    mlp = layer.get_submodule(adapter.mlp)
+    experts = getattr(mlp, "experts", None)
+    if not isinstance(experts, LinearExperts):
+        return [("dense", mlp, mlp.act_fn)]
+    parts = [(str(e), experts[e], experts.act_fn) for e in range(experts.n_experts)]
+    shared = getattr(mlp, adapter.shared_name, None)
+    return parts + ([("shared", shared, shared.act_fn)] if shared is not None else [])
+
+
+def _names(gated: nn.Module) -> tuple:
+    return getattr(gated, "names", ("gate_proj", "up_proj", "down_proj"))
+
+
+def moe_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
+    """The groups of a mixture-of-experts family's layer (module docstring): the attention's as
+    :func:`scale_groups` makes them (where its entry lists them), then the MLP input group
+    (``absorb``: weights scaled exactly, never quantized) and one up -> down group per expert,
+    per shared expert, or of the dense MLP."""
+    roles = dict(adapter.linears)
+    groups = scale_groups(layer, adapter, attention_only=True) if "q" in roles else []
+    for group in groups:
+        group["absorb"] = []
+    mlp = layer.get_submodule(adapter.mlp)
+    parts = gated_parts(layer, adapter)
+    sparse = isinstance(getattr(mlp, "experts", None), LinearExperts)
+    absorb = [mlp.gate] if sparse else []
+    absorb += [mlp.shared_expert_gate] if hasattr(mlp, "shared_expert_gate") else []
+    linears = [getattr(m, n) for _, m, _ in parts for n in _names(m)[:2]]
+    prev = layer.get_submodule(adapter.post_norm)
+    groups.append(
+        dict(name="gate_up", prev=prev, linears=linears, absorb=absorb, inp="mlp_in", block="mlp")
+    )
+    for label, m, _ in parts:
+        _, u, d = (getattr(m, n) for n in _names(m))
+        groups.append(
+            dict(
+                name=f"down.{label}",
+                prev=u,
+                linears=[d],
+                absorb=[],
+                inp=("down", label),
+                block=None,
+            )
+        )
+    return groups
+
+
+@torch.no_grad()
+def down_input(gated: nn.Module, act, x: torch.Tensor) -> torch.Tensor:
+    """``act(gate(x)) * up(x)``: what a gated MLP's down projection reads, for rows ``x``."""
+    g, u, _ = _names(gated)
+    return act(getattr(gated, g)(x)) * getattr(gated, u)(x)
 
 
 @torch.no_grad()
@@ -147,7 +224,9 @@ def _block_forward(layer, adapter, group, x, kwargs, batch):
 
 
 @torch.no_grad()
-def search_scale(layer, adapter, group, x, x_search, kwargs, bits, group_size, duo, n_grid, batch):
+def search_scale(
+    layer, adapter, group, x, x_search, kwargs, bits, group_size, duo, n_grid, batch, sym=False
+):
     """Grid search of alpha; returns (best scales [in], best alpha, losses)."""
     linears = group["linears"]
     x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)
@@ -166,7 +245,7 @@ def search_scale(layer, adapter, group, x, x_search, kwargs, bits, group_size, d
         s = s / (s.max() * s.min()).sqrt()
         s[~torch.isfinite(s)] = 1
         for m, w0 in zip(linears, originals):
-            m.weight.data = fake_quantize(w0 * s, bits, group_size) / s
+            m.weight.data = fake_quantize(w0 * s, bits, group_size, sym) / s
         out = _block_forward(layer, adapter, group, x_search, kwargs, batch)
         loss = (reference - out).float().pow(2).mean().item()
         losses.append(loss)
@@ -205,6 +284,7 @@ def search_clip(
     n_grid: int = 20,
     max_shrink: float = 0.5,
     n_tokens: int = 512,
+    symmetric: bool = False,
 ) -> torch.Tensor:
     """Best max|w| per output row and group, ``[out, in/g]``, minimising the partial-dot-product error.
 
@@ -221,7 +301,7 @@ def search_clip(
     best_max, best_err = org_max.clone(), torch.full_like(org_max, math.inf)
     for i in range(int(max_shrink * n_grid)):
         c = org_max * (1 - i / n_grid)
-        q = fake_quantize(w, bits, group_size, clip_max=c).reshape(out_f, ng, group_size)
+        q = fake_quantize(w, bits, group_size, symmetric, clip_max=c).reshape(out_f, ng, group_size)
         err = (torch.bmm(xg, q.permute(1, 2, 0)) - reference).pow(2).mean(1).t()  # [out, ng]
         better = err < best_err
         best_err[better], best_max[better] = err[better], c[better]
@@ -257,6 +337,19 @@ def check(cfg, hf_config=None) -> None:
             f"awq.{key}={v!r}: awq.{key} takes an integer >= 1{' or null' if null_ok else ''} "
             f"({what})."
         )
+    if a.get("experts", "all") not in ("all", "routed"):
+        raise CompressError(
+            f"awq.experts={a.get('experts')!r}: all (every expert's statistics on every "
+            f"calibration token, the default) or routed (on the tokens routed to it)."
+        )
+    m = a.get("expert_min_tokens", 1)
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 0):
+        raise CompressError(
+            f"awq.expert_min_tokens={m!r}: an integer >= 0 (with awq.experts=routed, an expert "
+            f"routed fewer tokens uses all of them)."
+        )
+    if not isinstance(a.get("symmetric", False), bool):
+        raise CompressError(f"awq.symmetric={a.get('symmetric')!r}: true or false.")
     if not isinstance(a.get("quantize", True), bool):
         raise CompressError(
             f"awq.quantize={a.get('quantize')!r}: awq.quantize takes true (round and pack) or "
@@ -274,6 +367,7 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     clip, quantize}."""
     cfg = ctx.cfg.awq
     adapter = get_adapter(model.config)
+    unfuse_experts(model, adapter)  # a mixture of experts: one linear per expert's projection
     check_grouped(cfg.group_size)
     g = resolve_group_size(model, cfg.group_size)
     bits, batch = int(cfg.bits), int(cfg.batch)
@@ -283,29 +377,27 @@ def awq(model: nn.Module, ctx) -> nn.Module:
     x, per_layer = capture_inputs(model, adapter, tokens, batch, device)
     norm_offset = model_spec(model).norm_offset
     n_search = min(int(cfg.search_samples or len(x)), len(x))
-    alphas = {}
+    alphas, experts = {}, {}
     n_layers = len(adapter.decoder_layers(model))
     what = f"awq int{bits} g{g}" + ("" if _quantizes(cfg) else " (scales only)")
     for i in tqdm(range(n_layers), desc=what, unit="layer"):
         with layer_on(model, i, device, write=True) as layer:
-            x = _awq_layer(
-                layer,
-                adapter,
-                x,
-                per_layer[i],
-                cfg,
-                bits,
-                g,
-                batch,
-                n_search,
-                alphas,
-                i,
-                norm_offset,
-            )
+            args = (layer, adapter, x, per_layer[i], cfg, bits, g, batch, n_search, alphas, i)
+            if adapter.router is None:
+                x = _awq_layer(*args, norm_offset)
+            else:
+                experts[i] = {}
+                x = _awq_moe_layer(*args, norm_offset, experts[i])
+    if experts:
+        routed = {i: e["routed"] for i, e in experts.items() if "routed" in e}
+        fallback = {i: sorted(e["fallback"]) for i, e in experts.items() if e.get("fallback")}
+        ctx.record.update(awq_experts_routed=routed, awq_experts_fallback=fallback)
     if not _quantizes(cfg):  # the scaled float model, for the stage after (gptq)
         ctx.record.update(awq_alpha=alphas, awq_group_size=g)
         return model
-    ctx.quantization_config = quantization_config(bits, g, fmt=stored_format(ctx.cfg))
+    sym = bool(cfg.get("symmetric", False))
+    fmt = stored_format(ctx.cfg)
+    ctx.quantization_config = quantization_config(bits, g, sym, fmt, float_linears(model))
     ctx.record.update(
         bits=bits,
         group_size=g,
@@ -351,12 +443,129 @@ def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas,
             if clip is not None:
                 lin.weight.data = apply_clip(lin.weight.data, clip, g)
             continue
-        qw = quantize(lin.weight.data, bits, g, clip_max=clip)
+        qw = quantize(lin.weight.data, bits, g, bool(cfg.get("symmetric", False)), clip_max=clip)
         packed[path] = QuantLinear.from_quantized(qw, lin.bias)
         lin.weight.data = qw.dequantize().to(lin.weight.dtype)  # W_hat, for the next layer's inputs
     del feats
     with torch.no_grad():  # the quantized layer's output feeds the next layer
         x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
+    for path, module in packed.items():
+        set_module(layer, path, module)
+    return x
+
+
+@torch.no_grad()
+def moe_layer_inputs(layer, adapter, x, kwargs, batch):
+    """``(feats, routed)``: the inputs of q and o (where the entry lists attention roles) and of
+    the MLP (``mlp_in``) for every token, and the experts each token was routed to
+    (``[tokens, k]``, None in a dense layer)."""
+    roles = [r for r in ("q", "o") if r in dict(adapter.linears)]
+    feats = {r: [] for r in (*roles, "mlp_in")}
+    routed = []
+    mlp = layer.get_submodule(adapter.mlp)
+
+    def grab(key):
+        return lambda _m, args: feats[key].append(args[0])
+
+    hooks = [adapter.linear(layer, r).register_forward_pre_hook(grab(r)) for r in roles]
+    hooks.append(mlp.register_forward_pre_hook(grab("mlp_in")))
+    if isinstance(getattr(mlp, "experts", None), LinearExperts):
+        hooks.append(mlp.experts.register_forward_pre_hook(lambda _m, args: routed.append(args[1])))
+    try:
+        for chunk in x.split(batch):
+            layer(chunk, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(routed) if routed else None
+
+
+def _expert_rows(cfg, label: str, routed, record: dict):
+    """The calibration rows expert ``label`` computes its statistics on (module docstring):
+    None (every row) with ``awq.experts: all``, for the shared expert and the dense MLP, and
+    for a routed expert below ``awq.expert_min_tokens`` (recorded as a fallback)."""
+    if routed is None or not label.isdigit() or cfg.get("experts", "all") == "all":
+        return None
+    rows = (routed == int(label)).any(-1).nonzero().flatten()
+    if len(rows) < int(cfg.get("expert_min_tokens", 1)):
+        record.setdefault("fallback", set()).add(int(label))
+        return None
+    return rows
+
+
+@torch.no_grad()
+def _awq_moe_layer(
+    layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas, i, norm_offset, record
+):
+    """:func:`_awq_layer` for a mixture-of-experts family's layer (module docstring)."""
+    sym = bool(cfg.get("symmetric", False))
+    feats, routed = moe_layer_inputs(layer, adapter, x, kwargs, batch)
+    if routed is not None:
+        counts = torch.bincount(
+            routed.flatten(), minlength=layer.get_submodule(adapter.mlp).experts.n_experts
+        )
+        record["routed"] = counts.tolist()
+    parts = {label: (m, act) for label, m, act in gated_parts(layer, adapter)}
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+
+    def down_rows(label, limit=None):
+        m, act = parts[label]
+        x_in = flat(feats["mlp_in"])
+        rows = _expert_rows(cfg, label, routed, record)
+        x_in = x_in if rows is None else x_in[rows]
+        return down_input(
+            m, act, x_in if limit is None else x_in[:: max(1, x_in.shape[0] // limit)]
+        )
+
+    alphas[i] = {}
+    for group in moe_groups(layer, adapter):
+        key = group["inp"]
+        if isinstance(key, tuple):
+            inp = down_rows(key[1])
+            search = inp[: n_search * x.shape[1]]
+        else:
+            inp = feats[key]
+            search = inp[:n_search]
+        s, alpha, _ = search_scale(
+            layer,
+            adapter,
+            group,
+            inp,
+            search,
+            kwargs,
+            bits,
+            g,
+            cfg.duo_scaling,
+            cfg.n_grid,
+            batch,
+            sym,
+        )
+        apply_scale(group["prev"], group["linears"] + group["absorb"], s, norm_offset)
+        if not isinstance(key, tuple):
+            inp.div_(s)  # the linears now see x / s
+        alphas[i][group["name"]] = alpha
+    reads = {}  # each linear's input, for the clip search
+    for role, path in adapter.linears:
+        reads[id(layer.get_submodule(path))] = lambda r=_input_role(role): feats[r]
+    for label, (m, _) in parts.items():
+        gate, up, down = (getattr(m, n) for n in _names(m))
+        reads[id(gate)] = reads[id(up)] = lambda: feats["mlp_in"]
+        reads[id(down)] = lambda label=label: down_rows(label, 512)
+    packed = {}
+    for path, lin in adapter.named_linears(layer).items():
+        clip = None
+        if cfg.clip and not path.endswith(("q_proj", "k_proj")):
+            x_in = reads[id(lin)]()
+            clip = search_clip(lin.weight.data, x_in, bits, g, cfg.n_grid, symmetric=sym)
+        if not _quantizes(cfg):
+            if clip is not None:
+                lin.weight.data = apply_clip(lin.weight.data, clip, g)
+            continue
+        qw = quantize(lin.weight.data, bits, g, sym, clip_max=clip)
+        packed[path] = QuantLinear.from_quantized(qw, lin.bias)
+        lin.weight.data = qw.dequantize().to(lin.weight.dtype)
+    feats.clear()
+    x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
     for path, module in packed.items():
         set_module(layer, path, module)
     return x

@@ -20,6 +20,7 @@ from compress.formats.quantizer import (
 )
 from compress.io.offload import check_fits, layer_on
 from compress.layers import QuantLinear, layout_for
+from compress.layers.experts import unfuse_experts
 
 
 def check_width(c, key: str, hf_config=None) -> None:
@@ -28,6 +29,15 @@ def check_width(c, key: str, hf_config=None) -> None:
     check_bits(c.bits, f"{key}.bits")
     in_features = layer_in_features(hf_config) if hf_config is not None else {}
     check_group_size(c.group_size, in_features, f"{key}.group_size")
+    if hf_config is not None:
+        adapter = get_adapter(hf_config)
+        for path, (out, k) in adapter.linear_shapes(hf_config).items():
+            if out % 32:
+                raise CompressError(
+                    f"layer '{adapter.layers}.N.{path}' [{out}x{k}] has {out} output channels; "
+                    f"compress packs quantized codes 32 output channels to a word, so it "
+                    f"quantizes layers whose output count is a multiple of 32 only."
+                )
 
 
 def check(cfg, hf_config=None) -> None:
@@ -64,12 +74,13 @@ def stored_format(cfg) -> str:
 
 
 def quantization_config(
-    bits: int, group_size: int, symmetric: bool = False, fmt: str = FORMATS[0]
+    bits: int, group_size: int, symmetric: bool = False, fmt: str = FORMATS[0], ignore=None
 ) -> dict:
     """config.json's ``quantization_config`` for a group-quantized checkpoint in format ``fmt``
-    (:data:`FORMATS`)."""
+    (:data:`FORMATS`); compressed-tensors' ``ignore`` lists the linears left in floating point
+    (default: the head)."""
     if fmt == "compressed-tensors":
-        return ct.quantization_config(bits, group_size, symmetric)
+        return ct.quantization_config(bits, group_size, symmetric, ignore or ("lm_head",))
     if layout_for(bits) == "awq":
         return {
             "quant_method": "awq",
@@ -107,15 +118,25 @@ def pack_model(
     return model
 
 
+def float_linears(model: nn.Module) -> list[str]:
+    """The names of ``model``'s linears left in floating point (the head; in a mixture of
+    experts also the shared expert's gate)."""
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
 def rtn(model: nn.Module, ctx) -> nn.Module:
-    """Stage: RTN with ``ctx.cfg.rtn`` = {bits, group_size, symmetric}."""
+    """Stage: RTN with ``ctx.cfg.rtn`` = {bits, group_size, symmetric}. A mixture of experts is
+    quantized expert by expert (``compress.layers.experts.unfuse_experts``); its routers stay
+    in the source precision."""
     q = ctx.cfg.rtn
+    unfuse_experts(model, get_adapter(model.config))
     g = resolve_group_size(model, q.group_size)
     device = getattr(ctx, "device", None)
     check_fits(model, device or "cpu", 0, "rtn")
     model = pack_model(model, q.bits, g, q.get("symmetric", False), device=device)
     fmt = stored_format(ctx.cfg)
-    ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False), fmt)
+    ignore = float_linears(model)
+    ctx.quantization_config = quantization_config(q.bits, g, q.get("symmetric", False), fmt, ignore)
     ctx.record["group_size"] = g
     ctx.record["bits"] = q.bits
     return model
