@@ -36,10 +36,11 @@ from transformers import AutoModelForCausalLM
 
 from compress.arch import adapters
 from compress.arch.spec import spec_of
-from compress.decoder.experts import Experts, Router, SparseMoE
+from compress.decoder.experts import Experts, QuantExperts, Router, SparseMoE
 from compress.decoder.kv import new_cache
 from compress.decoder.model import FeedForward, Transformer, load
 from compress.errors import CompressError
+from compress.layers import QuantLinear
 from tests.test_arch_spec import write_config
 from tests.test_family_exactness import (
     COMMON,
@@ -541,6 +542,10 @@ def test_quantized_folder_loads_in_transformers_as_in_our_decoder(rtn_runs, name
         got = ours(ids, new_cache(ours, "full", 1, ids.shape[1]))[0]
     want, keep = untied(hf)(ids)
     assert torch.isfinite(got).all() and rel(got[keep], want.float()[keep]) < 1e-3
+    sparse = [b.mlp.experts for b in ours.model.layers if isinstance(b.mlp, SparseMoE)]
+    assert sparse and all(isinstance(x, QuantExperts) for x in sparse)  # 4-bit in memory
+    layers = [m for x in sparse for m in x.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * E * len(sparse)  # each expert's fused gate_up and its down
     if method == "awq":  # every expert of every sparse layer saw all calibration tokens
         assert report["awq_experts_fallback"] == {}
         assert set(report["awq_experts_routed"]) == {
@@ -637,7 +642,6 @@ def test_awq_expert_no_token_reaches_falls_back_to_all_tokens():
     tokens routed to both and falls back to all tokens for them; every expert of the layer is
     quantized, with finite scales, and the quantized model's logits are finite. The default
     (``all``) has no fallback."""
-    from compress.layers import QuantLinear
 
     source = hf_model(moe_config("deepseek_v3")).eval()
     with torch.no_grad():
@@ -659,3 +663,17 @@ def test_awq_expert_no_token_reaches_falls_back_to_all_tokens():
         assert torch.isfinite(model(torch.tensor(prompts(1))).logits).all()
     _, ctx = stage("awq_int4", copy.deepcopy(source), over)
     assert ctx.record["awq_experts_fallback"] == {} and ctx.record["awq_experts_routed"][1][5] == 0
+
+
+@pytest.mark.slow
+def test_compiled_step_runs_quantized_experts_outside_its_graph(rtn_runs):
+    """An RTN folder's compiled decode step: the quantized experts run eager (a graph break),
+    every step goes through the compiled step, and its logits equal the eager decoder's over
+    the same tokens (one teacher-forced forward) within TOL."""
+    _, folder, _ = rtn_runs["qwen3_moe", "rtn"]
+    ours, _ = load(folder)
+    tokens, logits, _ = ours_greedy(ours, prompts(1), compiled=True)
+    assert ours.static_steps[1].compiled_calls == STEPS
+    with torch.no_grad():
+        want = ours(tokens, new_cache(ours, "full", 1, tokens.shape[1]))
+    assert rel(logits, want) < TOL

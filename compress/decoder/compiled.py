@@ -62,6 +62,8 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
 def with_static_linears(module: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A copy of ``module``'s tree (sharing every parameter and buffer) whose quantized linears are
     their :func:`static_linear` forms; modules without such a descendant are shared as they are."""
+    if getattr(module, "graph_break", False):  # runs eager as it is (quantized experts)
+        return module
     if isinstance(module, (Cast, Parallel)) or (
         hasattr(module, "in_features") and not isinstance(module, nn.Linear)
     ):
@@ -95,14 +97,17 @@ class StaticDecoder(nn.Module):
             fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__
         )
         whole = not any(
-            isinstance(m, Eager) for m in self.modules()
-        )  # else graph breaks around those layers
+            isinstance(m, Eager) or getattr(m, "graph_break", False) for m in self.modules()
+        )  # else graph breaks around those layers (and quantized experts)
         try:
+            # the guards on modules are dropped only for one whole graph: after a graph break
+            # the resumed frames of one layer's code would serve every layer with its weights
+            guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             self.step = torch.compile(
                 types.MethodType(own, self),
                 dynamic=False,
                 fullgraph=whole,
-                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+                options=guards if whole else {},
             )
         except Exception as e:  # no compiler, unsupported platform
             self.eager(e)

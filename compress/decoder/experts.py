@@ -23,8 +23,11 @@ Checkpoints hold the experts fused, as transformers holds them in memory
 (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, ``mlp.experts.down_proj`` [E, H, I])
 or per expert, as ``save_pretrained`` writes them (``mlp.experts.{e}.gate_proj.weight`` ...;
 Mixtral ``block_sparse_moe.experts.{e}.w1/w3/w2``); :func:`fused_expert_tensors` reads both,
-and per-expert compressed-tensors layers (``...gate_proj.weight_packed`` ..., an RTN run's),
-which it dequantizes: the experts then compute in floating point (no integer expert kernel).
+and per-expert compressed-tensors layers (``...gate_proj.weight_packed`` ..., an RTN or AWQ
+run's). Those load as :class:`QuantExperts`: each expert a gated MLP of quantized layers
+(``compress.layers.QuantLinear``, gate and up fused), so the experts stay in their 4 bits in
+memory and run through the quantized kernels (W4A8 where the layer takes it), each routed
+expert over the rows routed to it.
 """
 
 import torch
@@ -123,6 +126,73 @@ class Experts(nn.Module):
             y = F.linear(self.act(gate) * up, self.down_proj[expert])
             out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
         return out
+
+
+class GatedExpert(nn.Module):
+    """One expert's gated MLP under the family's per-expert names (``names``: gate, up, down);
+    after loading, gate and up are fused into ``gate_up_proj`` (``fuse``)."""
+
+    def __init__(self, dim: int, inter: int, names: tuple):
+        super().__init__()
+        self.names = names
+        for name, shape in zip(names, ((dim, inter), (dim, inter), (inter, dim))):
+            self.add_module(name, nn.Linear(*shape, bias=False))
+        self.gate_up_proj = None
+
+    def forward(self, x, act):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return getattr(self, self.names[2])(act(gate) * up)
+
+
+class QuantExperts(nn.Module):
+    """``forward(x [N, H], w [N, k], e [N, k]) -> [N, H]`` of experts held as quantized layers,
+    ``experts.{e}.{names}`` (see the module docstring): each routed expert over its rows, in
+    ascending expert order, as :meth:`Experts.grouped`."""
+
+    graph_break = True  # a compiled step runs it outside the graph (its loop syncs with the host)
+
+    def __init__(self, moe: MoESpec, dim: int, act, names: tuple):
+        super().__init__()
+        self.n_experts, self.act = moe.n_experts, act
+        for e in range(moe.n_experts):
+            self.add_module(str(e), GatedExpert(dim, moe.intermediate_size, names))
+
+    @torch.compiler.disable
+    def forward(self, x, w, e):
+        out = torch.zeros_like(x)
+        k, flat = e.shape[-1], e.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        weights, at = w.reshape(-1, 1), 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[at : at + n]
+            at += n
+            rows = slots // k
+            y = self._modules[str(expert)](x.index_select(0, rows), self.act)
+            out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
+        return out
+
+
+def quantized_experts(model: nn.Module, spec: ArchSpec, qcfg: dict | None) -> int:
+    """Replace each sparse layer's float :class:`Experts` by :class:`QuantExperts` where the
+    folder's compressed-tensors ``qcfg`` quantizes its experts (still on the meta device, before
+    the quantized layers are swapped in); returns how many."""
+    if spec.moe is None or (qcfg or {}).get("quant_method") != ct.METHOD:
+        return 0
+    a, n = spec.adapter, 0
+    for layer in spec.layers:
+        where = f"{a.layers}.{layer.index}.{a.mlp}"
+        if (
+            layer.mlp != EXPERTS
+            or ct.scheme(qcfg, f"{where}.experts.0.{a.expert_names[0]}") is None
+        ):
+            continue
+        mlp = model.get_submodule(where)
+        mlp.experts = QuantExperts(spec.moe, spec.hidden_size, mlp.experts.act, a.expert_names)
+        n += 1
+    return n
 
 
 class SparseMoE(nn.Module):

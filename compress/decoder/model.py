@@ -48,7 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.arch.spec import ArchSpec, spec_of, yarn_mscale
-from compress.decoder.experts import SparseMoE, fused_expert_tensors
+from compress.decoder.experts import (
+    QuantExperts,
+    SparseMoE,
+    fused_expert_tensors,
+    quantized_experts,
+)
 from compress.decoder.kv.base import KVLayout
 from compress.decoder.runtime import RuntimeConfig
 from compress.errors import CompressError
@@ -661,6 +666,15 @@ def fuse_projections(model: "Transformer", qcfg: dict | None, device) -> None:
         )
         for name in a.inputs() + a.dropped():
             delattr(a, name)
+        if sparse and isinstance(block.mlp.experts, QuantExperts):
+            for e, expert in block.mlp.experts.named_children():
+                g, u, _ = expert.names
+                where = f"model.layers.{i}.mlp.experts.{e}.gate_up"
+                expert.gate_up_proj = fuse_linears(
+                    [getattr(expert, g), getattr(expert, u)], qcfg, device, where
+                )
+                delattr(expert, g)
+                delattr(expert, u)
         if f is None:
             continue
         where = f"model.layers.{i}.mlp" + (f".{block.mlp.shared_name}" if sparse else "")
@@ -797,6 +811,7 @@ def load(
     config, qcfg = read_config(folder)
     with torch.device("meta"):
         model = Transformer(config, attention)
+        quantized_experts(model, model.spec, qcfg)
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())
