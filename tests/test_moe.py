@@ -433,7 +433,7 @@ def test_gathered_and_grouped_experts_agree(family):
         ("gqa", [], "gqa cannot run there"),
         ("llm_int8", [], "llm_int8 cannot run there .bitsandbytes"),
         ("rtn_int4", [], "rtn.symmetric=false on"),
-        ("rtn_int4", ["rtn.symmetric=true", "rtn.group_size=16"], "shared_expert.gate_proj"),
+        ("rtn_int8", ["rtn.symmetric=true", "rtn.group_size=16"], "shared_expert.gate_proj"),
         ("rtn_int4", ["rtn.symmetric=true", "quant.format=autoawq"], "quant.format=autoawq on"),
     ],
 )
@@ -446,7 +446,7 @@ def test_methods_that_miss_experts_are_refused_before_loading(family, recipe, ex
     name, _, _, folder = family
     over = [f"model.path={folder}", "eval.seqlen=256"]
     if name == "qwen2_moe" and "awq.symmetric=true" in extra:
-        pytest.skip("its 48-wide shared expert fails the width checks first")
+        pytest.skip("its 48-wide shared expert fails the auto group size check first")
     if "shared_expert" in match and name != "qwen2_moe":  # its shared expert is 48 wide
         validate(compose(recipe, over + extra))
         return

@@ -253,8 +253,9 @@ def int4pack_fits(x: torch.Tensor, layer) -> bool:
 
 
 def kplanes_fit(layer) -> bool:
-    """Packing along K needs ``in_features`` to fill whole words of the narrowest plane."""
-    return layer.in_features % (32 // min(p for p, _, _ in planes(layer))) == 0
+    """Packing along K needs ``in_features`` to fill whole 32-entry words (``pack_planes``
+    packs 32 codes of each plane to a word, whatever the plane's width)."""
+    return layer.in_features % 32 == 0
 
 
 def takes_w4a8(layer) -> bool:

@@ -26,7 +26,10 @@ G KV heads of width D, H query heads, r RoPE channels and a latent of L:
    (``kv_a_proj_with_mqa``'s bias, the stock ``attention_bias``; its row of weights and its
    column of ``kv_b_proj`` are zero) and the other L - 1 channels hold the rank-(L - 1) latent:
    the RMS is then a / sqrt(L) (1 + O(1e-4)) for every token, so the norm, with weight
-   100 rho, is the identity on them to about 1e-4. Distillation then trains it with the rest.
+   100 rho, is the identity on them to about 1e-4. The anchor's own norm weight is
+   rho / sqrt(L), which makes its normed value rho, the latent's scale: at 100 rho sqrt(L) an
+   optimizer step on its (zero) column of ``kv_b_proj`` swamps K and V, and distillation
+   diverges. Distillation then trains the norm with the rest.
 
 The scale (qk_nope + qk_rope)^-0.5 = D^-0.5 is the source's; ``o_proj``, the MLPs, norms and
 embeddings are copied.
@@ -119,12 +122,14 @@ def deepseek_layer(wq, wk, wv, gram, H: int, G: int, rank: int, rope_dim: int, a
         bias = torch.zeros(rank + rope_dim, dtype=torch.float64)
         bias[0] = ANCHOR * rms * math.sqrt(rank)
         out["kv_a_proj_with_mqa.bias"] = bias.to(dtype)
-        rms *= ANCHOR
+    norm = torch.full((rank,), rms * (ANCHOR if anchor else 1.0), dtype=torch.float64)
+    if anchor:  # the normed anchor at the latent's scale, not 100x it: training stays stable
+        norm[0] = rms / math.sqrt(rank)
     up_k, up_v = up[: G * n].view(G, n, rank), up[G * n :].view(G, D, rank)
     return out | {
         "q_proj.weight": torch.cat([q[:, nope], q_rope], 1).reshape(H * D, hidden).to(dtype),
         "kv_a_proj_with_mqa.weight": torch.cat([down, k_rope]).to(dtype),
-        "kv_a_layernorm.weight": torch.full((rank,), rms, dtype=dtype),
+        "kv_a_layernorm.weight": norm.to(dtype),
         "kv_b_proj.weight": torch.cat([up_k[group], up_v[group]], 1).reshape(-1, rank).to(dtype),
     }
 

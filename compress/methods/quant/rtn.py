@@ -31,12 +31,13 @@ def check_width(c, key: str, hf_config=None) -> None:
     check_group_size(c.group_size, in_features, f"{key}.group_size")
     if hf_config is not None:
         adapter = get_adapter(hf_config)
+        word = 8 if layout_for(c.bits) == "awq" else 32  # output channels a packed word holds
         for path, (out, k) in adapter.linear_shapes(hf_config).items():
-            if out % 32:
+            if out % word:
                 raise CompressError(
                     f"layer '{adapter.layers}.N.{path}' [{out}x{k}] has {out} output channels; "
-                    f"compress packs quantized codes 32 output channels to a word, so it "
-                    f"quantizes layers whose output count is a multiple of 32 only."
+                    f"compress packs {c.bits}-bit codes {word} output channels to a word, so it "
+                    f"quantizes layers whose output count is a multiple of {word} only."
                 )
 
 
