@@ -110,22 +110,32 @@ class Experts(nn.Module):
 
     def grouped(self, x, w, e):
         """Each routed expert over the rows routed to it, in ascending expert order."""
-        out = torch.zeros_like(x)
-        k = e.shape[-1]
-        flat = e.reshape(-1)
-        order = flat.argsort(stable=True)  # routed (row, j) slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        weights, at = w.reshape(-1, 1), 0
-        for expert, n in enumerate(counts):
-            if not n:
-                continue
-            slots = order[at : at + n]
-            at += n
-            rows = slots // k
-            gate, up = F.linear(x.index_select(0, rows), self.gate_up_proj[expert]).chunk(2, -1)
-            y = F.linear(self.act(gate) * up, self.down_proj[expert])
-            out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
-        return out
+
+        def run(expert, rows):
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, -1)
+            return F.linear(self.act(gate) * up, self.down_proj[expert])
+
+        return each_routed(x, w, e, self.n_experts, run)
+
+
+def each_routed(x, w, e, n_experts: int, run) -> torch.Tensor:
+    """``sum_j w_j * run(e_j, x)`` per row, computed expert by expert in ascending order over
+    the rows routed to each (``run(expert, rows) -> [n, H]``), added into zeros in x's dtype."""
+    out = torch.zeros_like(x)
+    k = e.shape[-1]
+    flat = e.reshape(-1)
+    order = flat.argsort(stable=True)  # routed (row, j) slots grouped by expert
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    weights, at = w.reshape(-1, 1), 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        slots = order[at : at + n]
+        at += n
+        rows = slots // k
+        y = run(expert, x.index_select(0, rows))
+        out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
+    return out
 
 
 class GatedExpert(nn.Module):
@@ -159,20 +169,9 @@ class QuantExperts(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x, w, e):
-        out = torch.zeros_like(x)
-        k, flat = e.shape[-1], e.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        weights, at = w.reshape(-1, 1), 0
-        for expert, n in enumerate(counts):
-            if not n:
-                continue
-            slots = order[at : at + n]
-            at += n
-            rows = slots // k
-            y = self._modules[str(expert)](x.index_select(0, rows), self.act)
-            out.index_add_(0, rows, (y * weights.index_select(0, slots)).to(out.dtype))
-        return out
+        return each_routed(
+            x, w, e, self.n_experts, lambda expert, rows: self._modules[str(expert)](rows, self.act)
+        )
 
 
 def quantized_experts(model: nn.Module, spec: ArchSpec, qcfg: dict | None) -> int:
