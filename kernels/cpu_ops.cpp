@@ -16,11 +16,12 @@
 //     the decoder's RMSNorm (rms_norm_ref.py) over the last dim of x (fp32, bf16 or fp16), w of
 //     x's dtype; one pass a row, the squares summed in a fixed order.
 //
-//   cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) -> Tensor
+//   cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale,
+//                   Tensor? sinks) -> Tensor
 //     paged_attn_cpu.cpp's fixed-order attention over a contiguous cache (paged_attn_cpu.py):
 //     q [B, H, Tq, D], k [B, Hkv, L, D] and v [B, Hkv, L, Dv] (fp16 or fp32, unit stride along
 //     channels), query (b, t) sees slots lo[b, t] .. hi[b, t] - 1 (int64 [B, Tq]); fp32 out
-//     [B, H, Tq, Dv].
+//     [B, H, Tq, Dv]; sinks: none, or float32 [H] attention-sink logits (gpt-oss).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,8 +47,8 @@ void skinny_linear(const float* x, const float* w, const float* b, float* y, int
 void range_attention(const float* q, float* out, const void* k, const void* v, int64_t kb,
                      int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs,
                      const int64_t* lo, const int64_t* hi, int64_t B, int64_t H, int64_t Hkv,
-                     int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale, int half,
-                     int nthreads);
+                     int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale,
+                     const float* sinks, int half, int nthreads);
 }
 
 namespace {
@@ -169,7 +170,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& lo, const at::Tensor& hi, double scale) {
+                           const at::Tensor& lo, const at::Tensor& hi, double scale,
+                           const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "compress::cache_attention: q, k "
               "and v are [B, H, Tq, D], [B, Hkv, L, D] and [B, Hkv, L, Dv]");
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
@@ -185,12 +187,16 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong &&
                   lo.numel() == B * Tq && hi.numel() == B * Tq,
               "compress::cache_attention: lo and hi are int64 [B, Tq]");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->numel() == H &&
+                                      sinks->is_contiguous()),
+              "compress::cache_attention: sinks are a contiguous float32 [H]");
   const at::Tensor qf = q.to(at::kFloat).contiguous(), l = lo.contiguous(), h = hi.contiguous();
   at::Tensor out = at::empty({B, H, Tq, Dv}, q.options().dtype(at::kFloat));
   range_attention(qf.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                   l.data_ptr<int64_t>(), h.data_ptr<int64_t>(), B, H, Hkv, Tq, L, D, Dv,
-                  (float)scale, half ? 1 : 0, at::get_num_threads());
+                  (float)scale, sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
+                  half ? 1 : 0, at::get_num_threads());
   return out;
 }
 
@@ -201,8 +207,8 @@ TORCH_LIBRARY_FRAGMENT(compress, m) {
         "-> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
-  m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale) "
-        "-> Tensor");
+  m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress, CPU, m) {

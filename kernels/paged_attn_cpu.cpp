@@ -5,7 +5,8 @@
 // its n = hi[b, t] visible keys j = 0 .. n-1 (pool slot gather[b, j], KV head h / (H / Hkv))
 //   s_j = scale * sum_d q[d] k_j[d]        (8 fixed lanes over d, then a fixed horizontal sum)
 //   m = max_j s_j,  l = sum_j exp(s_j - m) in j order,  out = (sum_j exp(s_j - m) v_j) / l
-// so its result does not depend on the other rows, the other queries of its row, the padded
+// With attention sinks (gpt-oss: one logit z_h per query head, a key whose value is 0) m also
+// takes z_h and l starts at exp(z_h - m). So its result does not depend on the other rows, the other queries of its row, the padded
 // key length or the thread count: the same bits alone or in any batch. n = 0 (padding) gives 0.
 
 #include "cpu_simd.h"
@@ -40,7 +41,7 @@ template <class T, class Key, class Count>
 void attend(const float* q, float* out, const T* kp, const T* vp, int64_t kb, int64_t ks,
             int64_t kh, int64_t vb, int64_t vs, int64_t vh, Key key, Count count, int64_t B,
             int64_t H, int64_t Hkv, int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale,
-            int nthreads) {
+            const float* sinks, int nthreads) {
   const int64_t group = H / Hkv;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t bh = 0; bh < B * H; ++bh) {
@@ -52,7 +53,7 @@ void attend(const float* q, float* out, const T* kp, const T* vp, int64_t kb, in
       const int64_t n = std::min<int64_t>(count(b, t), L);
       for (int64_t d = 0; d < Dv; ++d) o[d] = 0.0f;
       if (n <= 0) continue;
-      float m = -INFINITY;
+      float m = sinks ? sinks[h] : -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         const T* k = kp + b * kb + key(b, t, j) * ks + hk * kh;
         f8 lanes = {};
@@ -64,7 +65,7 @@ void attend(const float* q, float* out, const T* kp, const T* vp, int64_t kb, in
         s[j] = dot * scale;
         m = std::max(m, s[j]);
       }
-      float l = 0.0f;
+      float l = sinks ? std::exp(sinks[h] - m) : 0.0f;
       for (int64_t j = 0; j < n; ++j) {
         const float w = std::exp(s[j] - m);
         l += w;
@@ -84,13 +85,13 @@ template <class Key, class Count>
 void attend_stored(int half, const float* q, float* out, const void* k, const void* v,
                    int64_t kb, int64_t ks, int64_t kh, int64_t vb, int64_t vs, int64_t vh,
                    Key key, Count count, int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t L,
-                   int64_t D, int64_t Dv, float scale, int nthreads) {
+                   int64_t D, int64_t Dv, float scale, const float* sinks, int nthreads) {
   if (half)
     attend<uint16_t>(q, out, (const uint16_t*)k, (const uint16_t*)v, kb, ks, kh, vb, vs, vh, key,
-                     count, B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+                     count, B, H, Hkv, Tq, L, D, Dv, scale, sinks, nthreads);
   else
     attend<float>(q, out, (const float*)k, (const float*)v, kb, ks, kh, vb, vs, vh, key, count,
-                  B, H, Hkv, Tq, L, D, Dv, scale, nthreads);
+                  B, H, Hkv, Tq, L, D, Dv, scale, sinks, nthreads);
 }
 
 }  // namespace
@@ -99,15 +100,16 @@ extern "C" {
 
 // q [B, H, Tq, D] fp32, out [B, H, Tq, Dv] fp32; K/V pools of fp32 (half = 0) or fp16 (half = 1)
 // with slot strides ks/vs and head strides kh/vh (elements); gather [B, L] pool slots; hi [B, Tq]
-// visible keys per query.
+// visible keys per query; sinks fp32 [H] or null.
 void paged_attention(const float* q, float* out, const void* kpool, const void* vpool,
                      int64_t ks, int64_t kh, int64_t vs, int64_t vh, const int64_t* gather,
                      const int64_t* hi, int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t L,
-                     int64_t D, int64_t Dv, float scale, int half, int nthreads) {
+                     int64_t D, int64_t Dv, float scale, const float* sinks, int half,
+                     int nthreads) {
   auto key = [=](int64_t b, int64_t, int64_t j) { return gather[b * L + j]; };
   auto count = [=](int64_t b, int64_t t) { return hi[b * Tq + t]; };
   attend_stored(half, q, out, kpool, vpool, 0, ks, kh, 0, vs, vh, key, count, B, H, Hkv, Tq, L,
-                D, Dv, scale, nthreads);
+                D, Dv, scale, sinks, nthreads);
 }
 
 // The same over a contiguous cache: row b's keys K[b, :, lo[b, t] .. hi[b, t] - 1] (strides kb,
@@ -115,12 +117,12 @@ void paged_attention(const float* q, float* out, const void* kpool, const void* 
 void range_attention(const float* q, float* out, const void* k, const void* v, int64_t kb,
                      int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs,
                      const int64_t* lo, const int64_t* hi, int64_t B, int64_t H, int64_t Hkv,
-                     int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale, int half,
-                     int nthreads) {
+                     int64_t Tq, int64_t L, int64_t D, int64_t Dv, float scale,
+                     const float* sinks, int half, int nthreads) {
   auto key = [=](int64_t b, int64_t t, int64_t j) { return lo[b * Tq + t] + j; };
   auto count = [=](int64_t b, int64_t t) { return hi[b * Tq + t] - lo[b * Tq + t]; };
   attend_stored(half, q, out, k, v, kb, ks, kh, vb, vs, vh, key, count, B, H, Hkv, Tq, L, D, Dv,
-                scale, nthreads);
+                scale, sinks, nthreads);
 }
 
 }  // extern "C"

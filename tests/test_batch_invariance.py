@@ -38,22 +38,31 @@ def problem(B, H, Hkv, T, L, D, dtype, seed):
     return q, k, v, gather, paged_attn_cpu.visible(lens, pos, start)
 
 
+def sink_logits(H: int, seed: int) -> torch.Tensor:
+    """gpt-oss's attention sinks: one logit per query head, some above the scores."""
+    return torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 1, 7, 16), (3, 9, 3, 5, 40, 64), (2, 2, 1, 3, 33, 12)])
-def test_attention_matches_float64(dtype, shape):
+def test_attention_matches_float64(dtype, shape, sinks):
     q, k, v, gather, hi = problem(*shape, dtype, seed=sum(shape))
+    z = sink_logits(shape[1], sum(shape)) if sinks else None
     hi[0, 0] = 0 if hi.shape[1] > 1 else hi[0, 0]  # a padding column
     # into a NaN-poisoned buffer: every element written, so the zeros below are the kernel's
     poisoned = torch.full((*q.shape[:3], v.shape[-1]), float("nan"))
-    out = paged_attn_cpu.attention(q, k, v, gather, hi, 0.3, out=poisoned)
+    out = paged_attn_cpu.attention(q, k, v, gather, hi, 0.3, out=poisoned, sinks=z)
     assert out is poisoned
-    ref = paged_attn_cpu.reference(q, k, v, gather, hi, 0.3)
+    ref = paged_attn_cpu.reference(q, k, v, gather, hi, 0.3, sinks=z)
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
+    if sinks:  # the sink takes weight: not the product without it
+        assert rel(out, paged_attn_cpu.reference(q, k, v, gather, hi, 0.3)) > 1e-2
     assert not out.transpose(1, 2)[hi == 0].any()  # a padding query (no visible key) gives zeros
     # a latent-attention view: V is K's first channels
     vv = k[..., : shape[-1] // 2]
-    assert rel(paged_attn_cpu.attention(q, k, vv, gather, hi, 0.3),
-               paged_attn_cpu.reference(q, k, vv, gather, hi, 0.3)) < 1e-5  # fmt: skip
+    assert rel(paged_attn_cpu.attention(q, k, vv, gather, hi, 0.3, sinks=z),
+               paged_attn_cpu.reference(q, k, vv, gather, hi, 0.3, sinks=z)) < 1e-5  # fmt: skip
 
 
 def test_attention_out_buffer_is_checked():
@@ -77,11 +86,12 @@ def test_a_row_is_the_same_bits_in_any_batch():
 
 
 @pytest.mark.skipif(not native.ops(), reason="the C++ torch operators did not build")
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "shape", [(1, 9, 3, 1, 256, 64), (3, 4, 2, 2, 40, 16), (2, 2, 1, 1, 33, 12)]
 )
-def test_cache_attention_matches_float64(dtype, shape):
+def test_cache_attention_matches_float64(dtype, shape, sinks):
     """``compress::cache_attention`` (the static decode step's attention over a contiguous cache
     read as stored): query (b, t) over slots lo..hi-1 (left padding, a window) against float64;
     and the same bits as the paged kernel over the same keys gathered."""
@@ -93,8 +103,9 @@ def test_cache_attention_matches_float64(dtype, shape):
     hi = torch.randint(L // 2, L + 1, (B, T), generator=g)
     lo = torch.minimum(torch.randint(0, 6, (B, T), generator=g), hi - 1)
     lo[-1] = torch.maximum(lo[-1], hi[-1] - 7)  # a sliding window of 7 on the last row
+    z = sink_logits(H, sum(shape)) if sinks else None
     for vv in (v, k[..., : D // 2]):  # and a latent-attention view: V is K's first channels
-        out = paged_attn_cpu.cache_attention(q, k, vv, lo, hi, 0.3)
+        out = paged_attn_cpu.cache_attention(q, k, vv, lo, hi, 0.3, sinks=z)
         assert out.dtype == torch.float32 and out.shape == (B, H, T, vv.shape[-1])
         ref = torch.zeros(out.shape, dtype=torch.float64)
         for b in range(B):
@@ -106,7 +117,9 @@ def test_cache_attention_matches_float64(dtype, shape):
                         vv[b, h // (H // Hkv), keys].double(),
                     )
                     s = kh @ q[b, h, t].double() * 0.3
-                    ref[b, h, t] = torch.softmax(s, 0) @ vh
+                    if sinks:  # a key of logit z[h] and value 0
+                        s = torch.cat([s, z[h].double().view(1)])
+                    ref[b, h, t] = torch.softmax(s, 0)[: len(vh)] @ vh
         assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
     for t in range(T):  # one query column at a time: the paged kernel over the gathered slots
         width = int((hi[:, t] - lo[:, t]).max())
@@ -115,10 +128,10 @@ def test_cache_attention_matches_float64(dtype, shape):
         pool_k = k.transpose(1, 2).reshape(B * L, Hkv, D)
         pool_v = v.transpose(1, 2).reshape(B * L, Hkv, D)
         paged = paged_attn_cpu.attention(
-            q[:, :, t : t + 1], pool_k, pool_v, gather, (hi - lo)[:, t : t + 1], 0.3
+            q[:, :, t : t + 1], pool_k, pool_v, gather, (hi - lo)[:, t : t + 1], 0.3, sinks=z
         )
         assert torch.equal(paged, paged_attn_cpu.cache_attention(
-            q[:, :, t : t + 1], k, v, lo[:, t : t + 1], hi[:, t : t + 1], 0.3))  # fmt: skip
+            q[:, :, t : t + 1], k, v, lo[:, t : t + 1], hi[:, t : t + 1], 0.3, sinks=z))  # fmt: skip
 
 
 def quantized_folder(tmp_path):

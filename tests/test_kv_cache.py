@@ -583,3 +583,45 @@ def test_compressed_caches_without_a_compiler(kind, opts, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         assert torch.equal(bare.attend(0, q[:, :, -1:]), bare_outs[199])
+
+
+@pytest.mark.parametrize(
+    "kind, opts",
+    [("full", {}), ("fp16", {}), ("kivi", {"residual": 32}), ("packkv", {"residual": 32})],
+)
+def test_attention_sinks_in_every_cache(kind, opts):
+    """gpt-oss's sinks (a logit z_h per query head for a key of value 0) in every kind: with them
+    the output is the kind's own output without them times ``Z / (Z + e^z)`` per query and head
+    (Z its own softmax denominator): one factor over the channels, and the factors of two sink
+    values agree on one Z. The full cache equals float64 attention with the sink column."""
+    q, k, v = data(200)
+    z1 = torch.randn(HKV * G, generator=torch.Generator().manual_seed(4)) + 5
+    z2 = z1 - 1.5
+    outs = {}
+    for name, z in (("none", None), ("z1", z1), ("z2", z2)):
+        layout = KVLayout(1, HKV, D, sinks=None if z is None else z[None])
+        outs[name] = decode(make_cache(kind, layout, B, 200, **opts), q, k, v, 60, {199})
+    for t, o0 in outs["none"].items():
+        tq = 60 if t == 59 else 1
+        o0 = o0.double()
+        factors = []
+        for name, z in (("z1", z1), ("z2", z2)):
+            oz = outs[name][t].double()
+            r = (oz * o0).sum(-1) / (o0 * o0).sum(-1)  # [B, H, Tq]
+            assert rel_err(r[..., None] * o0, oz) < 1e-5
+            factors.append(r)
+        r1, r2 = factors
+        assert ((r1 > 0) & (r1 < 1)).all() and (1 - r1).mean() > 0.05  # the sink takes a share
+        e1, e2 = z1.double().exp()[:, None], z2.double().exp()[:, None]
+        Z = r1 * e1 / (1 - r1)
+        assert ((Z / (Z + e2) - r2).abs() < 1e-4).all()
+        if kind == "full":
+            qq, kk, vv = q[:, :, t + 1 - tq : t + 1].double(), k[:, :, : t + 1].double(), v.double()
+            kk, vv = kk.repeat_interleave(G, 1), vv[:, :, : t + 1].repeat_interleave(G, 1)
+            s = qq @ kk.transpose(-1, -2) / math.sqrt(D)
+            s = s.masked_fill(
+                torch.arange(t + 1) > torch.arange(t + 1 - tq, t + 1)[:, None], -math.inf
+            )
+            s = torch.cat([s, z1.double().view(1, -1, 1, 1).expand(B, -1, tq, 1)], -1)
+            ref = s.softmax(-1)[..., :-1] @ vv
+            assert rel_err(outs["z1"][t], ref) < 1e-6

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3) against transformers' own
+"""The mixture-of-experts families (qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, gpt_oss) against transformers' own
 modeling code (eager attention and experts, float32) on tiny random models built from its config
 classes and saved with ``save_pretrained`` (per-expert tensors; no download).
 
@@ -11,7 +11,10 @@ softmax over the top-k with a 16-token window on every layer, and olmoe's q/k no
 whole projections, and deepseek_v3 twice: with ``q_lora_rank`` and interleaved RoPE, and
 without ``q_lora_rank`` with YaRN (a context beyond ``original_max_position_embeddings``),
 half-split RoPE and attention biases; both with a dense first layer, shared experts, a random correction bias and
-a group-limited sigmoid router with ``routed_scaling_factor``. The logits are held to ``TOL`` with the exact caches (eager, batch 1 and
+a group-limited sigmoid router with ``routed_scaling_factor``; and gpt_oss: attention sinks (random,
+large enough to matter), q/k/v/o biases, a sliding layer then a full one, YaRN without
+truncation, the biased router and the transposed experts with random biases and the clamped
+SwiGLU (a limit the gates cross). The logits are held to ``TOL`` with the exact caches (eager, batch 1 and
 left-padded, the paged engine and, marked slow, the compiled step) and ``FP16_TOL`` with the fp16
 ones, as in ``tests/test_family_exactness.py``, over a prompt longer than the window plus 64
 greedy steps.
@@ -57,7 +60,16 @@ from tests.test_family_exactness import (
 
 E, K, EXPERT = 8, 2, 32
 MARGIN, MAX_TIES = 1e-3, 0.1
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"]
+FAMILIES = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v3",
+    "deepseek_v3_yarn",
+    "gpt_oss",
+]
+QUANT_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # gpt_oss's experts: refused (a test)
 # (n_experts, top_k, router, norm_topk, expert width, shared width, each layer's MLP)
 EXPECTED = {
     "qwen3_moe": (E, K, "softmax_topk", True, EXPERT, None, ["experts", "dense", "experts"]),
@@ -74,6 +86,7 @@ EXPECTED = {
         2 * EXPERT,
         ["dense"] + ["experts"] * 2,
     ),
+    "gpt_oss": (E, K, "biased_topk_softmax", True, EXPERT, None, ["experts"] * 2),
 }
 YARN = dict(
     rope_type="yarn",
@@ -85,6 +98,9 @@ YARN = dict(
     beta_fast=32,
     beta_slow=1,
 )
+
+
+SWIGLU_LIMIT = 1.0  # gpt_oss: low enough that the tiny model's gates and ups cross it
 
 
 def deepseek_config(**over):
@@ -121,6 +137,13 @@ def moe_config(family: str, **over):
         kw = dict(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN, n_shared_experts=2)
         kw.update(attention_bias=True)  # kv_a_proj_with_mqa's and o_proj's biases
         return deepseek_config(**dict(kw, **over))
+    if family == "gpt_oss":
+        kw.update(num_hidden_layers=2, num_local_experts=E, intermediate_size=EXPERT)
+        kw.update(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+        yarn = dict(YARN, factor=16.0, truncate=False)  # 512 / 32 positions
+        del yarn["mscale"], yarn["mscale_all_dim"]
+        kw.update(attention_bias=True, rope_parameters=yarn, swiglu_limit=SWIGLU_LIMIT)
+        return tf.GptOssConfig(**dict(kw, **over))
     raise AssertionError(family)
 
 
@@ -129,8 +152,10 @@ def hf_model(config):
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms and biases away from their init, DeepSeek's correction bias too
         for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(".bias"):  # biases away from zero too
+            if "norm" in name or name.endswith((".bias", "_bias")):  # biases away from zero too
                 p.add_(torch.randn_like(p) * 0.3)
+            if name.endswith("sinks"):  # gpt_oss: sink logits as large as the scores
+                p.copy_(torch.randn_like(p) * 2)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.05)
@@ -147,6 +172,9 @@ def family(request, tmp_path_factory):
     ).eval()
     ours, _ = load(folder)
     return request.param, ours, ref, folder
+
+
+ROUTER_NAMES = ("mlp.gate", "mlp.router")  # transformers' router modules (gpt_oss: router)
 
 
 def routers(model) -> list:
@@ -177,7 +205,7 @@ def test_every_expert_routed_as_transformers_routes(family):
     hooks = [
         m.register_forward_hook(lambda m, i, o: theirs.append(o[2]))
         for n, m in ref.named_modules()
-        if n.endswith("mlp.gate")
+        if n.endswith(ROUTER_NAMES)
     ]
     with torch.no_grad():
         ref(ids)
@@ -223,7 +251,7 @@ def untied(ref):
         hooks = [
             m.register_forward_hook(lambda m, i, o: seen.append(boundary_gap(m, o[0])))
             for n, m in ref.named_modules()
-            if n.endswith("mlp.gate")
+            if n.endswith(ROUTER_NAMES)
         ]
         try:
             with torch.no_grad():
@@ -316,9 +344,13 @@ def test_spec_moe_fields_agree_with_transformers(name):
             assert block.mlp.down_proj.weight.shape == mlp.down_proj.weight.shape
             continue
         assert isinstance(block.mlp, SparseMoE)
-        assert mlp.gate.top_k == m.top_k and mlp.gate.weight.shape == (n, spec.hidden_size)
+        gate = mlp.router if name == "gpt_oss" else mlp.gate
+        assert gate.top_k == m.top_k and gate.weight.shape == (n, spec.hidden_size)
+        assert (block.mlp.gate.bias is not None) == (name == "gpt_oss") == hasattr(gate, "bias")
         for t in ("gate_up_proj", "down_proj"):
-            assert getattr(block.mlp.experts, t).shape == getattr(mlp.experts, t).shape
+            theirs = getattr(mlp.experts, t)  # gpt_oss: [E, H, 2I] and [E, I, H]
+            theirs = theirs.transpose(1, 2) if name == "gpt_oss" else theirs
+            assert getattr(block.mlp.experts, t).shape == theirs.shape
         shared_name = "shared_experts" if name.startswith("deepseek") else "shared_expert"
         assert hasattr(mlp, shared_name) == (shared is not None)
         if shared:
@@ -337,7 +369,10 @@ def test_spec_moe_fields_agree_with_transformers(name):
         "olmoe": [None] * 2,
         "deepseek_v3": [None] * 3,
         "deepseek_v3_yarn": [None] * 3,
+        "gpt_oss": [WINDOW, None],
     }[name]
+    sinks = [getattr(b.self_attn, "sinks", None) for b in ours.model.layers]
+    assert all((s is not None) == (name == "gpt_oss") for s in sinks)
 
 
 def test_fused_checkpoint_loads_the_same(family, tmp_path):
@@ -359,15 +394,17 @@ def test_fused_checkpoint_loads_the_same(family, tmp_path):
 
 
 def test_missing_expert_tensor_is_named(family, tmp_path):
+    """An expert tensor missing from the checkpoint (gpt_oss, stored fused: a layer's expert
+    biases) is named in the error."""
     name, _, ref, folder = family
     part = tmp_path / "part"
     part.mkdir()
     shutil.copy(folder / "config.json", part / "config.json")
     state = load_file(str(folder / "model.safetensors"))
-    gone = next(k for k in state if ".experts.3." in k)
+    gone = next(k for k in state if ".experts.3." in k or k.endswith("experts.down_proj_bias"))
     del state[gone]
     save_file(state, str(part / "model.safetensors"))
-    with pytest.raises(CompressError, match="lacks") as e:
+    with pytest.raises(CompressError, match="lacks|missing") as e:
         load(part)
     assert gone in str(e.value)
 
@@ -445,9 +482,12 @@ def test_methods_that_miss_experts_are_refused_before_loading(family, recipe, ex
 
     name, _, _, folder = family
     over = [f"model.path={folder}", "eval.seqlen=256"]
+    given = " ".join(extra)
+    if name == "gpt_oss" and "symmetric=true" in given and "quant.format" not in given:
+        match = "gpt_oss's experts"  # its own refusal (test_gpt_oss_quantization_refused)
     if name == "qwen2_moe" and "awq.symmetric=true" in extra:
         pytest.skip("its 48-wide shared expert fails the auto group size check first")
-    if "shared_expert" in match and name != "qwen2_moe":  # its shared expert is 48 wide
+    if "shared_expert" in match and name not in ("qwen2_moe", "gpt_oss"):  # 48 wide
         validate(compose(recipe, over + extra))
         return
     with pytest.raises(CompressError, match=match):
@@ -464,7 +504,7 @@ def rtn_runs(tmp_path_factory, tokenizer):
     from tests.conftest import compose
 
     out = {}
-    for name in FAMILIES:
+    for name in QUANT_FAMILIES:
         root = tmp_path_factory.mktemp(f"rtn_{name}")
         shared = {"shared_expert_intermediate_size": 64} if name == "qwen2_moe" else {}
         hf_model(moe_config(name, vocab_size=tokenizer.vocab_size, **shared)).save_pretrained(
@@ -480,7 +520,7 @@ def rtn_runs(tmp_path_factory, tokenizer):
     return out
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", QUANT_FAMILIES)
 def test_rtn_quantizes_every_expert_one_tensor_each(rtn_runs, name):
     """The folder holds every expert of every sparse layer as its own compressed-tensors layer,
     whose codes the compressed-tensors library decompresses to the symmetric RTN of that
@@ -525,7 +565,7 @@ def test_rtn_quantizes_every_expert_one_tensor_each(rtn_runs, name):
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", QUANT_FAMILIES)
 def test_quantized_folder_loads_in_transformers_as_in_our_decoder(rtn_runs, name, method):
     """Stock ``from_pretrained`` (no flags: compressed-tensors decompresses the experts) and our
     decoder agree within 1e-3 on an RTN or AWQ folder, at every position whose routing is not a near tie
@@ -613,7 +653,7 @@ def mlp_error(model, source, ids) -> float:
     return rel(torch.cat(got), torch.cat(want))
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", QUANT_FAMILIES)
 def test_awq_on_experts_beats_rtn_with_outlier_channels(name):
     """With outlier channels injected into the experts' inputs (the model's function unchanged),
     symmetric AWQ INT4's MLP output error against the source (:func:`mlp_error`: the routers,
@@ -677,3 +717,52 @@ def test_compiled_step_runs_quantized_experts_outside_its_graph(rtn_runs):
     with torch.no_grad():
         want = ours(tokens, new_cache(ours, "full", 1, tokens.shape[1]))
     assert rel(logits, want) < TOL
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)
+@torch.no_grad()
+def test_gpt_oss_sinks_and_clamp_take_part(family):
+    """The gpt_oss model that matches transformers above does so with its attention sinks and
+    the clamped SwiGLU doing work: without either, its logits move far beyond TOL."""
+    name, ours, _, _ = family
+    ids = torch.tensor(prompts(1))
+    want = ours(ids, new_cache(ours, "full", 1, ids.shape[1]))
+    experts = [b.mlp.experts for b in ours.model.layers]
+    sinks = [b.self_attn.sinks for b in ours.model.layers]
+    saved = [s.clone() for s in sinks]
+    try:
+        for s in sinks:
+            s.fill_(-float("inf"))  # a sink of weight 0
+        assert rel(ours(ids, new_cache(ours, "full", 1, ids.shape[1])), want) > 100 * TOL
+    finally:
+        for s, v in zip(sinks, saved):
+            s.copy_(v)
+    try:
+        for x in experts:
+            x.limit = 1e9  # no clamp
+        assert rel(ours(ids, new_cache(ours, "full", 1, ids.shape[1])), want) > 100 * TOL
+    finally:
+        for x in experts:
+            x.limit = SWIGLU_LIMIT
+    assert torch.equal(ours(ids, new_cache(ours, "full", 1, ids.shape[1])), want)
+
+
+def test_gpt_oss_quantization_refused(tmp_path):
+    """A quantizing recipe on gpt_oss is refused in ``validate``, naming why (its experts'
+    layout); an MXFP4 checkpoint is refused before any weight is read, naming the fix."""
+    from compress.recipe.config import compose, validate
+
+    folder = tmp_path / "g"
+    hf_model(moe_config("gpt_oss")).save_pretrained(folder)
+    for recipe in ("rtn_int4", "awq_int4"):
+        key = recipe.split("_")[0]
+        over = [f"model.path={folder}", "eval.seqlen=256", f"{key}.symmetric=true"]
+        with pytest.raises(CompressError, match="gpt_oss's experts"):
+            validate(compose(recipe, over))
+    validate(compose("fp", [f"model.path={folder}", "eval.seqlen=256"]))
+    mx = write_config(
+        tmp_path / "mx", moe_config("gpt_oss"), quantization_config={"quant_method": "mxfp4"}
+    )
+    with pytest.raises(CompressError, match="mxfp4") as e:
+        load(mx)
+    assert "safetensors" not in str(e.value)

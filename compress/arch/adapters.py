@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from compress.arch.moe import SIGMOID_GROUP, SOFTMAX_TOPK, TOPK_SOFTMAX
+from compress.arch.moe import BIASED_TOPK, SIGMOID_GROUP, SOFTMAX_TOPK, TOPK_SOFTMAX
 from compress.errors import CompressError
 
 
@@ -80,6 +80,14 @@ class Adapter:
     dense_first: str | None = None  # config field: the count of leading dense layers
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint names
     mlp_aliases: tuple = ()  # (checkpoint name, ours) of the MLP (mixtral's block_sparse_moe)
+    # "fused": gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I]; "transposed":
+    # gpt-oss's gate_up_proj [E, H, 2I] with gate and up columns interleaved, down_proj [E, I, H]
+    expert_layout: str = "fused"
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    expert_glu: str = "gated"  # "gated": act(gate) * up; "clamped_swiglu": gpt-oss's
+    sinks: bool = (
+        False  # attention sinks: a learned logit per query head (gpt-oss's self_attn.sinks)
+    )
 
     def norms(self) -> tuple[str, ...]:
         """Paths inside a layer of its hidden-width norms, in the order the forward runs them."""
@@ -258,6 +266,20 @@ DEEPSEEK_V3 = Adapter(
     shared_name="shared_experts",
     dense_first="first_k_dense_replace",
 )
+# gpt-oss: attention sinks, q/k/v/o biases, alternating sliding and full layers (layer_types),
+# YaRN; a biased router (mlp.router) over transposed experts with biases and the clamped SwiGLU.
+GPT_OSS = Adapter(
+    family="gpt_oss",
+    linears=ATTENTION_LINEARS,
+    router=BIASED_TOPK,
+    experts_field="num_local_experts",
+    expert_size_field="intermediate_size",
+    mlp_aliases=(("mlp.router", "mlp.gate"),),
+    expert_layout="transposed",
+    expert_bias=True,
+    expert_glu="clamped_swiglu",
+    sinks=True,
+)
 ADAPTERS = {
     a.family: a
     for a in (
@@ -273,6 +295,7 @@ ADAPTERS = {
         MIXTRAL,
         OLMOE,
         DEEPSEEK_V3,
+        GPT_OSS,
     )
 }
 

@@ -24,7 +24,15 @@ sigmoid and chooses with a bias it adds for load balancing only, among the best 
     e = top_k(c) among the experts of the topk_group best groups
     w = s[e]; w <- w / (sum(w) + 1e-20) if norm_topk_prob; w <- routed_scaling_factor * w
 
-The two router kinds differ in their dtype order too: "softmax_topk" (qwen2_moe, qwen3_moe,
+gpt-oss's router ("biased_topk_softmax") has a bias and takes the softmax over the top-k
+logits, in the activations' dtype; its experts carry biases and compute the clamped SwiGLU
+(``swiglu_limit`` L, ``swiglu_alpha`` a)::
+
+    logits = W_r x + b_r;  (v, e) = top_k(logits);  w = softmax(v)
+    g = min(gate_e(x) + bg_e, L);  u = clamp(up_e(x) + bu_e, -L, L)
+    f_e(x) = down_e((u + 1) * g * sigmoid(a * g)) + bd_e
+
+The other router kinds differ in their dtype order too: "softmax_topk" (qwen2_moe, qwen3_moe,
 olmoe) rounds w to the activations' dtype before the product; "topk_softmax" (mixtral) keeps w
 in fp32, multiplies in fp32 and rounds the product. Layers are dense or sparse per config:
 qwen2_moe and qwen3_moe make layer i dense when it is in ``mlp_only_layers`` or when
@@ -38,7 +46,8 @@ from dataclasses import dataclass
 
 SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"  # the router kinds (docstring)
 SIGMOID_GROUP = "sigmoid_group"  # DeepSeek V3's grouped sigmoid router (docstring)
-ROUTERS = (SOFTMAX_TOPK, TOPK_SOFTMAX, SIGMOID_GROUP)
+BIASED_TOPK = "biased_topk_softmax"  # gpt-oss's router (docstring)
+ROUTERS = (SOFTMAX_TOPK, TOPK_SOFTMAX, SIGMOID_GROUP, BIASED_TOPK)
 DENSE, EXPERTS = "dense", "experts"
 
 
@@ -58,6 +67,9 @@ class MoESpec:
     n_group: int = 1  # sigmoid_group: expert groups, of which topk_group are chosen from
     topk_group: int = 1
     routed_scale: float = 1.0  # sigmoid_group: routed_scaling_factor
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    swiglu_limit: float | None = None  # the clamped SwiGLU's L (gpt-oss); None: act(gate) * up
+    swiglu_alpha: float = 1.0  # the clamped SwiGLU's a
 
 
 def _count(value) -> bool:
@@ -139,7 +151,9 @@ def moe_of(config, adapter, n_layers: int, refuse: Callable) -> tuple[MoESpec | 
                 f"set it to the number of leading dense layers, 0..{n_layers}.",
             )
         kinds = [DENSE] * first + [EXPERTS] * (n_layers - first)
-    renorm = adapter.router == TOPK_SOFTMAX or bool(getattr(config, "norm_topk_prob", False))
+    renorm = adapter.router in (TOPK_SOFTMAX, BIASED_TOPK) or bool(
+        getattr(config, "norm_topk_prob", False)
+    )
     spec = MoESpec(
         n_experts=E,
         top_k=k,
@@ -148,9 +162,28 @@ def moe_of(config, adapter, n_layers: int, refuse: Callable) -> tuple[MoESpec | 
         intermediate_size=width,
         shared_intermediate_size=shared,
         shared_gated=adapter.shared_expert == "gated",
+        expert_bias=adapter.expert_bias,
         **groups,
+        **_clamped_swiglu(config, adapter, refuse),
     )
     return spec, tuple(kinds)
+
+
+def _clamped_swiglu(config, adapter, refuse: Callable) -> dict:
+    """gpt-oss's swiglu_limit and swiglu_alpha (empty for the plain gated MLP), checked."""
+    if adapter.expert_glu != "clamped_swiglu":
+        return {}
+    out = {}
+    for field in ("swiglu_limit", "swiglu_alpha"):
+        value = getattr(config, field, None)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            refuse(config, f"has {field}={value!r}", f"set {field} to a finite number > 0.")
+        out[field] = float(value)
+    return out
 
 
 def _groups(config, adapter, E: int, k: int, refuse: Callable) -> dict:

@@ -19,6 +19,8 @@ decoder's one forward, its caches, the methods) reads the spec, never the raw co
                                  (``compress.arch.moe.MoESpec``: count, top-k, router kind,
                                  expert width, shared expert); spec.layers[i].mlp "dense" or
                                  "experts"
+    spec.sinks                   attention sinks: a learned logit per query head in every layer's
+                                 attention weights, a key whose value is 0 (gpt-oss)
     spec.activation              "silu", "gelu_tanh" or "gelu" of the gated MLP
     spec.embed_scale             None, or the factor the embeddings are multiplied by (Gemma:
                                  sqrt(hidden), rounded to the embedding's dtype as transformers does)
@@ -126,6 +128,7 @@ class ArchSpec:
     qk_norm_full: bool = False  # q/k norms over the whole projection (OLMoE), not per head
     moe: MoESpec | None = None  # the sparse layers' experts (compress.arch.moe)
     latent: LatentSpec | None = None  # DeepSeek's latent attention
+    sinks: bool = False  # attention sinks (gpt-oss)
 
     @property
     def n_layers(self) -> int:
@@ -413,6 +416,7 @@ def spec_of(config) -> ArchSpec:
         qk_norm_full=adapter.qk_norm_full,
         moe=moe,
         latent=latent,
+        sinks=adapter.sinks,
     )
 
 

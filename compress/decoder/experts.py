@@ -11,6 +11,11 @@ kinds)::
     f_e(x) = down_e(act(gate_e(x)) * up_e(x))           gate_e, up_e the rows of gate_up_proj[e]
     y = sum_j y_j (+ sigmoid(g . x) * shared(x))
 
+gpt-oss (``biased_topk_softmax``): the router's logits have a bias, w = softmax over the top-k
+logits in the activations' dtype, and f_e is the clamped SwiGLU with the experts' biases
+(``compress.arch.moe``); its checkpoint's experts (``gate_up_proj`` [E, H, 2I], gate and up
+columns interleaved; ``down_proj`` [E, I, H]) are read into the layout above.
+
 as transformers computes them, in its order: the experts' outputs are added into zeros expert
 by expert, in ascending expert order. Only routed experts run: the rows routed to expert e are
 gathered (``index_select``), run through ``gate_up_proj[e]`` and ``down_proj[e]`` and scattered
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.arch.moe import EXPERTS, SIGMOID_GROUP, SOFTMAX_TOPK, MoESpec
+from compress.arch.moe import BIASED_TOPK, EXPERTS, SIGMOID_GROUP, SOFTMAX_TOPK, MoESpec
 from compress.arch.spec import ArchSpec
 from compress.errors import CompressError
 from compress.formats import compressed_tensors as ct
@@ -49,6 +54,7 @@ class Router(nn.Module):
         super().__init__()
         self.top_k, self.kind, self.renorm = moe.top_k, moe.router, moe.norm_topk
         self.weight = nn.Parameter(torch.empty(moe.n_experts, dim))
+        self.bias = nn.Parameter(torch.empty(moe.n_experts)) if moe.router == BIASED_TOPK else None
         self.keeps_fp32 = moe.router == SIGMOID_GROUP
         if self.keeps_fp32:
             self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))
@@ -57,7 +63,10 @@ class Router(nn.Module):
     def forward(self, x):
         if self.keeps_fp32:
             return self.sigmoid_group(x)
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
+        if self.kind == BIASED_TOPK:  # gpt-oss: the softmax of the top-k logits, in their dtype
+            v, e = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(v, dim=-1, dtype=v.dtype), e
         p = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, e = torch.topk(p, self.top_k, dim=-1)
         if self.renorm:
@@ -83,14 +92,28 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``forward(x [N, H], w [N, k], e [N, k]) -> [N, H]``: each routed expert over its rows."""
+    """``forward(x [N, H], w [N, k], e [N, k]) -> [N, H]``: each routed expert over its rows
+    (with the spec's expert biases ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H])."""
 
     def __init__(self, moe: MoESpec, dim: int, act):
         super().__init__()
         E, inter = moe.n_experts, moe.intermediate_size
         self.n_experts, self.act = E, act
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, dim))
         self.down_proj = nn.Parameter(torch.empty(E, dim, inter))
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if moe.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * inter))
+            self.down_proj_bias = nn.Parameter(torch.empty(E, dim))
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up``, or gpt-oss's clamped SwiGLU (``compress.arch.moe``)."""
+        gate, up = gate_up.chunk(2, -1)
+        if self.limit is None:
+            return self.act(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x, w, e):
         if torch.compiler.is_compiling() or x.shape[0] * e.shape[-1] <= self.n_experts:
@@ -101,8 +124,12 @@ class Experts(nn.Module):
         """Each row through its own k experts' weights, gathered (decode: no loop, no sync)."""
         e, order = e.sort(dim=-1)  # ascending expert, the order transformers adds them in
         w = w.gather(-1, order)
-        gate, up = (self.gate_up_proj[e] @ x[:, None, :, None]).squeeze(-1).chunk(2, -1)
-        y = (self.down_proj[e] @ (self.act(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+        gate_up = (self.gate_up_proj[e] @ x[:, None, :, None]).squeeze(-1)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[e]
+        y = (self.down_proj[e] @ self.glu(gate_up)[..., None]).squeeze(-1)  # [N, k, H]
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[e]
         out = torch.zeros_like(x)
         for j in range(e.shape[-1]):
             out = out + (y[:, j] * w[:, j, None]).to(out.dtype)
@@ -111,9 +138,13 @@ class Experts(nn.Module):
     def grouped(self, x, w, e):
         """Each routed expert over the rows routed to it, in ascending expert order."""
 
+        biased = self.gate_up_proj_bias is not None
+
         def run(expert, rows):
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, -1)
-            return F.linear(self.act(gate) * up, self.down_proj[expert])
+            gu_bias = self.gate_up_proj_bias[expert] if biased else None
+            gate_up = F.linear(rows, self.gate_up_proj[expert], gu_bias)
+            d_bias = self.down_proj_bias[expert] if biased else None
+            return F.linear(self.glu(gate_up), self.down_proj[expert], d_bias)
 
         return each_routed(x, w, e, self.n_experts, run)
 
@@ -226,6 +257,28 @@ class SparseMoE(nn.Module):
         return y.view(shape)
 
 
+def untransposed_experts(tensors: dict, p: str) -> dict:
+    """gpt-oss's experts ``p`` in our layout: ``gate_up_proj`` [E, H, 2I] (gate, up columns
+    interleaved) -> [E, 2I, H] gate rows first, its bias likewise, ``down_proj`` [E, I, H] ->
+    [E, H, I]."""
+    gu, down = tensors[f"{p}.gate_up_proj"], tensors.get(f"{p}.down_proj")
+    if gu.dim() != 3 or down is None or down.dim() != 3:
+        raise CompressError(
+            f"'{p}.gate_up_proj' and '{p}.down_proj' must be [experts, hidden, 2 x width] and "
+            f"[experts, width, hidden] float tensors, as transformers saves gpt-oss; an MXFP4 "
+            f"checkpoint (..._blocks, ..._scales) must be dequantized first (transformers: "
+            f"Mxfp4Config(dequantize=True), then save_pretrained)."
+        )
+    out = {
+        f"{p}.gate_up_proj": torch.cat([gu[..., 0::2], gu[..., 1::2]], -1).transpose(1, 2),
+        f"{p}.down_proj": down.transpose(1, 2),
+    }
+    bias = tensors.get(f"{p}.gate_up_proj_bias")
+    if bias is not None:
+        out[f"{p}.gate_up_proj_bias"] = torch.cat([bias[..., 0::2], bias[..., 1::2]], -1)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def dequantized_experts(tensors: dict, qcfg: dict | None) -> dict:
     """``tensors`` with every expert's compressed-tensors layer (``...experts.{e}.NAME.weight_packed``
     and its scale, zero point and shape) replaced by its float ``...NAME.weight``."""
@@ -264,6 +317,9 @@ def fused_expert_tensors(tensors: dict, spec: ArchSpec, qcfg: dict | None = None
         if layer.mlp != EXPERTS:
             continue
         p = f"{a.layers}.{layer.index}.{a.mlp}.experts"
+        if a.expert_layout == "transposed" and f"{p}.gate_up_proj" in out:
+            out.update(untransposed_experts(out, p))
+            continue
         parts = {
             role: [out.pop(f"{p}.{e}.{name}.weight", None) for e in range(spec.moe.n_experts)]
             for role, name in (("gate", g), ("up", u), ("down", d))

@@ -1,6 +1,7 @@
 """Our own decoder-only transformer, in the spirit of gpt-fast's ``model.py``: one forward for every
 family of ``compress.arch.adapters`` (llama, mistral, qwen2, qwen3, gemma3_text, the
-mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe and the converted cla / mla), reading only
+mixture-of-experts qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, gpt_oss and the converted
+cla / mla), reading only
 the architecture spec (``compress.arch.spec.ArchSpec``, ``model.spec``).
 
 One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
@@ -14,6 +15,8 @@ One decoder layer l, with n1 = the input norm and n2 = the MLP's input norm::
     attend_l = the cache's attention (kv/base.py) under mask_l: the future, the left padding
                and, for a local layer of window w, the keys at positions <= p - w are hidden
 
+``attend_l`` adds gpt-oss's attention sinks (one logit per query head, ``self_attn.sinks``) to
+the attention weights' denominator.
 ``qn``/``kn`` (per-head RMSNorm, Qwen3 and Gemma 3; over the whole q and k projections, OLMoE),
 ``o_post``/``m_post`` (Gemma 3's post-norms) are the identity where the spec has none; a sparse
 layer's MLP is the router-weighted sum of its top-k experts' (``compress.decoder.experts``);
@@ -194,6 +197,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = norm(spec, self.n_heads * D), norm(spec, self.n_kv_heads * D)
         elif spec.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
             self.q_norm, self.k_norm = norm(spec, spec.head_dim), norm(spec, spec.head_dim)
+        # gpt-oss: a sink logit per query head (the cache applies it: kv/base.py)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if spec.sinks else None
         self.qkv_proj = None  # the input projections, fused by fuse_projections()
 
     def inputs(self) -> list[str]:
@@ -520,6 +525,10 @@ class Transformer(nn.Module):
         n_kv_heads * rope`` channels whose first ``latent`` are the value."""
         spec = self.spec
         a, windows = self.model.layers[0].self_attn, tuple(spec.slot_windows())
+        sinks = None
+        if spec.sinks:  # each slot's writer's sink logits
+            writers = [b.self_attn for b in self.model.layers if b.self_attn.writes_kv]
+            sinks = torch.stack([w.sinks.detach().float() for w in writers])
         if isinstance(a, LatentAttention):
             return KVLayout(
                 n_layers=spec.n_slots,
@@ -535,6 +544,7 @@ class Transformer(nn.Module):
             head_dim=spec.head_dim,
             scale=None if spec.attn_scale == spec.head_dim**-0.5 else spec.attn_scale,
             windows=windows,
+            sinks=sinks,
         )
 
     @property

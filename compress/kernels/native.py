@@ -62,7 +62,7 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "w4a8_quantize": [P, P, P, P, I64, I64, I64],
     "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
     "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
-    "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, INT, INT],
+    "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, P, INT, INT],
     "skinny_linear": [P, P, P, P, I64, I64, I64, INT, INT],
 }
 RESTYPES = {"w4a8_caps": INT, "skinny_caps": INT}  # functions returning a value (others: void)

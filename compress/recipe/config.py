@@ -542,13 +542,13 @@ WHY_NOT_EXPERTS = {
     "fused, so they would stay in 16 bits (bitsandbytes issue 1849); no int8 expert format "
     "loads in transformers",
     "gptq": "its Hessians do not yet cover experts, nor experts calibration never reaches",
-    "prune": "Minitron's expert pruning is not built",
+    "prune": "on a mixture-of-experts model prune takes prune.experts.keep and "
+    "prune.experts.intermediate_size (recipe=minitron_experts), which are not set",
     "gqa": "attention conversion of mixture-of-experts models is not built",
     "cla": "attention conversion of mixture-of-experts models is not built",
     "mla": "attention conversion of mixture-of-experts models is not built",
     "rotate": "the rotation does not yet rotate the router and the experts",
     "iam": "IAM's attention mapping is not built for mixture-of-experts models",
-    "distill": "distillation of a mixture-of-experts student is not built",
 }
 
 
@@ -557,7 +557,11 @@ def check_experts(cfg, hf_config) -> None:
     leave them in full precision), and an RTN scheme transformers cannot load for experts."""
     if spec_of(hf_config).moe is None or not cfg.stages:
         return
-    other = [s for s in cfg.stages if s not in EXPERT_STAGES]
+    prunes = "prune" in cfg.stages and any(
+        v is not None for v in dict(cfg.prune.get("experts") or {}).values()
+    )
+    reach = EXPERT_STAGES + ("distill",) + (("prune",) if prunes else ())
+    other = [s for s in cfg.stages if s not in reach]
     if other:
         why = WHY_NOT_EXPERTS.get(other[0], "it does not reach experts yet")
         raise CompressError(
@@ -567,6 +571,8 @@ def check_experts(cfg, hf_config) -> None:
             f"awq.symmetric=true (or rtn_int4 rtn.symmetric=true), or recipe=fp to evaluate the "
             f"model as it is."
         )
+    if not set(cfg.stages) & set(EXPERT_STAGES):
+        return  # prune and distill write float folders
     fmt = (cfg.get("quant") or {}).get("format") or "compressed-tensors"
     if fmt != "compressed-tensors":
         raise CompressError(
@@ -574,7 +580,7 @@ def check_experts(cfg, hf_config) -> None:
             f"format stores experts (one tensor per expert); leave quant.format at its default."
         )
     for stage in cfg.stages:
-        if cfg[stage].get("symmetric", False):
+        if stage not in EXPERT_STAGES or cfg[stage].get("symmetric", False):
             continue
         raise CompressError(
             f"{stage}.symmetric=false on '{hf_config.model_type}', a mixture-of-experts model: "
@@ -586,6 +592,14 @@ def check_experts(cfg, hf_config) -> None:
         raise CompressError(
             "awq.quantize=false on a mixture-of-experts model: the stage after it (gptq) does "
             "not reach experts yet. Use recipe=awq_int4 awq.symmetric=true."
+        )
+    if spec_of(hf_config).adapter.expert_layout != "fused":
+        raise CompressError(
+            f"stages={_spell(list(cfg.stages))} on '{hf_config.model_type}': {hf_config.model_type}'s "
+            f"experts (gate_up_proj [E, hidden, 2 x width] with gate and up interleaved, biases, "
+            f"the clamped SwiGLU) are not split into per-expert linears by compress's quantizers "
+            f"yet, and transformers reads them only fused, so no per-expert quantized folder of "
+            f"it would load. Use recipe=fp to evaluate and serve it as it is."
         )
 
 

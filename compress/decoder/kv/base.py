@@ -19,11 +19,15 @@ sliding window does. Such a layer keeps only what a later query can see: ``w`` t
 so its bytes are bounded at any length. Scores and softmax run in ``dtype`` (fp32 on the CPU);
 the output comes back in ``q``'s dtype.
 
+Attention sinks (gpt-oss, the layout's ``sinks``): query head h's softmax has one more logit
+``z_h``, a key whose value is 0, so ``out = sum_j exp(s_j) V_j / (exp(z_h) + sum_j exp(s_j))``;
+every kind applies them (:func:`masked_softmax`, :func:`fused_attention`, the kernels).
+
 Every kind is built from one :class:`KVLayout` (the model's ``kv_layout()``: what it stores per
 token) and its own options: ``Kind(layout, batch, max_len, dtype, device, lookahead=0, ...)``.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +45,7 @@ class KVLayout:
         v_dim       None: V of its own, D wide; d: V is K's first d channels, stored once (MLA)
         scale       the softmax scale of q K^T; None: D**-0.5
         windows     each slot's sliding window in tokens (None: global); None: every slot global
+        sinks       None, or fp32 [n_layers, H]: each slot's attention-sink logit per query head
 
     Every cache kind takes it whole, with its own options besides.
     """
@@ -51,6 +56,7 @@ class KVLayout:
     v_dim: int | None = None
     scale: float | None = None
     windows: tuple[int | None, ...] | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.windows is not None:
@@ -99,25 +105,42 @@ def sees_everything(qpos: torch.Tensor, start: torch.Tensor | None, length: int)
     )
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
-    """Softmax over keys of ``scores [B, Hkv, g*Tq, Lk]`` with ``mask`` from :func:`hidden`.
+def masked_softmax(
+    scores: torch.Tensor, mask: torch.Tensor | None, tq: int, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Softmax over keys of ``scores [B, Hkv, g*Tq, Lk]`` with ``mask`` from :func:`hidden`
+    (None: nothing hidden) and ``sinks`` (:meth:`Cache.sink_rows`: one more logit per row).
 
     A query whose keys are all hidden (a padding query) gets finite weights, not NaN.
     """
     B, H, M, L = scores.shape
-    s = scores.view(B, H, M // tq, tq, L).masked_fill(mask, torch.finfo(scores.dtype).min)
-    return s.softmax(-1).view(B, H, M, L)
+    s = scores
+    if mask is not None:
+        s = s.view(B, H, M // tq, tq, L).masked_fill(mask, torch.finfo(s.dtype).min)
+        s = s.view(B, H, M, L)
+    if sinks is None:
+        return s.softmax(-1)
+    s = torch.cat([s, sinks.to(s.dtype).expand(B, H, M, 1)], -1)
+    return s.softmax(-1)[..., :L]
 
 
-def fused_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
+def fused_attention(q, keys, values, mask, scale: float, sinks=None) -> torch.Tensor:
     """``softmax(q K^T * scale + mask) V`` through torch's fused ``scaled_dot_product_attention``
     in the keys' dtype: ``q [B, H, Tq, D]``, ``keys``/``values [B, Hkv, L, D]`` (query head ``j``
     reads KV head ``j // (H / Hkv)``), ``mask`` from :func:`hidden` with one KV-head row. A query
     whose keys are all hidden (padding) attends to all of them, so its output stays finite.
 
     ``python eval/bench/bench_serve.py`` measures it against the gather-then-
-    ``masked_softmax`` form (same fp32 math, fewer copies of the gathered keys).
+    ``masked_softmax`` form (same fp32 math, fewer copies of the gathered keys). With ``sinks``
+    (``[H]``), which torch's fused attention does not take, it is that form.
     """
+    if sinks is not None:
+        B, H, Tq, D = q.shape
+        Hkv = keys.shape[1]
+        q4 = (q.to(keys.dtype) * scale).reshape(B, Hkv, -1, D)
+        rows = sinks.view(Hkv, H // Hkv, 1).expand(-1, -1, Tq).reshape(1, Hkv, -1, 1)
+        p = masked_softmax(q4 @ keys.transpose(-1, -2), mask, Tq, rows)
+        return (p @ values).reshape(B, H, Tq, -1).to(q.dtype)
     allowed = ~mask[:, 0, 0]  # [B|1, Tq, L]
     allowed = (allowed | ~allowed.any(-1, keepdim=True))[:, None]
     out = F.scaled_dot_product_attention(
@@ -165,6 +188,7 @@ class Cache:
         # latent attention: V is K's first v_dim channels, not stored apart
         self.v_dim = layout.v_dim
         self.scale = layout.head_dim**-0.5 if layout.scale is None else layout.scale
+        self.sinks = None if layout.sinks is None else layout.sinks.to(device, torch.float32)
         self.lens = [0] * layout.n_layers
 
     @property
@@ -239,6 +263,14 @@ class Cache:
         """``q [B, H, Tq, D]`` -> ``(q/sqrt(D) [B, Hkv, g*Tq, D], Tq)`` for this layer."""
         B, H, Tq, D = self.check_queries(q).shape
         return (q.to(self.dtype) * self.scale).reshape(B, self.n_kv_heads, -1, D), Tq
+
+    def sink_rows(self, layer: int, tq: int) -> torch.Tensor | None:
+        """``layer``'s sink logits in :meth:`queries`' row order, ``[1, Hkv, g*Tq, 1]`` (row
+        i*Tq + t of KV head j is query head j*g + i), or None without sinks."""
+        if self.sinks is None:
+            return None
+        z = self.sinks[layer].to(self.dtype)
+        return z.view(self.n_kv_heads, -1, 1).expand(-1, -1, tq).reshape(1, self.n_kv_heads, -1, 1)
 
     def heads(self, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, g*Tq, Dv]`` -> ``[B, H, Tq, Dv]`` in ``q``'s dtype."""

@@ -118,7 +118,9 @@ class FP16Cache(Cache):
         if self.windows[layer] is not None:
             lo = torch.maximum(lo, hi - self.windows[layer])
         lo = torch.minimum(lo, hi)
-        return cache_attention(q, self.k[layer], self.v[layer], lo, hi, self.scale).to(q.dtype)
+        sinks = None if self.sinks is None else self.sinks[layer]
+        out = cache_attention(q, self.k[layer], self.v[layer], lo, hi, self.scale, sinks)
+        return out.to(q.dtype)
 
     def weights(self, layer, q, pos=None, start=None, upto=None) -> torch.Tensor:
         """The attention weights ``softmax(q K^T * scale + mask)`` ``[B, Hkv, g*Tq, L]`` of
@@ -131,17 +133,18 @@ class FP16Cache(Cache):
             L = min(L, int(upto.max()) + 1)
         scores = q4 @ self.k[layer][:, :, :L].to(self.dtype).transpose(-1, -2)
         w = self.windows[layer]
+        sinks = self.sink_rows(layer, tq)
         if not self.static and w is None and sees_everything(pos, start, L):
-            return scores.softmax(-1)
+            return masked_softmax(scores, None, tq, sinks)
         kpos = torch.arange(L, device=q.device)[None, None]
-        return masked_softmax(scores, hidden(kpos, pos, start, w), tq)
+        return masked_softmax(scores, hidden(kpos, pos, start, w), tq, sinks)
 
-    def attend_over(self, q, keys, values, kpos, pos, start, window) -> torch.Tensor:
+    def attend_over(self, layer, q, keys, values, kpos, pos, start, window) -> torch.Tensor:
         """Attention of ``q`` at slots ``pos`` over ``keys``/``values [B, Hkv, L, D]`` (storage
         dtype) at positions ``kpos [1|B, 1|Hkv, L]``, masked with ``window``."""
         q4, tq = self.queries(q)
         scores = q4 @ keys.to(self.dtype).transpose(-1, -2)
-        p = masked_softmax(scores, hidden(kpos, pos, start, window), tq)
+        p = masked_softmax(scores, hidden(kpos, pos, start, window), tq, self.sink_rows(layer, tq))
         return self.heads(p @ values.to(self.dtype), q)
 
     def attend_ring(self, layer, q, pos=None, start=None):
@@ -149,7 +152,7 @@ class FP16Cache(Cache):
         pos = self.slots(layer, q.shape[2], pos, after=False)
         kpos = self.ring_positions(layer, pos.max())
         return self.attend_over(
-            q, self.k[layer], self.v[layer], kpos, pos, start, self.windows[layer]
+            layer, q, self.k[layer], self.v[layer], kpos, pos, start, self.windows[layer]
         )
 
     def attend_window(self, layer, q, pos=None, start=None):
@@ -162,7 +165,7 @@ class FP16Cache(Cache):
             lo, hi = max(0, L - tq + i - w + 1), min(L, L - tq + i + qb.shape[2])
             kpos = torch.arange(lo, hi, device=q.device)[None, None]
             ks, vs = self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
-            out.append(self.attend_over(qb, ks, vs, kpos, pb, start, w))
+            out.append(self.attend_over(layer, qb, ks, vs, kpos, pb, start, w))
         return torch.cat(out, dim=2)
 
     def attend_chunk(self, layer, q, pos=None, start=None):
@@ -180,7 +183,7 @@ class FP16Cache(Cache):
             keys = torch.cat([ring_k, k[:, :, lo:hi].to(self.storage)], 2)
             values = torch.cat([ring_v, v[:, :, lo:hi].to(self.storage)], 2)
             kpos = torch.cat([ring_pos, cpos[lo:hi][None, None]], -1)
-            out.append(self.attend_over(qb, keys, values, kpos, pb, start, w))
+            out.append(self.attend_over(layer, qb, keys, values, kpos, pb, start, w))
         return torch.cat(out, dim=2)
 
     def mix(self, layer, p: torch.Tensor) -> torch.Tensor:

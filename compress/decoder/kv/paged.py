@@ -160,6 +160,7 @@ class PagedCache(Cache):
         if pos is None:
             raise CompressError("the paged KV cache needs the queries' virtual slots pos.")
         B, L = s["gather"].shape
+        sinks = None if self.sinks is None else self.sinks[layer]
         if self.invariant:
             w = self.windows[layer]
             if "hi" not in s:  # the same for every layer of the group in the step
@@ -171,7 +172,7 @@ class PagedCache(Cache):
                     )
             if w is None:
                 out = paged_attn_cpu.attention(
-                    q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale
+                    q, self.k[layer], self.v[layer], s["gather"], s["hi"], self.scale, sinks=sinks
                 )
                 return out.to(q.dtype)
             slots, n = s["hi"]  # every query its own row of keys
@@ -183,6 +184,7 @@ class PagedCache(Cache):
                 slots,
                 n,
                 self.scale,
+                sinks=sinks,
             )
             return out.view(B, T, H, -1).transpose(1, 2).to(q.dtype)
         keys = self.k[layer].index_select(0, s["flat"]).view(B, L, self.n_kv_heads, -1)
@@ -193,6 +195,7 @@ class PagedCache(Cache):
             values.transpose(1, 2).to(self.dtype),
             hidden(s["kpos"], pos, step["start"], self.windows[layer]),
             self.scale,
+            sinks,
         )
 
     def put(self, tables, source: Cache, length: int) -> None:

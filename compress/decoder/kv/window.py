@@ -136,13 +136,13 @@ class ResidualCache(Cache):
         if sees_everything(qpos, start, self.lens[layer]) and (
             w is None or self.lens[layer] - first <= w
         ):
-            p = scores.softmax(-1)
+            p = masked_softmax(scores, None, tq, self.sink_rows(layer, tq))
         else:
             kpos = torch.arange(first, self.lens[layer], device=self.device)[None, None]
             if C:
                 hpos = self.history_positions(layer, qpos, start)
                 kpos = torch.cat([hpos, kpos.expand(*hpos.shape[:2], -1)], -1)
-            p = masked_softmax(scores, hidden(kpos, qpos, start, w), tq)
+            p = masked_softmax(scores, hidden(kpos, qpos, start, w), tq, self.sink_rows(layer, tq))
         out = p[..., H:] @ wv
         if H:
             out = out + self.history_mix(layer, p[..., :H].contiguous()).to(self.dtype)

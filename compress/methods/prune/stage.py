@@ -15,6 +15,10 @@ Recipe keys (``prune.*``)::
     ppl_samples:    calibration samples for the ppl-drop score (0: not computed)
     calib:          samples / seqlen / batch_size of the importance pass (null = calib.*)
     cache:          keep scores in ~/.cache/compress/importance/ (true)
+    experts:        a mixture-of-experts model's pruning (``experts.py``): keep (experts per
+                    sparse layer: a count >= top-k, or a fraction) and intermediate_size (each
+                    expert's width: a count or a fraction); null = the source's. The other
+                    axes stay the source's there.
 
 The scores go into the run folder as ``importance/scores.safetensors`` (a subfolder, so
 that loaders globbing ``*.safetensors`` see only the model); report.json gets
@@ -29,9 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.io.data import calib_samples, read_text
 from compress.io.source import cache_dir
+from compress.methods.prune import experts as moe_prune
 from compress.methods.prune.importance import cached_importance, save_scores
 from compress.methods.prune.prune import (
     AXES,
@@ -58,10 +64,37 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def expert_settings(p) -> dict | None:
+    """``prune.experts`` where it asks for anything (keep or intermediate_size set), else None."""
+    experts = dict(p.get("experts") or {})
+    unknown = sorted(set(experts) - {"keep", "intermediate_size"})
+    if unknown:
+        raise CompressError(
+            f"prune.experts has unknown keys {unknown}; it takes keep and intermediate_size."
+        )
+    return experts if any(v is not None for v in experts.values()) else None
+
+
 def check(cfg, hf_config=None) -> None:
     """Refuse, before the model loads, ``prune.*`` numbers the stage would replace or fail on
     after the calibration pass."""
     p = cfg.prune
+    experts = expert_settings(p)
+    if hf_config is not None and (experts or spec_of(hf_config).moe is not None):
+        if (
+            experts is None
+            or p.get("target_params") is not None
+            or any(v is not None for v in dict(p.get("export") or {}).values())
+        ):
+            raise CompressError(
+                f"prune on '{hf_config.model_type}': a mixture-of-experts model is pruned by "
+                f"prune.experts.keep (experts per layer) and prune.experts.intermediate_size "
+                f"(each expert's width) alone (recipe=minitron_experts); prune.export and "
+                f"prune.target_params are for dense models."
+                if spec_of(hf_config).moe is not None
+                else f"prune.experts is set, but '{hf_config.model_type}' has no experts."
+            )
+        moe_prune.target(hf_config, experts)
     c = p.get("calib") or {}
     rules = (
         ("round", p.get("round"), 1, False),
@@ -129,9 +162,57 @@ def target_sizes(model, p) -> dict:
     return sizes
 
 
+def prune_experts(model, ctx, experts: dict):
+    """The mixture-of-experts path (``experts.py``): REAP saliency, then slicing."""
+    cfg, p = ctx.cfg, ctx.cfg.prune
+    want = moe_prune.target(model.config, experts)
+    c = p.get("calib") or {}
+    samples = int(_given(c.get("samples"), cfg.calib.samples))
+    seqlen = int(_given(c.get("seqlen"), cfg.calib.seqlen))
+    text = read_text(cfg.data.calib.source, role="calib")
+    tokens = calib_samples(ctx.tokenizer, text, samples, seqlen, seed=cfg.seed)
+    t = time.time()
+    scores = moe_prune.expert_scores(model, tokens, int(_given(c.get("batch_size"), 8)))
+    importance_s = round(time.time() - t, 2)
+    moe = spec_of(model.config).moe
+    keep = moe_prune.kept(scores, want["keep"], want["width"], moe.n_group)
+    pruned = moe_prune.prune_experts(model, keep, want["keep"], want["width"])
+    params, source_params = param_total(pruned), param_total(model)
+    log.info(
+        "pruned experts %d x %d -> %d x %d per layer: %s -> %s parameters",
+        moe.n_experts,
+        moe.intermediate_size,
+        want["keep"],
+        want["width"],
+        f"{source_params:,}",
+        f"{params:,}",
+    )
+    ctx.record.update(
+        params=params,
+        source_params=source_params,
+        params_ratio=round(params / source_params, 4),
+        prune={
+            "experts": want["keep"],
+            "source_experts": moe.n_experts,
+            "expert_width": want["width"],
+            "source_expert_width": moe.intermediate_size,
+            "kept_experts": {i: k["experts"].tolist() for i, k in keep.items()},
+            "routed_tokens": {i: s["routed"].long().tolist() for i, s in scores.items()},
+            "saliency": {i: [round(float(v), 6) for v in s["saliency"]] for i, s in scores.items()},
+            "importance_s": importance_s,
+            "calib": {"samples": samples, "seqlen": seqlen},
+        },
+    )
+    del model
+    return pruned
+
+
 def prune(model, ctx):
     cfg = ctx.cfg
     p = cfg.prune
+    experts = expert_settings(p)
+    if experts is not None:
+        return prune_experts(model, ctx, experts)
     orig = sizes_of(model.config)
     sizes = target_sizes(model, p)  # fail on bad sizes before the calibration pass
 
