@@ -35,8 +35,12 @@ from tests.test_methods_families import decoder_logits, hf_logits, rel_err, toke
 # ---- independent references ---------------------------------------------------------------------
 
 
-def grid(wg, bits):
-    """Asymmetric min/max grid of the groups along the last axis, fp16 scales (written out)."""
+def grid(wg, bits, symmetric=False):
+    """Asymmetric min/max grid of the groups along the last axis, fp16 scales (written out);
+    ``symmetric``: max|w| / (2^(b-1) - 1), zero point 2^(b-1)."""
+    if symmetric:
+        s = (wg.abs().amax(-1).clamp(min=1e-5) / (2 ** (bits - 1) - 1)).half().double()
+        return s, torch.full_like(s, 2 ** (bits - 1))
     qmax = 2**bits - 1
     lo, hi = wg.amin(-1), wg.amax(-1)
     s = ((hi - lo).clamp(min=1e-5) / qmax).half().double()
@@ -44,7 +48,7 @@ def grid(wg, bits):
     return s, z
 
 
-def obs_reference(w, h, bits, g, damp, act_order):
+def obs_reference(w, h, bits, g, damp, act_order, symmetric=False):
     """Textbook OBS/OBQ in float64: columns one at a time, ``Hinv`` the full inverse of the
     damped Hessian, downdated after each column by Gaussian elimination; returns the codes,
     scales and zeros."""
@@ -56,7 +60,7 @@ def obs_reference(w, h, bits, g, damp, act_order):
     S = torch.zeros(out_f, n // g, dtype=torch.float64)
     Z = torch.zeros_like(S)
     if act_order:
-        S, Z = grid(W.reshape(out_f, n // g, g), bits)
+        S, Z = grid(W.reshape(out_f, n // g, g), bits, symmetric)
         order = torch.argsort(H.diagonal(), descending=True).tolist()
     else:
         order = list(range(n))
@@ -65,7 +69,7 @@ def obs_reference(w, h, bits, g, damp, act_order):
     Q = torch.zeros_like(W)
     for j in order:
         if not act_order and j % g == 0:
-            s, z = grid(W[:, j : j + g], bits)
+            s, z = grid(W[:, j : j + g], bits, symmetric)
             S[:, j // g], Z[:, j // g] = s, z
         s, z = S[:, j // g], Z[:, j // g]
         q = (torch.round(W[:, j] / s) + z).clamp(0, 2**bits - 1)
@@ -117,6 +121,20 @@ def test_blocked_gptq_matches_column_by_column_obs(g, block, act_order):
     assert (qw.q.double() == Q).float().mean() > 0.999
     assert torch.equal(qw.scales.double(), S) and torch.equal(qw.zeros.double(), Z)
     assert (ours[:, 5] == 0).all()  # dead column: weight 0
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act_order"])
+def test_symmetric_gptq_matches_column_by_column_obs(act_order):
+    """The symmetric grid (no zero point: experts' folders) through the same update."""
+    n, out_f, bits, g = 128, 24, 4, 32
+    h = hessian64(correlated(600, n, seed=2))
+    w = torch.randn(out_f, n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    qw = gptq_quantize(w, h, bits, g, block_size=40, act_order=act_order, symmetric=True)
+    Q, S, Z = obs_reference(w, h, bits, g, 0.01, act_order, symmetric=True)
+    ref = dequant(Q, S, Z, g)
+    assert ((qw.dequantize(torch.float64) - ref).norm() / ref.norm()).item() <= 1e-5
+    assert (qw.q.double() == Q).float().mean() > 0.999
+    assert torch.equal(qw.scales.double(), S) and (qw.zeros == 2 ** (bits - 1)).all()
 
 
 def test_float32_gptq_close_to_reference():

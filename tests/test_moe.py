@@ -70,6 +70,7 @@ FAMILIES = [
     "gpt_oss",
 ]
 QUANT_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]  # gpt_oss's experts: refused (a test)
+METHODS = ("rtn", "awq", "gptq")  # the quantizers that reach every expert
 # (n_experts, top_k, router, norm_topk, expert width, shared width, each layer's MLP)
 EXPECTED = {
     "qwen3_moe": (E, K, "softmax_topk", True, EXPERT, None, ["experts", "dense", "experts"]),
@@ -463,9 +464,9 @@ def test_gathered_and_grouped_experts_agree(family):
     "recipe, extra, match",
     [
         ("awq_int4", [], "awq.symmetric=false on"),
-        ("awq_gptq_int4", [], "gptq cannot run there"),
+        ("awq_gptq_int4", [], "awq.symmetric=false on"),
         ("awq_int4", ["awq.symmetric=true", "awq.experts=some"], "awq.experts='some'"),
-        ("gptq_int4", [], "gptq cannot run there"),
+        ("gptq_int4", [], "gptq.symmetric=false on"),
         ("minitron_width", [], "prune cannot run there"),
         ("gqa", [], "gqa cannot run there"),
         ("llm_int8", [], "llm_int8 cannot run there .bitsandbytes"),
@@ -498,8 +499,9 @@ def test_methods_that_miss_experts_are_refused_before_loading(family, recipe, ex
 @pytest.fixture(scope="module")
 def rtn_runs(tmp_path_factory, tokenizer):
     """``{(family, method): (source folder, run folder, report)}``: each family (SmolLM2's
-    vocabulary, so the pipeline's text applies) through ``recipe=rtn_int4 rtn.symmetric=true``
-    and ``recipe=awq_int4 awq.symmetric=true``, group 16."""
+    vocabulary, so the pipeline's text applies) through ``recipe=rtn_int4 rtn.symmetric=true``,
+    ``recipe=awq_int4 awq.symmetric=true`` and ``recipe=gptq_int4 gptq.symmetric=true``, group
+    16."""
     from compress.recipe.pipeline import run
     from tests.conftest import compose
 
@@ -511,7 +513,7 @@ def rtn_runs(tmp_path_factory, tokenizer):
             root / "src"
         )
         tokenizer.save_pretrained(root / "src")
-        for method in ("rtn", "awq"):
+        for method in METHODS:
             over = [f"model.path={root / 'src'}", "calib.samples=2", "calib.seqlen=64"]
             over += ["eval.windows=1", "eval.seqlen=64", "decode.enabled=false"]
             over += [f"{method}.symmetric=true", f"{method}.group_size=16"]
@@ -564,7 +566,7 @@ def test_rtn_quantizes_every_expert_one_tensor_each(rtn_runs, name):
     assert report["bits"] == 4 and report["group_size"] == 16
 
 
-@pytest.mark.parametrize("method", ["rtn", "awq"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", QUANT_FAMILIES)
 def test_quantized_folder_loads_in_transformers_as_in_our_decoder(rtn_runs, name, method):
     """Stock ``from_pretrained`` (no flags: compressed-tensors decompresses the experts) and our
@@ -586,9 +588,9 @@ def test_quantized_folder_loads_in_transformers_as_in_our_decoder(rtn_runs, name
     assert sparse and all(isinstance(x, QuantExperts) for x in sparse)  # 4-bit in memory
     layers = [m for x in sparse for m in x.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * E * len(sparse)  # each expert's fused gate_up and its down
-    if method == "awq":  # every expert of every sparse layer saw all calibration tokens
-        assert report["awq_experts_fallback"] == {}
-        assert set(report["awq_experts_routed"]) == {
+    if method != "rtn":  # every expert of every sparse layer saw all calibration tokens
+        assert report[f"{method}_experts_fallback"] == {}
+        assert set(report[f"{method}_experts_routed"]) == {
             ls.index for ls in spec_of(hf.config).layers if ls.mlp == "experts"
         }
 
@@ -673,6 +675,54 @@ def test_awq_on_experts_beats_rtn_with_outlier_channels(name):
         errs[key] = mlp_error(model, source, ids)
     print(f"{name}: MLP output error rtn {errs['rtn']:.4f} awq {errs['awq']:.4f}")  # with -s
     assert errs["awq"] < 0.7 * errs["rtn"], errs
+
+
+@pytest.mark.parametrize("name", QUANT_FAMILIES)
+def test_gptq_on_experts_beats_rtn(name):
+    """Symmetric GPTQ INT4 on every expert (group 16, calibrated on 8 x 32 random tokens), with
+    outlier channels in the experts' inputs (:func:`inject_outliers`: the uneven input energy
+    GPTQ's Hessian weighs): its MLP output error against the source on held-out random tokens
+    (:func:`mlp_error`) is below RTN's; every expert's projections are quantized layers; AWQ ->
+    GPTQ (awq.quantize=false, then gptq) on experts is too."""
+    shared = {"shared_expert_intermediate_size": 64} if name == "qwen2_moe" else {}
+    source = hf_model(moe_config(name, **shared)).eval()
+    ids = torch.randint(1, 300, (2, 48), generator=torch.Generator().manual_seed(9))
+    inject_outliers(source)
+    errs = {}
+    for recipe in ("rtn_int4", "gptq_int4", "awq_gptq_int4"):
+        key = recipe.split("_")[-2]  # awq_gptq_int4: gptq's settings, which awq's follow
+        over = [f"{key}.symmetric=true", f"{key}.group_size=16"]
+        model, _ = stage(recipe, copy.deepcopy(source), over)
+        errs[recipe] = mlp_error(model, source, ids)
+        sparse = [b.mlp.experts for b in model.model.layers if hasattr(b.mlp, "experts")]
+        assert sparse and all(
+            isinstance(getattr(x[e], n), QuantLinear)
+            for x in sparse
+            for e in range(E)
+            for n in x[e].names
+        )
+    print(f"{name}: MLP output error {errs}")  # with -s
+    assert errs["gptq_int4"] < errs["rtn_int4"] and errs["awq_gptq_int4"] < errs["rtn_int4"], errs
+
+
+def test_gptq_expert_no_token_reaches_falls_back_to_all_tokens():
+    """As AWQ's test below: with ``gptq.experts=routed`` DeepSeek V3's experts 4 and 5 of
+    layer 1 get no calibration token and fall back to all of them; each is quantized with
+    finite scales, and the model's logits are finite."""
+    source = hf_model(moe_config("deepseek_v3")).eval()
+    with torch.no_grad():
+        source.model.layers[1].mlp.gate.e_score_correction_bias[5] = -1000.0
+    over = ["gptq.symmetric=true", "gptq.group_size=16", "gptq.experts=routed"]
+    model, ctx = stage("gptq_int4", copy.deepcopy(source), over + ["gptq.expert_min_tokens=1"])
+    routed = ctx.record["gptq_experts_routed"]
+    assert routed[1][4] == routed[1][5] == 0 and sum(routed[1]) == 8 * 32 * K
+    assert ctx.record["gptq_experts_fallback"] == {1: [4, 5]}
+    experts = model.model.layers[1].mlp.experts
+    for e in range(E):
+        for n in experts[e].names:
+            assert torch.isfinite(getattr(experts[e], n).scales.float()).all()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor(prompts(1))).logits).all()
 
 
 def test_awq_expert_no_token_reaches_falls_back_to_all_tokens():

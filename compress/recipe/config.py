@@ -536,12 +536,11 @@ def validate(cfg: DictConfig) -> None:
         check_positions(cfg, hf_config)
 
 
-EXPERT_STAGES = ("rtn", "awq")  # the stages that reach every expert (compress.layers.experts)
+EXPERT_STAGES = ("rtn", "awq", "gptq")  # the stages that reach every expert (layers.experts)
 WHY_NOT_EXPERTS = {
     "llm_int8": "bitsandbytes' int8 layers hold only nn.Linear, and transformers keeps experts "
     "fused, so they would stay in 16 bits (bitsandbytes issue 1849); no int8 expert format "
     "loads in transformers",
-    "gptq": "its Hessians do not yet cover experts, nor experts calibration never reaches",
     "prune": "on a mixture-of-experts model prune takes prune.experts.keep and "
     "prune.experts.intermediate_size (recipe=minitron_experts), which are not set",
     "gqa": "attention conversion of mixture-of-experts models is not built",
@@ -566,10 +565,10 @@ def check_experts(cfg, hf_config) -> None:
         why = WHY_NOT_EXPERTS.get(other[0], "it does not reach experts yet")
         raise CompressError(
             f"stages={_spell(list(cfg.stages))} on '{hf_config.model_type}', a mixture-of-experts "
-            f"model: {other[0]} cannot run there ({why}); of the methods only "
-            f"{' and '.join(EXPERT_STAGES)} quantize every expert yet. Use recipe=awq_int4 "
-            f"awq.symmetric=true (or rtn_int4 rtn.symmetric=true), or recipe=fp to evaluate the "
-            f"model as it is."
+            f"model: {other[0]} cannot run there ({why}); of the quantizers only "
+            f"{', '.join(EXPERT_STAGES)} reach every expert yet. Use recipe=awq_int4 "
+            f"awq.symmetric=true (or rtn_int4 / gptq_int4 with symmetric=true), or recipe=fp "
+            f"to evaluate the model as it is."
         )
     if not set(cfg.stages) & set(EXPERT_STAGES):
         return  # prune and distill write float folders
@@ -587,11 +586,6 @@ def check_experts(cfg, hf_config) -> None:
             f"transformers' compressed-tensors loader decompresses experts without zero points "
             f"(transformers 5.25, integrations/compressed_tensors.py), so an asymmetric "
             f"folder would not load there. Add {stage}.symmetric=true (llm-compressor's W4A16)."
-        )
-    if "awq" in cfg.stages and cfg.awq.get("quantize", True) is False:
-        raise CompressError(
-            "awq.quantize=false on a mixture-of-experts model: the stage after it (gptq) does "
-            "not reach experts yet. Use recipe=awq_int4 awq.symmetric=true."
         )
     if spec_of(hf_config).adapter.expert_layout != "fused":
         raise CompressError(

@@ -84,6 +84,15 @@ from compress.io.offload import (
 )
 from compress.layers import QuantLinear
 from compress.layers.experts import LinearExperts, unfuse_experts
+from compress.methods.quant import expert_calib
+from compress.methods.quant.expert_calib import (
+    down_input,
+    expert_rows,
+    gated_parts,
+    linear_names,
+    moe_layer_inputs,
+    routed_counts,
+)
 from compress.methods.quant.rtn import (
     check_width,
     float_linears,
@@ -135,23 +144,6 @@ def scale_groups(layer: nn.Module, adapter: Adapter, attention_only: bool = Fals
     return groups
 
 
-def gated_parts(layer: nn.Module, adapter: Adapter) -> list[tuple[str, nn.Module, object]]:
-    """``(label, gated MLP, its activation)`` of a mixture-of-experts family's layer: each
-    expert (label ``e``) and the shared expert ("shared") of a sparse layer, or the dense MLP
-    ("dense"). A gated MLP names its linears ``names`` (experts) or gate/up/down_proj."""
-    mlp = layer.get_submodule(adapter.mlp)
-    experts = getattr(mlp, "experts", None)
-    if not isinstance(experts, LinearExperts):
-        return [("dense", mlp, mlp.act_fn)]
-    parts = [(str(e), experts[e], experts.act_fn) for e in range(experts.n_experts)]
-    shared = getattr(mlp, adapter.shared_name, None)
-    return parts + ([("shared", shared, shared.act_fn)] if shared is not None else [])
-
-
-def _names(gated: nn.Module) -> tuple:
-    return getattr(gated, "names", ("gate_proj", "up_proj", "down_proj"))
-
-
 def moe_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
     """The groups of a mixture-of-experts family's layer (module docstring): the attention's as
     :func:`scale_groups` makes them (where its entry lists them), then the MLP input group
@@ -166,13 +158,13 @@ def moe_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
     sparse = isinstance(getattr(mlp, "experts", None), LinearExperts)
     absorb = [mlp.gate] if sparse else []
     absorb += [mlp.shared_expert_gate] if hasattr(mlp, "shared_expert_gate") else []
-    linears = [getattr(m, n) for _, m, _ in parts for n in _names(m)[:2]]
+    linears = [getattr(m, n) for _, m, _ in parts for n in linear_names(m)[:2]]
     prev = layer.get_submodule(adapter.post_norm)
     groups.append(
         dict(name="gate_up", prev=prev, linears=linears, absorb=absorb, inp="mlp_in", block="mlp")
     )
     for label, m, _ in parts:
-        _, u, d = (getattr(m, n) for n in _names(m))
+        _, u, d = (getattr(m, n) for n in linear_names(m))
         groups.append(
             dict(
                 name=f"down.{label}",
@@ -184,13 +176,6 @@ def moe_groups(layer: nn.Module, adapter: Adapter) -> list[dict]:
             )
         )
     return groups
-
-
-@torch.no_grad()
-def down_input(gated: nn.Module, act, x: torch.Tensor) -> torch.Tensor:
-    """``act(gate(x)) * up(x)``: what a gated MLP's down projection reads, for rows ``x``."""
-    g, u, _ = _names(gated)
-    return act(getattr(gated, g)(x)) * getattr(gated, u)(x)
 
 
 @torch.no_grad()
@@ -337,17 +322,7 @@ def check(cfg, hf_config=None) -> None:
             f"awq.{key}={v!r}: awq.{key} takes an integer >= 1{' or null' if null_ok else ''} "
             f"({what})."
         )
-    if a.get("experts", "all") not in ("all", "routed"):
-        raise CompressError(
-            f"awq.experts={a.get('experts')!r}: all (every expert's statistics on every "
-            f"calibration token, the default) or routed (on the tokens routed to it)."
-        )
-    m = a.get("expert_min_tokens", 1)
-    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 0):
-        raise CompressError(
-            f"awq.expert_min_tokens={m!r}: an integer >= 0 (with awq.experts=routed, an expert "
-            f"routed fewer tokens uses all of them)."
-        )
+    expert_calib.check(a, "awq")
     if not isinstance(a.get("symmetric", False), bool):
         raise CompressError(f"awq.symmetric={a.get('symmetric')!r}: true or false.")
     if not isinstance(a.get("quantize", True), bool):
@@ -455,45 +430,6 @@ def _awq_layer(layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas,
 
 
 @torch.no_grad()
-def moe_layer_inputs(layer, adapter, x, kwargs, batch):
-    """``(feats, routed)``: the inputs of q and o (where the entry lists attention roles) and of
-    the MLP (``mlp_in``) for every token, and the experts each token was routed to
-    (``[tokens, k]``, None in a dense layer)."""
-    roles = [r for r in ("q", "o") if r in dict(adapter.linears)]
-    feats = {r: [] for r in (*roles, "mlp_in")}
-    routed = []
-    mlp = layer.get_submodule(adapter.mlp)
-
-    def grab(key):
-        return lambda _m, args: feats[key].append(args[0])
-
-    hooks = [adapter.linear(layer, r).register_forward_pre_hook(grab(r)) for r in roles]
-    hooks.append(mlp.register_forward_pre_hook(grab("mlp_in")))
-    if isinstance(getattr(mlp, "experts", None), LinearExperts):
-        hooks.append(mlp.experts.register_forward_pre_hook(lambda _m, args: routed.append(args[1])))
-    try:
-        for chunk in x.split(batch):
-            layer(chunk, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(routed) if routed else None
-
-
-def _expert_rows(cfg, label: str, routed, record: dict):
-    """The calibration rows expert ``label`` computes its statistics on (module docstring):
-    None (every row) with ``awq.experts: all``, for the shared expert and the dense MLP, and
-    for a routed expert below ``awq.expert_min_tokens`` (recorded as a fallback)."""
-    if routed is None or not label.isdigit() or cfg.get("experts", "all") == "all":
-        return None
-    rows = (routed == int(label)).any(-1).nonzero().flatten()
-    if len(rows) < int(cfg.get("expert_min_tokens", 1)):
-        record.setdefault("fallback", set()).add(int(label))
-        return None
-    return rows
-
-
-@torch.no_grad()
 def _awq_moe_layer(
     layer, adapter, x, kwargs, cfg, bits, g, batch, n_search, alphas, i, norm_offset, record
 ):
@@ -501,17 +437,14 @@ def _awq_moe_layer(
     sym = bool(cfg.get("symmetric", False))
     feats, routed = moe_layer_inputs(layer, adapter, x, kwargs, batch)
     if routed is not None:
-        counts = torch.bincount(
-            routed.flatten(), minlength=layer.get_submodule(adapter.mlp).experts.n_experts
-        )
-        record["routed"] = counts.tolist()
+        record["routed"] = routed_counts(layer, adapter, routed)
     parts = {label: (m, act) for label, m, act in gated_parts(layer, adapter)}
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
 
     def down_rows(label, limit=None):
         m, act = parts[label]
         x_in = flat(feats["mlp_in"])
-        rows = _expert_rows(cfg, label, routed, record)
+        rows = expert_rows(cfg, label, routed, record)
         x_in = x_in if rows is None else x_in[rows]
         return down_input(
             m, act, x_in if limit is None else x_in[:: max(1, x_in.shape[0] // limit)]
@@ -548,7 +481,7 @@ def _awq_moe_layer(
     for role, path in adapter.linears:
         reads[id(layer.get_submodule(path))] = lambda r=_input_role(role): feats[r]
     for label, (m, _) in parts.items():
-        gate, up, down = (getattr(m, n) for n in _names(m))
+        gate, up, down = (getattr(m, n) for n in linear_names(m))
         reads[id(gate)] = reads[id(up)] = lambda: feats["mlp_in"]
         reads[id(down)] = lambda label=label: down_rows(label, 512)
     packed = {}

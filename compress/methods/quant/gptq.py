@@ -56,8 +56,19 @@ from compress.io.offload import (
     layer_on,
 )
 from compress.layers import QuantLinear
+from compress.layers.experts import unfuse_experts
+from compress.methods.quant import expert_calib
+from compress.methods.quant.expert_calib import (
+    down_input,
+    expert_rows,
+    gated_parts,
+    linear_names,
+    moe_layer_inputs,
+    routed_counts,
+)
 from compress.methods.quant.rtn import (
     check_width,
+    float_linears,
     quantization_config,
     resolve_group_size,
     stored_format,
@@ -121,6 +132,7 @@ def gptq_quantize(
     block_size: int = 128,
     damp: float = 0.01,
     act_order: bool = False,
+    symmetric: bool = False,
 ) -> QuantizedWeight:
     """GPTQ of ``w [out, in]`` with Hessian ``h [in, in]`` (see the module docstring); computes in
     float64 when ``w`` is float64, else float32, on ``w``'s device. ``group_size=-1``: one group
@@ -140,7 +152,7 @@ def gptq_quantize(
     zeros = torch.zeros(out_f, ng, dtype=dt, device=W.device)
     perm = group_of = None
     if act_order:  # static groups: the parameters of the original columns, before any update
-        s, z = group_params(W.reshape(out_f, ng, g), bits)
+        s, z = group_params(W.reshape(out_f, ng, g), bits, symmetric)
         scales.copy_(s)
         zeros.copy_(z)
         perm = torch.argsort(H.diagonal(), descending=True)
@@ -163,7 +175,7 @@ def gptq_quantize(
                     if j + g > i2:  # columns past the block still owe the block's errors
                         rest = W[:, i2 : j + g] - E1[:, :i] @ U[i1:j, i2 : j + g]
                         cur = torch.cat([cur, rest], 1)
-                    s, z = group_params(cur.unsqueeze(1), bits)
+                    s, z = group_params(cur.unsqueeze(1), bits, symmetric)
                     scales[:, gi], zeros[:, gi] = s[:, 0], z[:, 0]
             s, z = scales[:, gi], zeros[:, gi]
             col = W1[:, i]
@@ -219,18 +231,63 @@ def _hessians(layer, linears: list[nn.Module], x: torch.Tensor, kwargs: dict, ba
 @torch.no_grad()
 def gptq_layer(layer, adapter, x, kwargs, settings: dict, batch: int, true_sequential: bool = True):
     """GPTQ of one decoder layer on ``x``'s device; returns the quantized layer's output."""
+    packed = {}
+    _attention_steps(layer, adapter, x, kwargs, settings, batch, true_sequential, packed)
+    x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
+    for path, module in packed.items():
+        set_module(layer, path, module)
+    return x
+
+
+@torch.no_grad()
+def _attention_steps(layer, adapter, x, kwargs, settings, batch, true_sequential, packed):
+    """GPTQ of the layer's attention linears (the adapter's roles), in true-sequential steps."""
     steps = sequential_steps(adapter, layer)
     passes = [[step] for step in steps] if true_sequential else [steps]
-    packed = {}
     for todo in passes:
+        if not todo:
+            continue
         # one Hessian per step, on its first linear's input (the step's linears share it)
         firsts = [layer.get_submodule(step[0][1]) for step in todo]
         for step, h in zip(todo, _hessians(layer, firsts, x, kwargs, batch)):
             for _role, path in step:
-                lin = layer.get_submodule(path)
-                qw = gptq_quantize(lin.weight.data, h, **settings)
-                packed[path] = QuantLinear.from_quantized(qw, lin.bias)
-                lin.weight.data = qw.dequantize().to(lin.weight.dtype)  # W_hat for what follows
+                _quantize_into(layer.get_submodule(path), path, h, settings, packed)
+
+
+def _quantize_into(lin: nn.Module, path: str, h: torch.Tensor, settings: dict, packed: dict):
+    """GPTQ of ``lin`` with Hessian ``h``: its packed layer into ``packed[path]``, and its
+    weight set to W_hat for what the layer computes next."""
+    qw = gptq_quantize(lin.weight.data, h, **settings)
+    packed[path] = QuantLinear.from_quantized(qw, lin.bias)
+    lin.weight.data = qw.dequantize().to(lin.weight.dtype)
+
+
+def _hessian_of(x: torch.Tensor, batch_rows: int = 4096) -> torch.Tensor:
+    h = Hessian(x.shape[-1], x.device)
+    for chunk in x.reshape(-1, x.shape[-1]).split(batch_rows):
+        h.add(chunk)
+    return h.value()
+
+
+@torch.no_grad()
+def gptq_moe_layer(layer, adapter, x, kwargs, settings, batch, true_sequential, cfg, record):
+    """:func:`gptq_layer` for a mixture-of-experts family's layer (module docstring)."""
+    packed = {}
+    _attention_steps(layer, adapter, x, kwargs, settings, batch, true_sequential, packed)
+    feats, routed = moe_layer_inputs(layer, adapter, x, kwargs, batch)
+    if routed is not None:
+        record["routed"] = routed_counts(layer, adapter, routed)
+    x_mlp = feats.pop("mlp_in").reshape(-1, x.shape[-1])
+    feats.clear()
+    paths = {id(m): p for p, m in adapter.named_linears(layer).items()}
+    for label, m, act in gated_parts(layer, adapter):
+        rows = expert_rows(cfg, label, routed, record)
+        x_in = x_mlp if rows is None else x_mlp[rows]
+        g, u, d = (getattr(m, n) for n in linear_names(m))
+        h = _hessian_of(x_in)
+        for lin in (g, u):
+            _quantize_into(lin, paths[id(lin)], h, settings, packed)
+        _quantize_into(d, paths[id(d)], _hessian_of(down_input(m, act, x_in)), settings, packed)
     x = torch.cat([layer(c, **kwargs) for c in x.split(batch)])
     for path, module in packed.items():
         set_module(layer, path, module)
@@ -275,10 +332,11 @@ def check(cfg, hf_config=None) -> None:
         v = c.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise CompressError(f"gptq.{key}={v!r}: gptq.{key} takes an integer >= 1 ({what}).")
-    for key in ("act_order", "true_sequential"):
-        v = c.get(key)
+    for key in ("act_order", "true_sequential", "symmetric"):
+        v = c.get(key, False)
         if not isinstance(v, bool):
             raise CompressError(f"gptq.{key}={v!r}: gptq.{key} takes true or false.")
+    expert_calib.check(c, "gptq")
 
 
 def gptq(model: nn.Module, ctx) -> nn.Module:
@@ -287,6 +345,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
     cfg = ctx.cfg.gptq
     adapter = get_adapter(model.config)
     check_family(adapter)
+    unfuse_experts(model, adapter)  # a mixture of experts: one linear per expert's projection
     g = resolve_group_size(model, cfg.group_size)
     bits, batch = int(cfg.bits), int(cfg.batch)
     settings = dict(
@@ -295,6 +354,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         block_size=int(cfg.block_size),
         damp=float(cfg.damp),
         act_order=bool(cfg.act_order),
+        symmetric=bool(cfg.get("symmetric", False)),
     )
     device = getattr(ctx, "device", None)
     tokens = ctx.calibration()
@@ -302,12 +362,22 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
     x, per_layer = capture_inputs(model, adapter, tokens, batch, device)
     n_layers = len(adapter.decoder_layers(model))
     order = " act-order" if settings["act_order"] else ""
+    experts = {}
     for i in tqdm(range(n_layers), desc=f"gptq int{bits} g{g}{order}", unit="layer"):
         with layer_on(model, i, device, write=True) as layer:
-            x = gptq_layer(
-                layer, adapter, x, per_layer[i], settings, batch, bool(cfg.true_sequential)
-            )
-    ctx.quantization_config = quantization_config(bits, g, fmt=stored_format(ctx.cfg))
+            args = (layer, adapter, x, per_layer[i], settings, batch, bool(cfg.true_sequential))
+            if adapter.router is None:
+                x = gptq_layer(*args)
+            else:
+                experts[i] = {}
+                x = gptq_moe_layer(*args, cfg, experts[i])
+    if experts:
+        routed = {i: e["routed"] for i, e in experts.items() if "routed" in e}
+        fallback = {i: sorted(e["fallback"]) for i, e in experts.items() if e.get("fallback")}
+        ctx.record.update(gptq_experts_routed=routed, gptq_experts_fallback=fallback)
+    ctx.quantization_config = quantization_config(
+        bits, g, settings["symmetric"], stored_format(ctx.cfg), float_linears(model)
+    )
     ctx.record.update(
         bits=bits,
         group_size=g,
