@@ -816,3 +816,52 @@ def test_gpt_oss_quantization_refused(tmp_path):
     with pytest.raises(CompressError, match="mxfp4") as e:
         load(mx)
     assert "safetensors" not in str(e.value)
+
+
+@pytest.mark.parametrize("kv", ["full", "fp16"])
+def test_speculative_greedy_is_the_targets_greedy(family, kv):
+    """Self-speculative decoding (the last layer skipped as the draft, gamma 3) on every MoE
+    family, gpt_oss's sinks and the sliding windows included: the same 64 greedy tokens as the
+    model's own decode, with drafts both accepted and rejected."""
+    from compress.decoder.generate import generate
+    from compress.decoder.speculative.drafts import LayerSkipDraft
+    from compress.decoder.speculative.generate import speculative_generate
+
+    name, ours, _, _ = family
+    prompt = [prompts(1)[0][:40]]
+    ref = generate(ours, prompt, STEPS, kv=kv, ignore_eos=True)
+    draft = LayerSkipDraft(ours, [ours.spec.n_layers - 1])
+    r = speculative_generate(ours, prompt, STEPS, kv=kv, ignore_eos=True, draft=draft, gamma=3)
+    assert r.tokens == ref.tokens
+    assert r.drafted > 0 and 0 < r.acceptance < 1
+
+
+def test_mixtral_folder_with_block_sparse_moe_names_loads(rtn_runs, tmp_path):
+    """A compressed-tensors Mixtral folder under the names Mixtral checkpoints (and
+    llm-compressor's Mixtral W4A16 folders) use, ``block_sparse_moe.experts.{e}.w1`` ... and
+    ``block_sparse_moe.gate``: our decoder loads it to the same logits as our own names."""
+    _, folder, _ = rtn_runs["mixtral", "rtn"]
+    renamed = tmp_path / "bsm"  # a folder another tool wrote: weights, config, tokenizer
+    renamed.mkdir()
+    for f in folder.glob("tokenizer*"):
+        shutil.copy(f, renamed / f.name)
+    state = load_file(str(folder / "model.safetensors"))
+    save_file(
+        {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in state.items()},
+        str(renamed / "model.safetensors"),
+    )
+    config = json.loads((folder / "config.json").read_text())
+    q = config["quantization_config"]
+    q["ignore"] = [n.replace(".mlp.", ".block_sparse_moe.") for n in q.get("ignore", [])]
+    (renamed / "config.json").write_text(json.dumps(config))
+    assert any(
+        ".block_sparse_moe.experts.3.w2." in k
+        for k in load_file(str(renamed / "model.safetensors"))
+    )
+    ours, _ = load(folder)
+    again, _ = load(renamed)
+    ids = torch.tensor(prompts(1))
+    with torch.no_grad():
+        a = ours(ids, new_cache(ours, "full", 1, ids.shape[1]))
+        b = again(ids, new_cache(again, "full", 1, ids.shape[1]))
+    assert torch.equal(a, b)

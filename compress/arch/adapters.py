@@ -97,6 +97,13 @@ class Adapter:
             if n is not None
         )
 
+    def ours(self, name: str) -> str:
+        """A checkpoint tensor's name under the module names the decoder and transformers hold
+        in memory (:attr:`mlp_aliases`: Mixtral's ``block_sparse_moe`` is ``mlp``)."""
+        for old, new in self.mlp_aliases:
+            name = name.replace(f".{old}.", f".{new}.")
+        return name
+
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)
 

@@ -308,9 +308,7 @@ def fused_expert_tensors(tensors: dict, spec: ArchSpec, qcfg: dict | None = None
     a = spec.adapter
     out, stored = {}, {}  # stored: our name -> the checkpoint's
     for name, t in dequantized_experts(tensors, qcfg).items():
-        ours = name
-        for old, new in a.mlp_aliases:
-            ours = ours.replace(f".{old}.", f".{new}.")
+        ours = a.ours(name)
         out[ours], stored[ours] = t, name
     g, u, d = a.expert_names
     for layer in spec.layers:

@@ -194,8 +194,10 @@ def swap_quantized(model: nn.Module, config, qcfg: dict | None) -> None:
 
 def read_tensors(folder: Path, model: nn.Module | None = None, qcfg: dict | None = None):
     """Every tensor of a folder's safetensors file(s) (shards through their index), under
-    ``model``'s names when ``qcfg`` stores its quantized layers in other names
-    (compressed-tensors, ``compress.layers.codec``)."""
+    ``model``'s names: in a quantized folder for our decoder, its family's MLP aliases applied
+    (``Adapter.ours``: Mixtral's ``block_sparse_moe``; float folders get them with the experts'
+    fusing, ``compress.decoder.experts``), and the quantized layers' own names where ``qcfg``
+    stores them otherwise (compressed-tensors, ``compress.layers.codec``)."""
     from safetensors.torch import load_file
 
     with guard_safetensors(folder):
@@ -209,6 +211,8 @@ def read_tensors(folder: Path, model: nn.Module | None = None, qcfg: dict | None
     with guard_safetensors(folder):
         for f in files:
             out.update(load_file(str(f)))
+    if qcfg and model is not None and hasattr(model, "spec"):  # quantized: our decoder's names
+        out = {model.spec.adapter.ours(name): t for name, t in out.items()}
     codec = codec_for(model, qcfg) if model is not None else None
     return codec.decode_all(out) if codec is not None else out
 
