@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from compress.errors import CompressError, Interrupted
+from compress.errors import CompressError, Interrupted, on_signal
 from compress.io.run_folder import check_writable
 from compress.recipe.config import RECIPES, available, check_overrides, summary
 from compress.recipe.pipeline import run
@@ -88,8 +88,10 @@ def _exit_interrupted(e: KeyboardInterrupt) -> None:
 
 
 def main() -> None:
-    # SIGTERM unwinds like Ctrl-C, so the pipeline removes its temporary folder
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM unwinds like Ctrl-C, so the pipeline removes its temporary folder; both are
+    # remembered, so one that lands inside a native call still ends the run as an interrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     args = sys.argv[1:]
     if not args:
         print(usage(), file=sys.stderr)

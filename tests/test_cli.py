@@ -240,3 +240,41 @@ def test_decoder_missing_path_does_not_exist(tmp_path):
         f"run folder '{tmp_path / 'absent'}' does not exist" in res.stderr
         and "Traceback" not in res.stderr
     )
+
+
+NATIVE = """
+import sys, time
+import compress.recipe.pipeline as p
+
+def native_write(*a, **k):  # as safetensors did: the signal comes out as another error
+    print("writing", flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:
+        raise ValueError("could not determine the shape of object type 'UntypedStorage'")
+
+p.write_report = native_write
+sys.argv = ["compress", *sys.argv[1:]]
+from compress.__main__ import main
+main()
+"""
+
+
+def test_ctrl_c_inside_a_native_call_still_exits_130(tiny_dir, tmp_path):
+    """SIGINT that a native call turns into another exception (safetensors raised ValueError when
+    Ctrl-C landed in a read, which once ended a run with a traceback and exit 1): the run still
+    unwinds as an interrupt, removes its temporary folder and exits 130 with one line."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-c", NATIVE, "recipe=fp", f"model.path={tiny_dir}", *TINY_OVERRIDES]
+    args += ["decode.enabled=false", f"hydra.run.dir={out}"]
+    proc = start(args, dict(os.environ, COMPRESS_DATA_DIR=str(DATA)))
+    try:
+        assert read_until(proc.stdout, lambda line: "writing" in line, 300), "never wrote"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130 and last.startswith("interrupted; removed the temporary folder")
+    assert "Traceback" not in stderr and "ValueError" not in stderr
+    assert list(tmp_path.iterdir()) == []

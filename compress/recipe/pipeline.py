@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from compress.arch.adapters import get_adapter
 from compress.decoder.runtime import fast_head, resolve_runtime
-from compress.errors import CompressError, Interrupted
+from compress.errors import CompressError, as_interrupt
 from compress.eval.decode_speed import measure
 from compress.eval.kernel_cost import kernel_figures
 from compress.eval.perplexity import evaluate
@@ -250,8 +250,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         if placeholder and run_dir.is_dir() and not run_dir.is_symlink():
             if not any(run_dir.iterdir()):
                 run_dir.rmdir()  # Hydra's empty placeholder: no folder rather than an empty one
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-            raise Interrupted() from None  # before the temporary folder existed
+        out = as_interrupt(e)  # before the temporary folder existed
+        if out is not e:
+            raise out from None
         raise
     finally:
         if lock is not None:
@@ -448,8 +449,9 @@ def _stages_and_export(cfg, run_dir, stage_fns, held, tok, source, spill, start)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-            raise Interrupted(tmp) from None
+        out = as_interrupt(e, tmp)
+        if out is not e:
+            raise out from None
         raise
     log.info("run folder: %s", run_dir)
     push_after_run(run_dir, cfg.get("hub"))

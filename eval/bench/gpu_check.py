@@ -91,7 +91,7 @@ def check_stage(device) -> dict:
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (4, 64), generator=gen)
     cfg = Config(
-        gptq=SimpleNamespace(
+        gptq=Config(
             bits=4, group_size=64, damp=0.01, block_size=128, act_order=True,
             true_sequential=True, batch=2,
         )
