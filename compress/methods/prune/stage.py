@@ -80,21 +80,19 @@ def check(cfg, hf_config=None) -> None:
     after the calibration pass."""
     p = cfg.prune
     experts = expert_settings(p)
-    if hf_config is not None and (experts or spec_of(hf_config).moe is not None):
-        if (
-            experts is None
-            or p.get("target_params") is not None
-            or any(v is not None for v in dict(p.get("export") or {}).values())
-        ):
-            raise CompressError(
-                f"prune on '{hf_config.model_type}': a mixture-of-experts model is pruned by "
-                f"prune.experts.keep (experts per layer) and prune.experts.intermediate_size "
-                f"(each expert's width) alone (recipe=minitron_experts); prune.export and "
-                f"prune.target_params are for dense models."
-                if spec_of(hf_config).moe is not None
-                else f"prune.experts is set, but '{hf_config.model_type}' has no experts."
-            )
-        moe_prune.target(hf_config, experts)
+    moe = spec_of(hf_config).moe if hf_config is not None else None
+    dense_axes = p.get("target_params") is not None or any(
+        v is not None for v in dict(p.get("export") or {}).values()
+    )
+    if moe is not None and (experts is None or dense_axes):
+        raise CompressError(
+            f"prune on '{hf_config.model_type}': a mixture-of-experts model is pruned by "
+            f"prune.experts.keep (experts per layer) and prune.experts.intermediate_size "
+            f"(each expert's width) alone (recipe=minitron_experts); prune.export and "
+            f"prune.target_params are for dense models."
+        )
+    if experts is not None and hf_config is not None:
+        moe_prune.target(hf_config, experts)  # refuses a dense model too
     c = p.get("calib") or {}
     rules = (
         ("round", p.get("round"), 1, False),

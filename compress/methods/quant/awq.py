@@ -363,10 +363,7 @@ def awq(model: nn.Module, ctx) -> nn.Module:
             else:
                 experts[i] = {}
                 x = _awq_moe_layer(*args, norm_offset, experts[i])
-    if experts:
-        routed = {i: e["routed"] for i, e in experts.items() if "routed" in e}
-        fallback = {i: sorted(e["fallback"]) for i, e in experts.items() if e.get("fallback")}
-        ctx.record.update(awq_experts_routed=routed, awq_experts_fallback=fallback)
+    ctx.record.update(expert_calib.report("awq", experts))
     if not _quantizes(cfg):  # the scaled float model, for the stage after (gptq)
         ctx.record.update(awq_alpha=alphas, awq_group_size=g)
         return model

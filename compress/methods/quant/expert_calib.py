@@ -91,6 +91,17 @@ def expert_rows(cfg, label: str, routed, record: dict):
     return rows
 
 
+def report(stage: str, experts: dict) -> dict:
+    """The report's ``{stage}_experts_routed`` (each sparse layer's routed count per expert) and
+    ``{stage}_experts_fallback`` (the experts that fell back to all tokens) from the per-layer
+    records :func:`routed_counts` and :func:`expert_rows` filled; empty for a dense model."""
+    if not experts:
+        return {}
+    routed = {i: e["routed"] for i, e in experts.items() if "routed" in e}
+    fallback = {i: sorted(e["fallback"]) for i, e in experts.items() if e.get("fallback")}
+    return {f"{stage}_experts_routed": routed, f"{stage}_experts_fallback": fallback}
+
+
 def check(c, stage: str) -> None:
     """Refuse ``{stage}.experts`` and ``{stage}.expert_min_tokens`` that are not settings."""
     if c.get("experts", "all") not in MODES:

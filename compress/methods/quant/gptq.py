@@ -371,10 +371,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
             else:
                 experts[i] = {}
                 x = gptq_moe_layer(*args, cfg, experts[i])
-    if experts:
-        routed = {i: e["routed"] for i, e in experts.items() if "routed" in e}
-        fallback = {i: sorted(e["fallback"]) for i, e in experts.items() if e.get("fallback")}
-        ctx.record.update(gptq_experts_routed=routed, gptq_experts_fallback=fallback)
+    ctx.record.update(expert_calib.report("gptq", experts))
     ctx.quantization_config = quantization_config(
         bits, g, settings["symmetric"], stored_format(ctx.cfg), float_linears(model)
     )
