@@ -71,6 +71,7 @@ from compress.io.checkpoint import (
     swap_quantized,
 )
 from compress.io.manifest import check_loadable
+from compress.io.memory import release_freed_memory
 from compress.kernels import linear, rms_norm
 from compress.kernels.cpu import int4pack_fits, keep_int4pack_only, keep_w4a8_only, takes_w4a8
 from compress.kernels.w4a8_cpu import use
@@ -731,15 +732,20 @@ def cast_quantized(model: "Transformer", dtype: torch.dtype) -> None:
                 setattr(module, name, Cast(child, dtype))
 
 
+TRIM_EVERY = 64  # quantized layers repacked between two heap trims (make_lean)
+
+
 def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     """Keep one in-memory form per quantized layer: the W4A8 form where the layer takes it, else
     the bfloat16 int4pack form (see :func:`load`)."""
 
     rest = [m for m in model.modules() if isinstance(m, QuantLinear) and not takes_w4a8(m)]
     if model.device.type == "cpu":
-        for m in model.modules():
-            if isinstance(m, QuantLinear) and takes_w4a8(m):
-                keep_w4a8_only(m)
+        w4a8 = [m for m in model.modules() if isinstance(m, QuantLinear) and takes_w4a8(m)]
+        for i, m in enumerate(w4a8, 1):
+            keep_w4a8_only(m)
+            if i % TRIM_EVERY == 0:  # repacking's freed temporaries, between live forms
+                release_freed_memory()
         if not rest:
             return
     if qdtype != torch.bfloat16 or model.device.type != "cpu":
@@ -750,18 +756,6 @@ def make_lean(model: "Transformer", qdtype: torch.dtype) -> None:
     for m in rest:
         if int4pack_fits(torch.empty(0, dtype=qdtype), m):
             keep_int4pack_only(m)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap that loading freed back to the OS (glibc ``malloc_trim``), so RSS shows what is live."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def load(
@@ -825,8 +819,14 @@ def load(
         swap_quantized(model, config, qcfg)
     model.to_empty(device=device)
     model.inv_freq.copy_(model.rope_frequencies())
-    tensors = read_tensors(folder, model, qcfg)
-    load_state(model, fused_expert_tensors(tensors, model.spec, qcfg), str(folder))
+    # no name holds the folder's tensors past load_state: they are freed before the kernels'
+    # forms are made (BENCHMARKS.md: loading the OLMoE-shaped int4 folder)
+    load_state(
+        model,
+        fused_expert_tensors(read_tensors(folder, model, qcfg), model.spec, qcfg),
+        str(folder),
+    )
+    release_freed_memory()
     check_finite(model, f"run folder '{folder}'")
     quantize_head(model, head, qcfg)
     fuse_projections(model, qcfg, device)

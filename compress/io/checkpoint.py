@@ -36,6 +36,7 @@ from compress.arch.hf_config import config_from_dict, read_config_json
 from compress.arch.spec import spec_of
 from compress.errors import CompressError
 from compress.io.manifest import check_loadable
+from compress.io.memory import release_freed_memory
 from compress.io.offload import disk, empty_model, make_lazy
 from compress.io.shards import (
     MAX_SHARD_BYTES,
@@ -207,18 +208,23 @@ def read_tensors(folder: Path, model: nn.Module | None = None, qcfg: dict | None
             f"run folder '{folder}' has no *.safetensors file; the run did not finish "
             f"or the folder is not a checkpoint."
         )
-    out = {}
-    with guard_safetensors(folder):
-        for f in files:
-            out.update(load_file(str(f)))
-    if qcfg and model is not None and hasattr(model, "spec"):  # quantized: our decoder's names
-        out = {model.spec.adapter.ours(name): t for name, t in out.items()}
+    ours = qcfg and model is not None and hasattr(model, "spec")  # quantized: our decoder's names
     codec = codec_for(model, qcfg) if model is not None else None
-    return codec.decode_all(out) if codec is not None else out
+    out, done = {}, set()
+    with guard_safetensors(folder):
+        for f in files:  # a shard's coded layers decoded as soon as they are whole
+            got = load_file(str(f))
+            out.update({model.spec.adapter.ours(n): t for n, t in got.items()} if ours else got)
+            del got
+            if codec is not None:
+                codec.decode_all(out, complete=True, done=done)
+                release_freed_memory()
+    return codec.decode_all(out, done=done) if codec is not None else out
 
 
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Copy ``tensors`` into ``model``, checking names, shapes and dtypes against it."""
+    """Copy ``tensors`` into ``model``, checking names, shapes and dtypes against it; each is
+    popped from ``tensors`` as it is copied."""
     expected = model.state_dict()
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, ref in expected.items():
@@ -245,10 +251,11 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
             f"'{where}' has tensors the config does not use, e.g. '{extra[0]}'; "
             f"the checkpoint does not match its config.json."
         )
+    # each tensor dropped once copied: the dict and the model are never both whole in memory
     with torch.no_grad():
         for name, ref in expected.items():
             if name in tensors:
-                ref.copy_(tensors[name])
+                ref.copy_(tensors.pop(name))
     if tied:
         model.tie_weights()
 

@@ -93,12 +93,18 @@ class Codec:
             f"{prefix}.{k}": (shape, dtypes[k], lambda k=k: read(k)) for k, shape in shapes.items()
         }
 
-    def decode_all(self, tensors: dict) -> dict:
+    def decode_all(self, tensors: dict, complete: bool = False, done: set | None = None) -> dict:
         """``tensors`` (a whole checkpoint) with every coded layer's stored tensors replaced by
-        its buffers."""
+        its buffers. ``complete``: only the layers whose stored tensors are all there (the shards
+        read so far); ``done``: the layers decoded already, skipped, and added to."""
+        done = set() if done is None else done
         for prefix in self.layers:
-            stored = {n: tensors.pop(n) for n in self.disk_names(prefix) if n in tensors}
+            names = self.disk_names(prefix)
+            if prefix in done or (complete and not all(n in tensors for n in names)):
+                continue
+            stored = {n: tensors.pop(n) for n in names if n in tensors}
             tensors.update(self.decode(prefix, stored))
+            done.add(prefix)
         return tensors
 
     def _check(self, stored: dict, prefix: str) -> None:

@@ -23,7 +23,8 @@ Systems (``--systems`` picks some):
     ours-bf16       the same, weights and activations in bfloat16
     hf-fp32         transformers ``generate`` on the same fp32 model (eager, its dynamic cache)
     llama.cpp       llama-cpp-python on the embedded model's own GGUF (``--model``: the default
-                    model's Q4_1, or Gemma 3 270M's Q4_K_M), n_threads = --threads (2)
+                    model's Q4_1, or Gemma 3 270M's Q4_K_M), or on ``--gguf``, n_threads =
+                    --threads (2)
     NAME[KV]        compress.decoder (fp32, eager) on ``--folders NAME=PATH`` with each ``--kvs`` cache:
                     any run folder, attention-converted ones too, beside the default model's.
                     KV is a cache kind with options, ``kivi:bits=4`` (``compress.decoder.kv``)
@@ -66,7 +67,8 @@ table each. Before them the driver measures the memory bandwidth with a STREAM-l
 5) with each thread count, and each row gives the weight bytes a decode step reads (``read
 MiB/token``: the tensors the model holds, less an embedding that the head does not share, which
 a step reads one row of; for llama.cpp the GGUF's tensors, less ``token_embd`` when it has an
-``output`` tensor) and ``decode tok/s x read bytes / bandwidth``: how close the system runs
+``output`` tensor; a mixture of experts' experts count top-k / experts of their bytes, the routed
+ones a batch-1 step reads) and ``decode tok/s x read bytes / bandwidth``: how close the system runs
 to the memory limit (1.0 = every weight byte once per token at the copy's bandwidth).
 """
 
@@ -132,7 +134,18 @@ def gguf_read_bytes(path) -> int:
     when the file has a separate ``output`` head."""
     from gguf import GGUFReader
 
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    reader = GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int | None:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else None
+
+    used, count = field("expert_used_count"), field("expert_count")
+    if used and count:  # a batch-1 step reads its routed experts only
+        for name in [n for n in sizes if "_exps." in n]:
+            sizes[name] = sizes[name] * used // count
     total = sum(sizes.values())
     return total - sizes.get("token_embd.weight", 0) if "output.weight" in sizes else total
 
@@ -140,6 +153,13 @@ def gguf_read_bytes(path) -> int:
 def read_bytes(model) -> int:
     """Weight bytes a decode step of ``model`` reads (see the module docstring)."""
     total = model_bytes(model)
+    moe = getattr(getattr(model, "spec", None), "moe", None)
+    if moe is not None:  # a batch-1 step reads its top-k experts of each sparse layer
+        experts = [
+            m.experts for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")
+        ]
+        held = sum(model_bytes(e) for e in experts)
+        total -= held - held * moe.top_k // moe.n_experts
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     emb = emb if emb is not None else getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -403,7 +423,7 @@ def make_system(name, args):
         return HF(args.fp)
     from compress.io.source import embedded_gguf
 
-    return LlamaCpp(embedded_gguf(args.model), args.threads[0])
+    return LlamaCpp(args.gguf or embedded_gguf(args.model), args.threads[0])
 
 
 def worker(spec: str, args) -> None:
@@ -445,7 +465,7 @@ def worker(spec: str, args) -> None:
                     "kv_bytes_per_token": getattr(system, "kv_bytes_per_token", None),
                     "kv_bytes": getattr(system, "kv_bytes", None),
                     "prompt_prefill_tok_s": getattr(system, "prefill_tok_s", None),
-                    "text": tok.decode(tokens),
+                    "text": tok.decode([t for t in tokens if t < len(tok)]),  # --gguf: any vocab
                 }
             ),
             file=out,
@@ -493,7 +513,7 @@ def disk_bytes(name: str, args) -> int:
     if name == "llama.cpp":
         from compress.io.source import embedded_gguf
 
-        return embedded_gguf(args.model).stat().st_size
+        return Path(args.gguf or embedded_gguf(args.model)).stat().st_size
     named = folder_system(name, args)
     folder = named[0] if named else {"ours-int4": args.int4, "ours-int3": args.int3}.get(name[:9])
     folder = Path(folder or args.fp)
@@ -593,7 +613,7 @@ def phases(systems: list[str], args) -> list[tuple[str, list[str]]]:
     out = [("decode", short)] if short else []
     for n in dict.fromkeys(c for c in context.values() if c):
         out.append(("decode", [s for s in systems if context[s] == n]))
-    prefill = [n for n in short if not n.endswith("+compile")]
+    prefill = [n for n in short if not n.endswith("+compile") and not args.no_prefill]
     return out + ([("prefill", prefill)] if prefill else [])
 
 
@@ -651,6 +671,8 @@ def parse_args(argv=None):
         "--fp's default (compress.io.embedded: smollm2-135m, gemma3-270m)",
     )
     p.add_argument("--fp", help="fp32 HF folder (default: --model's, converted)")
+    p.add_argument("--gguf", help="the GGUF llama.cpp decodes (default: --model's own)")
+    p.add_argument("--no-prefill", action="store_true", help="time decoding only")
     p.add_argument(
         "--systems",
         nargs="*",

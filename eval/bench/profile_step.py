@@ -53,7 +53,11 @@ def main(argv=None) -> None:
     model, tok = load(
         args.run, dtype=dtype, qdtype=qdtype, lean=args.lean, head=args.head, kernel=args.kernel
     )
-    ids = torch.tensor([prompt_ids(tok, args.prompt_len)])
+    if tok is not None:
+        ids = torch.tensor([prompt_ids(tok, args.prompt_len)])
+    else:  # a folder without a tokenizer (eval/bench/moe_decode.py's): fixed random ids
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=gen)
     max_len = args.prompt_len + args.warmup + 2 * args.steps + 2
     with torch.no_grad():
         if args.compile:
