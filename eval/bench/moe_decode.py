@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from compress.formats import compressed_tensors as ct
 
 GROUP = 32  # ggml's Q4_0 / Q8_0 block
+ATTN = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}  # ours -> llama.cpp's
 SHAPES = {
     "full": dict(
         hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
@@ -84,7 +85,7 @@ def linears(cfg: dict, layer: int) -> list[tuple[str, int, int]]:
     """``(name, out, in)`` of one layer's quantized linears, in the checkpoint's names."""
     H, inter = cfg["hidden_size"], cfg["intermediate_size"]
     p = f"model.layers.{layer}"
-    out = [(f"{p}.self_attn.{n}_proj", H, H) for n in "qkvo"]
+    out = [(f"{p}.self_attn.{n}_proj", H, H) for n in ATTN]
     for e in range(cfg["num_experts"]):
         q = f"{p}.mlp.experts.{e}"
         out += [
@@ -197,16 +198,16 @@ def write_gguf(folder: Path, path: Path) -> int:
             (f"blk.{i}.attn_k_norm.weight", lambda p=p: f32(f"{p}.self_attn.k_norm.weight")),
             (f"blk.{i}.ffn_gate_inp.weight", lambda p=p: f32(f"{p}.mlp.gate.weight")),
         ]
-        for ours, theirs in zip("qkvo", ("attn_q", "attn_k", "attn_v", "attn_output")):
+        for ours, theirs in ATTN.items():
             plan.append(
                 (f"blk.{i}.{theirs}.weight", lambda n=f"{p}.self_attn.{ours}_proj": int4(n))
             )
-        for ours, theirs in (("gate", "gate"), ("up", "up"), ("down", "down")):
+        for part in ("gate", "up", "down"):  # the experts of one projection stacked, [E, rows, .]
             plan.append(
                 (
-                    f"blk.{i}.ffn_{theirs}_exps.weight",
-                    lambda p=p, ours=ours: np.stack(
-                        [int4(f"{p}.mlp.experts.{e}.{ours}_proj") for e in range(E)]
+                    f"blk.{i}.ffn_{part}_exps.weight",
+                    lambda p=p, part=part: np.stack(
+                        [int4(f"{p}.mlp.experts.{e}.{part}_proj") for e in range(E)]
                     ),
                 )
             )
@@ -282,7 +283,6 @@ def check_codes(folder: Path, gguf_path: Path, layers) -> int:
     cfg = json.loads((folder / "config.json").read_text())
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
-    names = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}
     n = 0
     for layer in layers:
         for name, _, _ in linears(cfg, layer):
@@ -291,7 +291,7 @@ def check_codes(folder: Path, gguf_path: Path, layers) -> int:
                 e = int(name.split(".")[-2])
                 t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
             else:
-                e, t = None, tensors[f"blk.{layer}.{names[part]}.weight"]
+                e, t = None, tensors[f"blk.{layer}.{ATTN[part]}.weight"]
             theirs = dequantize(t.data[e] if e is not None else t.data, t.tensor_type)
             with safe_open(str(folder / index[f"{name}.weight_packed"]), "pt") as f:
                 local = {
