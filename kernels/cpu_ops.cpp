@@ -4,8 +4,17 @@
 //   w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) -> Tensor
 //     w4a8_cpu.cpp's product (w4a8_cpu.py): float32 or bfloat16 x [..., K] read as it is (other
 //     dtypes converted to float32), the int8 activations in per-thread scratch, y [..., N] in x's
-//     dtype. packed: uint8 [N / 16, K / 32, bytes] (w4a8_cpu.pack), s and sz: float32 [K / g, N];
+//     dtype. packed: uint8 [N / 16, K / 32, bytes] (w4a8_cpu.pack), s and sz: float32 [K / g, N],
+//     or (symmetric codes) s float16 [K / g, N] and sz the one float32 zero point;
 //     path: 2 AVX-512 VNNI, 1 AVX2, 0 portable (w4a8_caps() says which this CPU runs).
+//
+//   w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s,
+//                Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz,
+//                int gu_bits, int gu_g, int dn_bits, int dn_g, int path) -> Tensor
+//     w4a8_cpu.cpp's SiLU-gated experts over the rows of x [M, H] routed to e [M, k] with
+//     weights w [M, k] (w4a8_cpu.experts): one entry per expert in each list, the gate_up
+//     projections' forms ([2I / 16, H / 32, bytes], [H / gu_g, 2I]) and the down projections'
+//     ([H / 16, I / 32, bytes], [I / dn_g, H]); y [M, H] in x's dtype.
 //
 //   skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor
 //     skinny_cpu.cpp's fp32 product x [..., K] w [N, K]^T + b for a few rows (skinny_cpu.py):
@@ -40,8 +49,14 @@ void w4a8_quantize(const float* x, int8_t* xq, float* d, float* xs, int64_t M, i
 void w4a8_quantize_bf16(const uint16_t* x, int8_t* xq, float* d, float* xs, int64_t M,
                         int64_t K, int64_t g);
 void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
-               const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t g, int bits, int path, int nthreads);
+               const void* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t g, int bits, int path, int nthreads, int half);
+void w4a8_experts(const float* x, const int64_t* e, const float* wts, int64_t M, int64_t k,
+                  int64_t H, int64_t I, const uint8_t* const* gu_w, const void* const* gu_s,
+                  const float* const* gu_sz, int64_t gu_g, int gu_bits, int gu_half,
+                  const uint8_t* const* dn_w, const void* const* dn_s,
+                  const float* const* dn_sz, int64_t dn_g, int dn_bits, int dn_half, float* y,
+                  int path, int nthreads);
 void skinny_linear(const float* x, const float* w, const float* b, float* y, int64_t M,
                    int64_t K, int64_t N, int path, int nthreads);
 void range_attention(const float* q, float* out, const void* k, const void* v, int64_t kb,
@@ -123,6 +138,14 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, dou
   return y;
 }
 
+// The two forms of a W4A8 weight's scales (w4a8_cpu.prepare): fp32 s and sz = s z, or fp16 s and
+// one fp32 zero point (symmetric codes).
+bool scales_fit(const at::Tensor& s, const at::Tensor& sz) {
+  if (!s.is_contiguous() || !sz.is_contiguous() || sz.scalar_type() != at::kFloat) return false;
+  if (s.scalar_type() == at::kHalf) return sz.numel() == 1;
+  return s.scalar_type() == at::kFloat && sz.sizes() == s.sizes();
+}
+
 struct Scratch {
   std::vector<int8_t> xq;
   std::vector<float> d, xs, y;
@@ -135,11 +158,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "compress::w4a8_linear: K = ", K, ", g = ", g, ", N = ", N,
               " do not fit the kernel (K and g multiples of 32, N of 16)");
   TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "compress::w4a8_linear: bits = ", bits);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  s.scalar_type() == at::kFloat && s.is_contiguous() &&
-                  sz.scalar_type() == at::kFloat && sz.is_contiguous() && s.size(0) == K / g,
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && scales_fit(s, sz) &&
+                  s.size(0) == K / g,
               "compress::w4a8_linear: packed must be contiguous uint8, s and sz contiguous "
-              "float32 [K / g, N]");
+              "float32 [K / g, N], or s float16 [K / g, N] and sz one float32 zero point");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor xc = (bf16 || x.scalar_type() == at::kFloat) ? x.contiguous()
                                                           : x.to(at::kFloat).contiguous();
@@ -157,9 +179,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const bool direct = y.scalar_type() == at::kFloat;
   if (!direct) t.y.resize(M * N);
   float* yf = direct ? y.data_ptr<float>() : t.y.data();
-  w4a8_gemm(t.xq.data(), t.d.data(), t.xs.data(), packed.data_ptr<uint8_t>(),
-            s.data_ptr<float>(), sz.data_ptr<float>(), yf, M, K, N, g, (int)bits, (int)path,
-            at::get_num_threads());
+  w4a8_gemm(t.xq.data(), t.d.data(), t.xs.data(), packed.data_ptr<uint8_t>(), s.data_ptr(),
+            sz.data_ptr<float>(), yf, M, K, N, g, (int)bits, (int)path, at::get_num_threads(),
+            s.scalar_type() == at::kHalf);
   if (y.scalar_type() == at::kBFloat16) {
     auto* out = y.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) out[i] = c10::BFloat16(yf[i]);
@@ -167,6 +189,58 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     y.copy_(at::from_blob(yf, shape, at::kFloat));
   }
   return y;
+}
+
+at::Tensor w4a8_experts_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& e,
+                           at::TensorList gu_packed, at::TensorList gu_s, at::TensorList gu_sz,
+                           at::TensorList dn_packed, at::TensorList dn_s, at::TensorList dn_sz,
+                           int64_t gu_bits, int64_t gu_g, int64_t dn_bits, int64_t dn_g,
+                           int64_t path) {
+  const int64_t E = (int64_t)gu_packed.size();
+  TORCH_CHECK(E > 0 && gu_s.size() == E && gu_sz.size() == E && dn_packed.size() == E &&
+                  dn_s.size() == E && dn_sz.size() == E,
+              "compress::w4a8_experts: one form per expert in each of the six lists");
+  TORCH_CHECK(x.dim() == 2 && e.dim() == 2 && w.sizes() == e.sizes() && e.size(0) == x.size(0),
+              "compress::w4a8_experts: x [M, H], w and e [M, k]; got x ", x.sizes(), ", w ",
+              w.sizes(), ", e ", e.sizes());
+  const int64_t M = x.size(0), H = x.size(1), k = e.size(1), I = dn_s[0].size(0) * dn_g;
+  TORCH_CHECK(H % 32 == 0 && I % 32 == 0 && gu_g % 32 == 0 && dn_g % 32 == 0 &&
+                  H % gu_g == 0 && I % dn_g == 0 && (2 * I) % 16 == 0 && H % 16 == 0,
+              "compress::w4a8_experts: H = ", H, ", I = ", I, " and the group sizes do not fit");
+  const at::Tensor ec = e.to(at::kLong).contiguous(), wc = w.to(at::kFloat).contiguous();
+  const int64_t* ep = ec.data_ptr<int64_t>();
+  std::vector<const uint8_t*> gw(E), dw(E);
+  std::vector<const void*> gs(E), ds(E);
+  std::vector<const float*> gz(E), dz(E);
+  const bool gu_half = gu_s[0].scalar_type() == at::kHalf;
+  const bool dn_half = dn_s[0].scalar_type() == at::kHalf;
+  for (int64_t i = 0; i < E; ++i) {
+    TORCH_CHECK(scales_fit(gu_s[i], gu_sz[i]) && scales_fit(dn_s[i], dn_sz[i]) &&
+                    (gu_s[i].scalar_type() == at::kHalf) == gu_half &&
+                    (dn_s[i].scalar_type() == at::kHalf) == dn_half,
+                "compress::w4a8_experts: expert ", i, "'s scales are not one form of "
+                "w4a8_cpu.prepare, or not the other experts'");
+    gw[i] = gu_packed[i].data_ptr<uint8_t>(), dw[i] = dn_packed[i].data_ptr<uint8_t>();
+    gs[i] = gu_s[i].data_ptr(), gz[i] = gu_sz[i].data_ptr<float>();
+    ds[i] = dn_s[i].data_ptr(), dz[i] = dn_sz[i].data_ptr<float>();
+  }
+  for (int64_t i = 0; i < M * k; ++i) {
+    const int64_t ex = ep[i];
+    TORCH_CHECK(ex >= 0 && ex < E, "compress::w4a8_experts: expert ", ex, " of ", E);
+    TORCH_CHECK(gu_s[ex].is_contiguous() && gu_s[ex].size(1) == 2 * I &&
+                    gu_s[ex].size(0) == H / gu_g && dn_s[ex].size(1) == H &&
+                    gu_packed[ex].is_contiguous() && dn_packed[ex].is_contiguous() &&
+                    gu_packed[ex].numel() == (2 * I / 16) * (H / 32) * (gu_bits == 4 ? 256 : gu_bits == 8 ? 512 : 192) &&
+                    dn_packed[ex].numel() == (H / 16) * (I / 32) * (dn_bits == 4 ? 256 : dn_bits == 8 ? 512 : 192),
+                "compress::w4a8_experts: expert ", ex, "'s forms do not match H = ", H,
+                ", I = ", I);
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, H}, x.options().dtype(at::kFloat));
+  w4a8_experts(xf.data_ptr<float>(), ep, wc.data_ptr<float>(), M, k, H, I, gw.data(), gs.data(),
+               gz.data(), gu_g, (int)gu_bits, gu_half, dw.data(), ds.data(), dz.data(), dn_g,
+               (int)dn_bits, dn_half, y.data_ptr<float>(), (int)path, at::get_num_threads());
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -205,6 +279,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY_FRAGMENT(compress, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) "
         "-> Tensor");
+  m.def("w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s, "
+        "Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz, int gu_bits, "
+        "int gu_g, int dn_bits, int dn_g, int path) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "
@@ -213,6 +290,7 @@ TORCH_LIBRARY_FRAGMENT(compress, m) {
 
 TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w4a8_experts", &w4a8_experts_op);
   m.impl("cache_attention", &cache_attention);
   m.impl("skinny_linear", &skinny_linear_op);
   m.impl("rms_norm", &rms_norm_op);

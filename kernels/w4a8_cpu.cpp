@@ -12,6 +12,10 @@
 
 #include "cpu_simd.h"
 
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define W4A8_X86 1
@@ -35,7 +39,29 @@ struct Args {
   const float* sz;   // [G, N]
   float* y;          // [M, N]
   int64_t M, K, N, g;
+  const uint16_t* s16 = nullptr;  // the symmetric form: fp16 scales [G, N] and one zero point
+  float zc = 0.0f;                // (s and sz unused): y = sum_G s (acc_G - zc xs_G)
 };
+
+// The weight's scales: fp32 s and sz = s z [G, N] (`half` 0), or fp16 s [G, N] and the one zero
+// point *sz of symmetric codes (`half` 1).
+Args make_args(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
+               const void* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t g, int half) {
+  Args a{xq, d, xs, w, (const float*)s, sz, y, M, K, N, g};
+  if (half) a.s16 = (const uint16_t*)s, a.zc = *sz, a.s = a.sz = nullptr;
+  return a;
+}
+
+// IEEE half -> float (the portable path's reading of fp16 scales).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) return (sign ? -1.0f : 1.0f) * std::ldexp((float)m, -24);
+  const uint32_t u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 // ---- portable C++ --------------------------------------------------------------------------
 
@@ -70,8 +96,10 @@ void tile_scalar(const Args& a, int bits, int64_t t, int64_t m0, int64_t mr) {
         for (int j = 0; j < TILE; ++j) acc[j] += (float)I[j] * d;
       }
       const float xs = a.xs[m * G + gi];
+      const int64_t at = gi * a.N + col0;
       for (int j = 0; j < TILE; ++j)
-        y[j] += acc[j] * a.s[gi * a.N + col0 + j] - xs * a.sz[gi * a.N + col0 + j];
+        y[j] += a.s16 ? (acc[j] - a.zc * xs) * half_to_float(a.s16[at + j])
+                      : acc[j] * a.s[at + j] - xs * a.sz[at + j];
     }
     for (int j = 0; j < TILE; ++j) a.y[m * a.N + col0 + j] = y[j];
   }
@@ -153,8 +181,17 @@ VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
       block_vnni<BITS, MR, NT>(wt + b * block_bytes(BITS), tstride, x, d, acc);
     }
     for (int n = 0; n < NT; ++n) {
-      const __m512 s = _mm512_loadu_ps(a.s + gi * a.N + col0 + n * TILE);
-      const __m512 sz = _mm512_loadu_ps(a.sz + gi * a.N + col0 + n * TILE);
+      const int64_t at = gi * a.N + col0 + n * TILE;
+      if (a.s16) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.s16 + at)));
+        for (int r = 0; r < MR; ++r) {
+          const __m512 zx = _mm512_set1_ps(a.zc * a.xs[(m0 + r) * G + gi]);
+          y[r * NT + n] = _mm512_fmadd_ps(_mm512_sub_ps(acc[r * NT + n], zx), s, y[r * NT + n]);
+        }
+        continue;
+      }
+      const __m512 s = _mm512_loadu_ps(a.s + at);
+      const __m512 sz = _mm512_loadu_ps(a.sz + at);
       for (int r = 0; r < MR; ++r) {
         __m512& yy = y[r * NT + n];
         yy = _mm512_fmadd_ps(acc[r * NT + n], s, yy);
@@ -168,7 +205,7 @@ VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
 
 // ---- AVX2 ----------------------------------------------------------------------------------
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // One 32-byte half (8 columns) of a tile: I over one block for MR rows. vpmaddubsw sums pairs
 // of u8 x s8 products into int16 without overflow for codes < 16 (4 k-steps of 2 x 15 x 127
@@ -256,6 +293,14 @@ AVX2 void tile_avx2(const Args& a, int64_t t, int64_t m0) {
         half_avx2<BITS, MR>(wt + b * block_bytes(BITS), half, x, I);
         for (int r = 0; r < MR; ++r)
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_set1_ps(a.d[(m0 + r) * KB + b]), acc[r]);
+      }
+      if (a.s16) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a.s16 + gi * a.N + c0)));
+        for (int r = 0; r < MR; ++r) {
+          const __m256 zx = _mm256_set1_ps(a.zc * a.xs[(m0 + r) * G + gi]);
+          y[r] = _mm256_fmadd_ps(_mm256_sub_ps(acc[r], zx), s, y[r]);
+        }
+        continue;
       }
       const __m256 s = _mm256_loadu_ps(a.s + gi * a.N + c0);
       const __m256 sz = _mm256_loadu_ps(a.sz + gi * a.N + c0);
@@ -380,11 +425,12 @@ void w4a8_quantize_bf16(const uint16_t* x, int8_t* xq, float* d, float* xs, int6
   quantize_rows(x, xq, d, xs, M, K, g);
 }
 
-// y [M, N] fp32 from the quantized activations and a packed weight (layouts in w4a8_cpu.py).
+// y [M, N] fp32 from the quantized activations and a packed weight (layouts in w4a8_cpu.py);
+// its scales as make_args reads them (`half`).
 void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t* w,
-               const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
-               int64_t g, int bits, int path, int nthreads) {
-  const Args a{xq, d, xs, w, s, sz, y, M, K, N, g};
+               const void* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+               int64_t g, int bits, int path, int nthreads, int half) {
+  const Args a = make_args(xq, d, xs, w, s, sz, y, M, K, N, g, half);
   const int64_t tiles = N / TILE;
   const int nt = M == 1 ? 4 : M == 2 ? 2 : 1;  // tiles per unit of work
   const int64_t units = (tiles + nt - 1) / nt;
@@ -399,10 +445,96 @@ void w4a8_gemm(const int8_t* xq, const float* d, const float* xs, const uint8_t*
 
 // Both steps in one call; xq, d and xs are the caller's scratch.
 void w4a8_linear(const float* x, int8_t* xq, float* d, float* xs, const uint8_t* w,
-                 const float* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
-                 int64_t g, int bits, int path, int nthreads) {
+                 const void* s, const float* sz, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t g, int bits, int path, int nthreads, int half) {
   w4a8_quantize(x, xq, d, xs, M, K, g);
-  w4a8_gemm(xq, d, xs, w, s, sz, y, M, K, N, g, bits, path, nthreads);
+  w4a8_gemm(xq, d, xs, w, s, sz, y, M, K, N, g, bits, path, nthreads, half);
+}
+
+
+// A mixture-of-experts MLP over a few rows (w4a8_cpu.py's `experts`): for each routed slot
+// s = (m, j) of the S = M k slots, with e = e[m, j] and the SiLU-gated expert
+//   h = W_gu[e] x_m  (2I columns, gate first),  a = silu(h[:I]) * h[I:],  z_s = W_dn[e] a,
+//   y[m] = sum_j w[m, j] z_(m, j), the j in ascending expert order (fp32).
+// x is quantized once; the slots are grouped by expert, so an expert routed from several rows
+// is read once for them; each projection of all the routed experts is one parallel loop over
+// (expert, tiles) units. gu_* and dn_* hold one pointer per expert (w4a8_cpu.prepare's form,
+// its scales as make_args reads them: gu_half, dn_half).
+void w4a8_experts(const float* x, const int64_t* e, const float* wts, int64_t M, int64_t k,
+                  int64_t H, int64_t I, const uint8_t* const* gu_w, const void* const* gu_s,
+                  const float* const* gu_sz, int64_t gu_g, int gu_bits, int gu_half,
+                  const uint8_t* const* dn_w, const void* const* dn_s,
+                  const float* const* dn_sz, int64_t dn_g, int dn_bits, int dn_half, float* y,
+                  int path, int nthreads) {
+  const int64_t S = M * k, N1 = 2 * I;
+  std::vector<int64_t> order(S);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return e[a] < e[b]; });
+  std::vector<int64_t> at(S);  // slot -> its row in the expert-sorted buffers
+  for (int64_t r = 0; r < S; ++r) at[order[r]] = r;
+  struct Group { int64_t expert, start, n; };
+  std::vector<Group> groups;
+  for (int64_t r = 0; r < S; ++r) {
+    if (r == 0 || e[order[r]] != e[order[r - 1]]) groups.push_back({e[order[r]], r, 0});
+    ++groups.back().n;
+  }
+  // x's rows quantized once, then gathered into the sorted order
+  const int64_t KB1 = H / BLK, G1 = H / gu_g, KB2 = I / BLK, G2 = I / dn_g;
+  std::vector<int8_t> xq0(M * H), xq(S * H), aq(S * I);
+  std::vector<float> d0(M * KB1), xs0(M * G1), d(S * KB1), xs(S * G1);
+  std::vector<float> h(S * N1), a(S * I), ad(S * KB2), axs(S * G2), z(S * H);
+  w4a8_quantize(x, xq0.data(), d0.data(), xs0.data(), M, H, gu_g);
+  for (int64_t r = 0; r < S; ++r) {
+    const int64_t m = order[r] / k;
+    std::memcpy(&xq[r * H], &xq0[m * H], H);
+    std::memcpy(&d[r * KB1], &d0[m * KB1], KB1 * sizeof(float));
+    std::memcpy(&xs[r * G1], &xs0[m * G1], G1 * sizeof(float));
+  }
+  // one projection of every routed expert: units of nt tiles of one group's expert
+  auto project = [&](const int8_t* q, const float* qd, const float* qs, int64_t K, int64_t N,
+                     int64_t g, int bits, int half, const uint8_t* const* W,
+                     const void* const* Sc, const float* const* Sz, float* out) {
+    struct Unit { int64_t group, t; int nt; };
+    std::vector<Unit> units;
+    const int64_t tiles = N / TILE;
+    for (int64_t gi = 0; gi < (int64_t)groups.size(); ++gi) {
+      const int nt = groups[gi].n == 1 ? 4 : groups[gi].n == 2 ? 2 : 1;
+      for (int64_t t = 0; t < tiles; t += nt)
+        units.push_back({gi, t, (int)std::min<int64_t>(nt, tiles - t)});
+    }
+    const int64_t KB = K / BLK, G = K / g, n_units = (int64_t)units.size();
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t u = 0; u < n_units; ++u) {
+      const Group& gr = groups[units[u].group];
+      const Args args = make_args(q + gr.start * K, qd + gr.start * KB, qs + gr.start * G,
+                                  W[gr.expert], Sc[gr.expert], Sz[gr.expert],
+                                  out + gr.start * N, gr.n, K, N, g, half);
+      for (int64_t m0 = 0; m0 < gr.n; m0 += MR_MAX)
+        run_tiles(args, bits, path, units[u].t, units[u].nt, m0, std::min<int64_t>(MR_MAX, gr.n - m0));
+    }
+  };
+  project(xq.data(), d.data(), xs.data(), H, N1, gu_g, gu_bits, gu_half, gu_w, gu_s, gu_sz,
+          h.data());
+  for (int64_t r = 0; r < S; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gt = h[r * N1 + i], up = h[r * N1 + I + i];
+      a[r * I + i] = gt / (1.0f + std::exp(-gt)) * up;
+    }
+  w4a8_quantize(a.data(), aq.data(), ad.data(), axs.data(), S, I, dn_g);
+  project(aq.data(), ad.data(), axs.data(), I, H, dn_g, dn_bits, dn_half, dn_w, dn_s, dn_sz,
+          z.data());
+  for (int64_t m = 0; m < M; ++m) {
+    float* ym = y + m * H;
+    std::fill(ym, ym + H, 0.0f);
+    std::vector<int64_t> js(k);  // the row's slots, ascending expert
+    std::iota(js.begin(), js.end(), 0);
+    std::stable_sort(js.begin(), js.end(), [&](int64_t p, int64_t q) { return e[m * k + p] < e[m * k + q]; });
+    for (int64_t j : js) {
+      const float wj = wts[m * k + j];
+      const float* zs = &z[at[m * k + j] * H];
+      for (int64_t c = 0; c < H; ++c) ym[c] += wj * zs[c];
+    }
+  }
 }
 
 }  // extern "C"

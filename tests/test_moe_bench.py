@@ -12,9 +12,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from compress.decoder.experts import QuantExperts
+from compress.decoder.generate import static_step
 from compress.decoder.kv import new_cache
 from compress.decoder.model import load
 from compress.io.checkpoint import load_state
+from compress.kernels import w4a8_cpu
 from tests.conftest import run_bench
 
 
@@ -42,6 +44,33 @@ def test_moe_bench_folder_and_gguf(tmp_path):
         got = ours(ids, new_cache(ours, "full", 1, ids.shape[1]))[0].double()
         want = hf(ids).logits[0].double()
     assert ((got - want).norm() / want.norm()).item() < 1e-3
+    # the W4A8 kernel (the decoder's default): 4 rows x top-2 are decode's regime, where all the
+    # routed experts of a layer run in one call; it computes what each expert's own W4A8
+    # layers compute, and stays within int8 activations' error of transformers
+    fast, _ = load(folder, kernel="w4a8")
+    short = ids[:, :4]
+    with torch.no_grad():
+        one_call = fast(short, new_cache(fast, "full", 1, 4))[0].double()
+        experts = [b.mlp.experts for b in fast.model.layers]
+        assert all(isinstance(x.fused, w4a8_cpu.Experts) for x in experts)  # it ran
+        for x in experts:
+            x.fused = False  # each routed expert through its own layers instead
+        per_expert = fast(short, new_cache(fast, "full", 1, 4))[0].double()
+    assert ((one_call - per_expert).norm() / per_expert.norm()).item() < 1e-5
+    assert ((one_call - want[:4]).norm() / want[:4].norm()).item() < 2e-2
+    # the compiled decode step holds those experts as one op in its graph (no graph break):
+    # teacher-forced steps after a prefill, against the eager forward over the same tokens
+    for x in experts:
+        x.fused = None
+    step, cache = static_step(fast, "full", None, 1, 16)
+    with torch.no_grad():
+        out = [fast(ids[:, :10], cache)[:, -1:]]
+        out += [step(ids[:, t : t + 1], cache) for t in range(10, 15)]
+        eager = fast(ids[:, :15], new_cache(fast, "full", 1, 15))[:, 9:]
+    assert step.compiled_calls == 5
+    static = [b.mlp.experts for b in step.model.model.layers]
+    assert all(isinstance(x, w4a8_cpu.W4A8Experts) for x in static)
+    assert ((torch.cat(out, 1) - eager).norm() / eager.norm()).item() < 1e-5
     # the same folder with every quantized layer split across two shards (codes in the first,
     # scales and shapes in the second): each layer is decoded once it is whole, the same model
     split = tmp_path / "split"

@@ -21,10 +21,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def random_layer(bits: int, K: int, N: int, g: int, seed: int) -> QuantLinear:
+def random_layer(
+    bits: int, K: int, N: int, g: int, seed: int, symmetric: bool = False
+) -> QuantLinear:
+    """Random codes, fp16 scales, and random zero points (or one, ``symmetric``: the kernel's
+    form with fp16 scales, ``w4a8_cpu.prepare``)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 2**bits, (N, K), generator=gen)
     z = torch.randint(0, 2**bits, (N, K // g), generator=gen)
+    if symmetric:
+        z = torch.full_like(z, 2 ** (bits - 1))
     s = (torch.rand(N, K // g, generator=gen) * 0.02 + 1e-3).half()
     return QuantLinear.from_quantized(
         SimpleNamespace(q=q, zeros=z, scales=s, bits=bits, group_size=g)
@@ -85,14 +91,18 @@ def test_reference_quantizes_as_specified():
 @pytest.mark.parametrize("path", C_PATHS)
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("shape", [(64, 32, 32), (256, 96, 128), (576, 224, 64), (160, 160, 160)])
-def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
-    """Every C++ path, M in 1, 2, 4, 8, 17 (and odd shapes: 7 or 14 tiles, 5 blocks per group),
-    into poisoned outputs: ``x_hat @ W_hat^T`` in float64 to fp32 accuracy."""
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_kernel_matches_float64_reference(path, bits, shape, symmetric, monkeypatch):
+    """Every C++ path, both forms of the scales (fp32 s and s z; fp16 s of symmetric codes), M in
+    1, 2, 4, 8, 17 (and odd shapes: 7 or 14 tiles, 5 blocks per group), into poisoned outputs:
+    ``x_hat @ W_hat^T`` in float64 to fp32 accuracy."""
     monkeypatch.setenv("COMPRESS_W4A8", path)
     K, N, g = shape
-    layer = random_layer(bits, K, N, g, seed=bits * 7 + K)
+    layer = random_layer(bits, K, N, g, seed=bits * 7 + K, symmetric=symmetric)
     layer.kernel = "w4a8"
     packed, s, sz = w4a8_cpu.form(layer)
+    half = s.dtype == torch.float16
+    assert half == symmetric and (sz.numel() == 1) == symmetric  # the form taken
     w64 = layer.dequantize(torch.float64)
     lib = native.library()
     for M in (1, 2, 4, 8, 17):
@@ -106,7 +116,7 @@ def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
         lib.w4a8_linear(
             x.data_ptr(), xq.data_ptr(), d.data_ptr(), xs.data_ptr(),
             packed.data_ptr(), s.data_ptr(), sz.data_ptr(), y.data_ptr(),
-            M, K, N, g, bits, w4a8_cpu.PATHS[path], 2,
+            M, K, N, g, bits, w4a8_cpu.PATHS[path], 2, half,
         )  # fmt: skip
         assert torch.isfinite(y).all()
         assert rel(y, ref) < 2e-6, (M, rel(y, ref))
@@ -124,12 +134,14 @@ def test_kernel_matches_float64_reference(path, bits, shape, monkeypatch):
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
 @pytest.mark.parametrize("path", C_PATHS)
 @pytest.mark.parametrize("bits", [3, 4, 8])
-def test_operator_matches_float64_reference_in_every_dtype(path, bits):
-    """``compress::w4a8_linear`` (the C++ operator the compiled step calls) on every path: fp32,
-    bf16 (read as it is) and fp16 (converted) inputs of any leading shape, against the float64
-    reference of the same arithmetic, and bit for bit what the ctypes call computes."""
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_operator_matches_float64_reference_in_every_dtype(path, bits, symmetric):
+    """``compress::w4a8_linear`` (the C++ operator the compiled step calls) on every path and
+    form of the scales: fp32, bf16 (read as it is) and fp16 (converted) inputs of any leading
+    shape, against the float64 reference of the same arithmetic, and bit for bit what the
+    ctypes call computes."""
     K, N, g = 192, 96, 64  # 6 tiles
-    layer = random_layer(bits, K, N, g, seed=bits + 11)
+    layer = random_layer(bits, K, N, g, seed=bits + 11, symmetric=symmetric)
     packed, s, sz = w4a8_cpu.form(layer)
     w64 = layer.dequantize(torch.float64)
     for M in (1, 3, 6):
@@ -224,12 +236,14 @@ def test_use_sets_the_kernel_where_it_fits():
 
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
 @pytest.mark.parametrize("bits", [3, 4, 8])
-def test_lean_w4a8_and_the_compiled_op(bits):
-    """Lean loading keeps only the W4A8 form: small M through the kernel, long prefills through
-    its exact dequantization (``w4a8-dequant``), every M through the kernel with
-    ``kernel_every_m``; the op that the compiled step traces computes the same as the layer."""
-    layer = random_layer(bits, 128, 64, 32, seed=4)
-    w64 = random_layer(bits, 128, 64, 32, seed=4).dequantize(torch.float64)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_lean_w4a8_and_the_compiled_op(bits, symmetric):
+    """Lean loading keeps only the W4A8 form (either form of the scales): small M through the
+    kernel, long prefills through its exact dequantization (``w4a8-dequant``), every M through
+    the kernel with ``kernel_every_m``; the op that the compiled step traces computes the same
+    as the layer."""
+    layer = random_layer(bits, 128, 64, 32, seed=4, symmetric=symmetric)
+    w64 = random_layer(bits, 128, 64, 32, seed=4, symmetric=symmetric).dequantize(torch.float64)
     packed, s, sz = w4a8_cpu.form(layer)
     assert torch.equal(w4a8_cpu.unpack(packed, bits), layer.codes()[0])  # pack's inverse
     layer.kernel = "w4a8"
@@ -377,3 +391,40 @@ def test_quantized_draft_default_is_exact(tmp_path, capsys):
     assert out["draft_runtime"] == dict(device="cpu", dtype="bfloat16", qdtype="bfloat16",
                                         kernel=FAST_KERNEL, head="int8", lean=True, compile=True,
                                         batch_invariant=False, threads=None, fast=True)  # fmt: skip
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_experts_match_float64_reference(path, bits, symmetric):
+    """``w4a8_experts`` (every routed expert's two projections in one call) on every path: rows
+    routed to overlapping experts (an expert read once for several rows), into a poisoned output,
+    against the float64 reference of the same arithmetic; the operator equals the ctypes call
+    bit for bit and returns the input's dtype."""
+    E, H, inter, k = 5, 96, 128, 3
+    gate_up = [random_layer(bits, H, 2 * inter, 32, 10 * bits + i, symmetric) for i in range(E)]
+    down = [random_layer(bits, inter, H, 64, 100 + 10 * bits + i, symmetric) for i in range(E)]
+    lib, which = native.library(), w4a8_cpu.PATHS[path]
+    for M in (1, 2, 4):
+        gen = torch.Generator().manual_seed(M)
+        x = torch.randn(M, H, generator=gen) * (1 + 3 * torch.rand(M, H, generator=gen))
+        e = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)])
+        w = torch.rand(M, k, generator=gen)
+        ref = w4a8_ref.experts(x, w, e, gate_up, down)
+        y = torch.full((M, H), math.nan)
+        forms = [w4a8_cpu.form(m) for m in gate_up], [w4a8_cpu.form(m) for m in down]
+        ptrs = [w4a8_cpu._pointers(ts) for f in forms for ts in zip(*f)]
+        lib.w4a8_experts(
+            x.data_ptr(), e.data_ptr(), w.data_ptr(), M, k, H, inter,
+            *ptrs[:3], 32, bits, symmetric, *ptrs[3:], 64, bits, symmetric, y.data_ptr(), which, 2,
+        )  # fmt: skip
+        assert torch.isfinite(y).all() and rel(y, ref) < 2e-6, (M, rel(y, ref))
+        for dtype in (torch.float32, torch.bfloat16):
+            out = w4a8_cpu.Experts(gate_up, down)(x.to(dtype), w, e, path)
+            assert out.dtype == dtype
+            lists = [list(ts) for f in forms for ts in zip(*f)]
+            want = w4a8_cpu._ctypes_experts(x.to(dtype), w, e, *lists, bits, 32, bits, 64, which)
+            assert torch.equal(out, want), (M, dtype)
+            if dtype == torch.float32:
+                assert torch.equal(out, y)

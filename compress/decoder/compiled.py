@@ -6,7 +6,9 @@ cache (``compress.decoder.kv.fp16``): K and V preallocated per layer, each step 
 slots with the unwritten ones and the left padding masked. The linears are swapped, in a
 copy of the module tree that shares every tensor, for compile-friendly forms of the same
 kernels (:func:`static_linear`): the prepared int4pack tensors, the K-packed planes' GEMV, the
-W4A8 kernel (an opaque op, ``compress::w4a8_linear``), or the layer's own forward outside the graph.
+W4A8 kernel (an opaque op, ``compress::w4a8_linear``), or the layer's own forward outside the graph;
+quantized experts whose layers all take the W4A8 kernel run as one op in the graph
+(``compress::w4a8_experts``), others outside it.
 
 Dynamo's guards on the model's ~300 weight tensors cost about as much as the attention; they
 are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
@@ -62,8 +64,9 @@ def static_linear(layer: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module
 def with_static_linears(module: nn.Module, dtype: torch.dtype, batch: int) -> nn.Module:
     """A copy of ``module``'s tree (sharing every parameter and buffer) whose quantized linears are
     their :func:`static_linear` forms; modules without such a descendant are shared as they are."""
-    if getattr(module, "graph_break", False):  # runs eager as it is (quantized experts)
-        return module
+    if getattr(module, "graph_break", False):  # quantized experts
+        fused = module.w4a8(torch.empty(batch, 1, dtype=dtype))
+        return w4a8_cpu.W4A8Experts(fused) if fused else module  # in the graph, else eager
     if isinstance(module, (Cast, Parallel)) or (
         hasattr(module, "in_features") and not isinstance(module, nn.Linear)
     ):

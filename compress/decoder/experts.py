@@ -32,7 +32,8 @@ and per-expert compressed-tensors layers (``...gate_proj.weight_packed`` ..., an
 run's). Those load as :class:`QuantExperts`: each expert a gated MLP of quantized layers
 (``compress.layers.QuantLinear``, gate and up fused), so the experts stay in their 4 bits in
 memory and run through the quantized kernels (W4A8 where the layer takes it), each routed
-expert over the rows routed to it.
+expert over the rows routed to it; a decode step's few rows, where every expert takes the W4A8
+kernel, go through all their routed experts in one call (``w4a8_cpu.Experts``).
 """
 
 import torch
@@ -43,6 +44,7 @@ from compress.arch.moe import BIASED_TOPK, EXPERTS, SIGMOID_GROUP, SOFTMAX_TOPK,
 from compress.arch.spec import ArchSpec
 from compress.errors import CompressError
 from compress.formats import compressed_tensors as ct
+from compress.kernels import cpu, w4a8_cpu
 
 
 class Router(nn.Module):
@@ -190,19 +192,49 @@ class QuantExperts(nn.Module):
     ``experts.{e}.{names}`` (see the module docstring): each routed expert over its rows, in
     ascending expert order, as :meth:`Experts.grouped`."""
 
-    graph_break = True  # a compiled step runs it outside the graph (its loop syncs with the host)
+    # a compiled step runs it outside the graph (its loop syncs with the host), unless it takes
+    # the one-call W4A8 kernel (compiled.with_static_linears)
+    graph_break = True
 
     def __init__(self, moe: MoESpec, dim: int, act, names: tuple):
         super().__init__()
         self.n_experts, self.act = moe.n_experts, act
         for e in range(moe.n_experts):
             self.add_module(str(e), GatedExpert(dim, moe.intermediate_size, names))
+        self.fused = None  # w4a8_cpu.Experts over every expert, once they all take the kernel
 
     @torch.compiler.disable
     def forward(self, x, w, e):
+        if x.shape[0] * e.shape[-1] <= self.n_experts and (fused := self.w4a8(x)):
+            return fused(x, w, e)
         return each_routed(
             x, w, e, self.n_experts, lambda expert, rows: self._modules[str(expert)](rows, self.act)
         )
+
+    def w4a8(self, x) -> "w4a8_cpu.Experts | None":
+        """The one-call kernel over all routed experts (``w4a8_cpu.Experts``: decode's few rows),
+        where it computes what the experts' own W4A8 layers would: CPU rows, SiLU, every expert's
+        layers on the kernel (``w4a8_cpu.use`` sets them all alike) with one width and group
+        size, and a C++ path."""
+        first = self._modules["0"].gate_up_proj
+        if (
+            self.act is not F.silu
+            or x.device.type != "cpu"
+            or not cpu.takes_w4a8(first)
+            or w4a8_cpu.path() == "ref"
+        ):
+            return None
+        if self.fused is None:
+            experts = [self._modules[str(i)] for i in range(self.n_experts)]
+            gate_up = [m.gate_up_proj for m in experts]
+            down = [getattr(m, m.names[2]) for m in experts]
+            alike = all(
+                cpu.takes_w4a8(m) and (m.bits, m.group_size) == (ms[0].bits, ms[0].group_size)
+                for ms in (gate_up, down)
+                for m in ms
+            )
+            self.fused = w4a8_cpu.Experts(gate_up, down) if alike else False
+        return self.fused or None
 
 
 def quantized_experts(model: nn.Module, spec: ArchSpec, qcfg: dict | None) -> int:

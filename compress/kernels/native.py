@@ -60,8 +60,29 @@ SIGNATURES = {  # argument types of the exported functions (all return void)
     "kivi_qk": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
     "kivi_pv": [P, P, I64, I64, I64, P, P, P, I64, I64, I64, INT, INT],
     "w4a8_quantize": [P, P, P, P, I64, I64, I64],
-    "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
-    "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT],
+    "w4a8_gemm": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT, INT],
+    "w4a8_linear": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT, INT, INT, INT],
+    "w4a8_experts": [
+        P,
+        P,
+        P,
+        *[I64] * 4,
+        P,
+        P,
+        P,
+        I64,
+        INT,
+        INT,
+        P,
+        P,
+        P,
+        I64,
+        INT,
+        INT,
+        P,
+        INT,
+        INT,
+    ],
     "paged_attention": [P, P, P, P, *[I64] * 4, P, P, *[I64] * 7, ctypes.c_float, P, INT, INT],
     "skinny_linear": [P, P, P, P, I64, I64, I64, INT, INT],
 }
@@ -148,7 +169,8 @@ def _warn(what: str, e: Exception, instead: str) -> None:
 
 def ops() -> bool:
     """Whether the C++ torch operators (``cpu_ops.cpp``: ``compress::w4a8_linear``,
-    ``compress::skinny_linear``, ``compress::cache_attention``) are loaded; built on the first
+    ``compress::w4a8_experts``, ``compress::skinny_linear``, ``compress::cache_attention``) are
+    loaded; built on the first
     call (their sources include torch's headers, which makes this the slow build: BENCHMARKS.md),
     False (after one warning) if they cannot be."""
     if "ops" not in _LIB:

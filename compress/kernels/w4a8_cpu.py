@@ -22,7 +22,9 @@ consecutive input channels ``vpdpbusd`` multiplies by a broadcast 4-byte word of
           q[32 b + 4 r + u]
 
 So INT4 reads 0.5 byte per weight and INT3 0.375, plus 8 bytes per group and column (fp32 ``s``
-and ``sz``, ``[G, N]``). The paths (``w4a8_cpu.cpp``): ``vnni`` (AVX-512 VNNI ``vpdpbusd``,
+and ``sz``, ``[G, N]``), or 2 for symmetric codes with fp16 scales (``s`` fp16 ``[G, N]``, one
+zero point ``z``: ``y[m, o] = sum_G s[G, o] (sum_{b in G} d[m, b] I[m, b, o] - z xs[m, G])``;
+:func:`prepare`). The paths (``w4a8_cpu.cpp``): ``vnni`` (AVX-512 VNNI ``vpdpbusd``,
 several tiles per pass for one row so the sums are independent chains), ``avx2``
 (``vpmaddubsw`` into int16, widened once per block by ``vpmaddwd``; INT8 codes split into
 nibbles so the int16 sums cannot saturate), ``portable`` (C++ loops), and ``ref`` (PyTorch:
@@ -34,6 +36,7 @@ It needs ``K % 32 == 0``, ``g % 32 == 0`` and ``N % 16 == 0`` (:func:`fits`); ot
 machines where the library does not build (one warning, from ``native``), keep the exact path.
 """
 
+import ctypes
 import threading
 
 import torch
@@ -115,9 +118,13 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize_into(out: torch.Tensor, packed, s, sz, bits: int, group_size: int) -> None:
-    """``out [K, N] = W_hat^T = q s - s z`` (in ``out``'s dtype) from the packed form."""
+    """``out [K, N] = W_hat^T = q s - s z`` (in ``out``'s dtype) from the packed form (either
+    form of the scales, :func:`prepare`)."""
     q = unpack(packed, bits).float().view(s.shape[0], group_size, -1)
-    out.copy_((q * s[:, None] - sz[:, None]).view_as(out))
+    if s.dtype == torch.float16:  # symmetric: (q - z) s
+        out.copy_(((q - sz) * s.float()[:, None]).view_as(out))
+    else:
+        out.copy_((q * s[:, None] - sz[:, None]).view_as(out))
 
 
 def dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
@@ -131,10 +138,16 @@ def dequant_mm(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 def prepare(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed, s, sz)``: the layer's codes in the kernel's layout, fp32 scales ``[G, N]`` and
-    ``s * z``."""
+    """``(packed, s, sz)``: the layer's codes in the kernel's layout and its scales, in one of two
+    forms: fp32 scales ``[G, N]`` and ``s * z`` (8 bytes per group and column), or, for
+    symmetric codes (one zero point ``z``) whose scales are fp16 values, fp16 scales ``[G, N]``
+    and ``z`` (float32 ``[1]``; 2 bytes per group and column, Q4_0's bytes at g = 32)."""
     q, z = layer.codes()
     s = layer.scales.float().contiguous()
+    if z.numel() and bool((z == z.flatten()[0]).all()):
+        half = s.half()
+        if torch.equal(half.float(), s):
+            return pack(q, layer.bits), half, z.flatten()[:1].float()
     return pack(q, layer.bits), s, (s * z.float()).contiguous()
 
 
@@ -170,7 +183,7 @@ def ctypes_linear(x: torch.Tensor, packed, s, sz, bits: int, group_size: int, wh
     lib.w4a8_linear(
         x.data_ptr(), xq.data_ptr(), d.data_ptr(), xs.data_ptr(),
         packed.data_ptr(), s.data_ptr(), sz.data_ptr(), y.data_ptr(),
-        M, K, N, group_size, bits, which, torch.get_num_threads(),
+        M, K, N, group_size, bits, which, torch.get_num_threads(), s.dtype == torch.float16,
     )  # fmt: skip
     return y
 
@@ -230,6 +243,65 @@ def op():
     return native.operator("w4a8_linear", SCHEMA, _ctypes_op, _fake)
 
 
+# ---- a mixture of experts over a few rows: every routed expert's two projections in one call ---
+
+EXPERTS_SCHEMA = (
+    "w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s, "
+    "Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz, int gu_bits, int gu_g, "
+    "int dn_bits, int dn_g, int path) -> Tensor"
+)
+
+
+def _pointers(ts) -> ctypes.Array:
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+
+
+def _ctypes_experts(x, w, e, gp, gs, gz, dp, ds, dz, gu_bits, gu_g, dn_bits, dn_g, which):
+    xf, M, H = x.float().contiguous(), x.shape[0], x.shape[1]
+    ec, wc = e.long().contiguous(), w.float().contiguous()
+    y = torch.empty(M, H, dtype=torch.float32)
+    native.library().w4a8_experts(
+        xf.data_ptr(), ec.data_ptr(), wc.data_ptr(), M, e.shape[1], H, ds[0].shape[0] * dn_g,
+        _pointers(gp), _pointers(gs), _pointers(gz), gu_g, gu_bits, gs[0].dtype == torch.float16,
+        _pointers(dp), _pointers(ds), _pointers(dz), dn_g, dn_bits, ds[0].dtype == torch.float16,
+        y.data_ptr(), which, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.to(x.dtype)
+
+
+def _experts_fake(x, w, e, *rest):
+    return x.new_empty(x.shape)
+
+
+class Experts:
+    """SiLU-gated experts through the kernel, every routed expert's two projections in one call:
+    ``Experts(gate_up, down)(x [M, H], w [M, k], e [M, k]) -> y [M, H]`` in ``x``'s dtype::
+
+        y[m] = sum_j w[m, j] down_e(silu(gate_e(x_m)) * up_e(x_m)),  e = e[m, j], ascending e
+
+    each product as :func:`linear`'s (int8 activations; the hidden ``silu(gate) * up`` in fp32,
+    quantized again). The activations are quantized once, an expert routed from several rows is
+    read once for all of them, and each projection of all the routed experts is one parallel
+    loop (``w4a8_experts`` in ``w4a8_cpu.cpp``). ``gate_up`` and ``down``: the experts'
+    ``QuantLinear`` layers, one per expert (the gate_up layer's ``2I`` columns gate first), of one
+    width and group size per list, fitting the kernel; their :func:`form` is taken once, here."""
+
+    def __init__(self, gate_up: list, down: list):
+        forms = [form(m) for m in gate_up], [form(m) for m in down]
+        self.lists = [list(ts) for f in forms for ts in zip(*f)]  # packed, s, sz; gate_up, down
+        g, d = gate_up[0], down[0]
+        self.args = (g.bits, g.group_size, d.bits, d.group_size)
+        self.op = experts_op()
+
+    def __call__(self, x, w, e, which: str | None = None) -> torch.Tensor:
+        return self.op(x, w, e, *self.lists, *self.args, PATHS[which or path()])
+
+
+def experts_op():
+    """``torch.ops.compress.w4a8_experts`` (``EXPERTS_SCHEMA``), as :func:`op`."""
+    return native.operator("w4a8_experts", EXPERTS_SCHEMA, _ctypes_experts, _experts_fake)
+
+
 class W4A8Linear(torch.nn.Module):
     """A ``QuantLinear`` through the kernel, its :func:`prepare` form held as buffers (shared with
     the layer's cache); an opaque op inside a ``torch.compile`` graph."""
@@ -246,3 +318,20 @@ class W4A8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.op(x, self.packed, self.s, self.sz, self.bits, self.group_size, self.path)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class W4A8Experts(torch.nn.Module):
+    """:class:`Experts` as a module, its forms held as (non-persistent) buffers: one opaque op
+    inside a ``torch.compile`` graph, so a compiled decode step runs a sparse layer whole."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.args, self.op, self.n = experts.args, experts.op, len(experts.lists[0])
+        for j, ts in enumerate(experts.lists):
+            for i, t in enumerate(ts):
+                self.register_buffer(f"f{j}_{i}", t, persistent=False)
+        self.path = PATHS[path()]
+
+    def forward(self, x, w, e):
+        lists = [[getattr(self, f"f{j}_{i}") for i in range(self.n)] for j in range(6)]
+        return self.op(x, w, e, *lists, *self.args, self.path)

@@ -50,3 +50,24 @@ def dequantized(x: torch.Tensor, group_size: int, dtype=torch.float64) -> torch.
 def matmul(x: torch.Tensor, layer, dtype=torch.float64) -> torch.Tensor:
     """``x_hat @ W_hat^T`` ``[M, out]`` in ``dtype`` for a ``QuantLinear`` (no bias)."""
     return dequantized(x, layer.group_size, dtype) @ layer.dequantize(dtype).t()
+
+
+def experts(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    e: torch.Tensor,
+    gate_up: list,
+    down: list,
+    dtype=torch.float64,
+) -> torch.Tensor:
+    """``y [M, H]`` in ``dtype`` of SiLU-gated experts (``w4a8_cpu.experts``): for each row m and
+    its experts ``e[m, j]`` in ascending order, ``w[m, j] down(silu(g) * u)`` with ``[g, u] =
+    gate_up(x_m)``, each product :func:`matmul`'s."""
+    y = torch.zeros(x.shape, dtype=dtype)
+    for m in range(x.shape[0]):
+        for j in e[m].argsort().tolist():
+            ex = int(e[m, j])
+            h = matmul(x[m : m + 1], gate_up[ex], dtype)
+            gate, up = h.chunk(2, -1)
+            y[m] += float(w[m, j]) * matmul(torch.nn.functional.silu(gate) * up, down[ex], dtype)[0]
+    return y
