@@ -164,7 +164,7 @@ VNNI inline void block_vnni(const uint8_t* blk, int64_t tstride, const int8_t* c
   }
 }
 
-template <int BITS, int MR, int NT>
+template <int BITS, int MR, int NT, bool HALF>  // HALF: the symmetric form (a.s16, a.zc)
 VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
   const int64_t KB = a.K / BLK, G = a.K / a.g, bpg = a.g / BLK, col0 = t * TILE;
   const int64_t tstride = KB * block_bytes(BITS);
@@ -182,20 +182,20 @@ VNNI void tiles_vnni(const Args& a, int64_t t, int64_t m0) {
     }
     for (int n = 0; n < NT; ++n) {
       const int64_t at = gi * a.N + col0 + n * TILE;
-      if (a.s16) {
+      if constexpr (HALF) {
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(a.s16 + at)));
         for (int r = 0; r < MR; ++r) {
           const __m512 zx = _mm512_set1_ps(a.zc * a.xs[(m0 + r) * G + gi]);
           y[r * NT + n] = _mm512_fmadd_ps(_mm512_sub_ps(acc[r * NT + n], zx), s, y[r * NT + n]);
         }
-        continue;
-      }
-      const __m512 s = _mm512_loadu_ps(a.s + at);
-      const __m512 sz = _mm512_loadu_ps(a.sz + at);
-      for (int r = 0; r < MR; ++r) {
-        __m512& yy = y[r * NT + n];
-        yy = _mm512_fmadd_ps(acc[r * NT + n], s, yy);
-        yy = _mm512_fnmadd_ps(_mm512_set1_ps(a.xs[(m0 + r) * G + gi]), sz, yy);
+      } else {
+        const __m512 s = _mm512_loadu_ps(a.s + at);
+        const __m512 sz = _mm512_loadu_ps(a.sz + at);
+        for (int r = 0; r < MR; ++r) {
+          __m512& yy = y[r * NT + n];
+          yy = _mm512_fmadd_ps(acc[r * NT + n], s, yy);
+          yy = _mm512_fnmadd_ps(_mm512_set1_ps(a.xs[(m0 + r) * G + gi]), sz, yy);
+        }
       }
     }
   }
@@ -275,7 +275,7 @@ AVX2 inline void half_avx2(const uint8_t* blk, int half, const int8_t* const* x,
 #undef bx
 }
 
-template <int BITS, int MR>
+template <int BITS, int MR, bool HALF>
 AVX2 void tile_avx2(const Args& a, int64_t t, int64_t m0) {
   const int64_t KB = a.K / BLK, G = a.K / a.g, bpg = a.g / BLK, col0 = t * TILE;
   const uint8_t* wt = a.w + t * KB * block_bytes(BITS);
@@ -294,51 +294,51 @@ AVX2 void tile_avx2(const Args& a, int64_t t, int64_t m0) {
         for (int r = 0; r < MR; ++r)
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_set1_ps(a.d[(m0 + r) * KB + b]), acc[r]);
       }
-      if (a.s16) {
+      if constexpr (HALF) {
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a.s16 + gi * a.N + c0)));
         for (int r = 0; r < MR; ++r) {
           const __m256 zx = _mm256_set1_ps(a.zc * a.xs[(m0 + r) * G + gi]);
           y[r] = _mm256_fmadd_ps(_mm256_sub_ps(acc[r], zx), s, y[r]);
         }
-        continue;
-      }
-      const __m256 s = _mm256_loadu_ps(a.s + gi * a.N + c0);
-      const __m256 sz = _mm256_loadu_ps(a.sz + gi * a.N + c0);
-      for (int r = 0; r < MR; ++r) {
-        y[r] = _mm256_fmadd_ps(acc[r], s, y[r]);
-        y[r] = _mm256_fnmadd_ps(_mm256_set1_ps(a.xs[(m0 + r) * G + gi]), sz, y[r]);
+      } else {
+        const __m256 s = _mm256_loadu_ps(a.s + gi * a.N + c0);
+        const __m256 sz = _mm256_loadu_ps(a.sz + gi * a.N + c0);
+        for (int r = 0; r < MR; ++r) {
+          y[r] = _mm256_fmadd_ps(acc[r], s, y[r]);
+          y[r] = _mm256_fnmadd_ps(_mm256_set1_ps(a.xs[(m0 + r) * G + gi]), sz, y[r]);
+        }
       }
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(a.y + (m0 + r) * a.N + c0, y[r]);
   }
 }
 
-template <int BITS>
+template <int BITS, bool HALF>
 void run_avx2(const Args& a, int64_t t, int64_t m0, int64_t mr) {
   switch (mr) {
-    case 1: return tile_avx2<BITS, 1>(a, t, m0);
-    case 2: return tile_avx2<BITS, 2>(a, t, m0);
-    case 3: return tile_avx2<BITS, 3>(a, t, m0);
-    default: return tile_avx2<BITS, 4>(a, t, m0);
+    case 1: return tile_avx2<BITS, 1, HALF>(a, t, m0);
+    case 2: return tile_avx2<BITS, 2, HALF>(a, t, m0);
+    case 3: return tile_avx2<BITS, 3, HALF>(a, t, m0);
+    default: return tile_avx2<BITS, 4, HALF>(a, t, m0);
   }
 }
 
 // NT tiles starting at t for rows m0 .. m0 + mr - 1 (mr <= 4): more tiles per pass for fewer
 // rows, so that one row still has independent chains of vpdpbusd.
-template <int BITS>
+template <int BITS, bool HALF>
 void run_vnni(const Args& a, int64_t t, int nt, int64_t m0, int64_t mr) {
-  if (nt == 4 && mr == 1) return tiles_vnni<BITS, 1, 4>(a, t, m0);
+  if (nt == 4 && mr == 1) return tiles_vnni<BITS, 1, 4, HALF>(a, t, m0);
   if (nt >= 2 && mr <= 2) {
     for (int i = 0; i + 2 <= nt; i += 2)
-      mr == 1 ? tiles_vnni<BITS, 1, 2>(a, t + i, m0) : tiles_vnni<BITS, 2, 2>(a, t + i, m0);
+      mr == 1 ? tiles_vnni<BITS, 1, 2, HALF>(a, t + i, m0) : tiles_vnni<BITS, 2, 2, HALF>(a, t + i, m0);
     if (nt % 2 == 0) return;
     t += nt - 1, nt = 1;
   }
   for (int i = 0; i < nt; ++i) switch (mr) {
-      case 1: tiles_vnni<BITS, 1, 1>(a, t + i, m0); break;
-      case 2: tiles_vnni<BITS, 2, 1>(a, t + i, m0); break;
-      case 3: tiles_vnni<BITS, 3, 1>(a, t + i, m0); break;
-      default: tiles_vnni<BITS, 4, 1>(a, t + i, m0); break;
+      case 1: tiles_vnni<BITS, 1, 1, HALF>(a, t + i, m0); break;
+      case 2: tiles_vnni<BITS, 2, 1, HALF>(a, t + i, m0); break;
+      case 3: tiles_vnni<BITS, 3, 1, HALF>(a, t + i, m0); break;
+      default: tiles_vnni<BITS, 4, 1, HALF>(a, t + i, m0); break;
     }
 }
 
@@ -347,15 +347,24 @@ void run_vnni(const Args& a, int64_t t, int nt, int64_t m0, int64_t mr) {
 void run_tiles(const Args& a, int bits, int path, int64_t t, int nt, int64_t m0, int64_t mr) {
 #ifdef W4A8_X86
   if (path == 2) {
-    if (bits == 4) return run_vnni<4>(a, t, nt, m0, mr);
-    if (bits == 8) return run_vnni<8>(a, t, nt, m0, mr);
-    return run_vnni<3>(a, t, nt, m0, mr);
+    if (a.s16) {
+      if (bits == 4) return run_vnni<4, true>(a, t, nt, m0, mr);
+      if (bits == 8) return run_vnni<8, true>(a, t, nt, m0, mr);
+      return run_vnni<3, true>(a, t, nt, m0, mr);
+    }
+    if (bits == 4) return run_vnni<4, false>(a, t, nt, m0, mr);
+    if (bits == 8) return run_vnni<8, false>(a, t, nt, m0, mr);
+    return run_vnni<3, false>(a, t, nt, m0, mr);
   }
   if (path == 1) {
     for (int i = 0; i < nt; ++i) {
-      if (bits == 4) run_avx2<4>(a, t + i, m0, mr);
-      else if (bits == 8) run_avx2<8>(a, t + i, m0, mr);
-      else run_avx2<3>(a, t + i, m0, mr);
+      if (a.s16) {
+        if (bits == 4) run_avx2<4, true>(a, t + i, m0, mr);
+        else if (bits == 8) run_avx2<8, true>(a, t + i, m0, mr);
+        else run_avx2<3, true>(a, t + i, m0, mr);
+      } else if (bits == 4) run_avx2<4, false>(a, t + i, m0, mr);
+      else if (bits == 8) run_avx2<8, false>(a, t + i, m0, mr);
+      else run_avx2<3, false>(a, t + i, m0, mr);
     }
     return;
   }

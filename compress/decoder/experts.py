@@ -49,23 +49,28 @@ from compress.kernels import cpu, w4a8_cpu
 
 class Router(nn.Module):
     """``forward(x [N, H]) -> (w [N, k], e [N, k])``: the top-k experts of each row, weighted.
-    The sigmoid_group router keeps its weight and ``e_score_correction_bias`` in fp32 whatever
-    the model's dtype (``keeps_fp32``), as transformers does."""
+    The router keeps its weights in fp32 whatever the model's dtype (``keeps_fp32``): the
+    sigmoid_group router computes in fp32 with its ``e_score_correction_bias``, as transformers
+    does; the others round their fp32 logits to the activations' dtype, which is what a
+    low-precision linear with fp32 accumulation gives (and a bf16 CPU matmul without bf16
+    instructions takes ~10x as long)."""
+
+    keeps_fp32 = True
 
     def __init__(self, moe: MoESpec, dim: int):
         super().__init__()
         self.top_k, self.kind, self.renorm = moe.top_k, moe.router, moe.norm_topk
         self.weight = nn.Parameter(torch.empty(moe.n_experts, dim))
         self.bias = nn.Parameter(torch.empty(moe.n_experts)) if moe.router == BIASED_TOPK else None
-        self.keeps_fp32 = moe.router == SIGMOID_GROUP
-        if self.keeps_fp32:
+        if moe.router == SIGMOID_GROUP:
             self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_experts))
             self.groups, self.topk_group, self.scale = moe.n_group, moe.topk_group, moe.routed_scale
 
     def forward(self, x):
-        if self.keeps_fp32:
+        if self.kind == SIGMOID_GROUP:
             return self.sigmoid_group(x)
-        logits = F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         if self.kind == BIASED_TOPK:  # gpt-oss: the softmax of the top-k logits, in their dtype
             v, e = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(v, dim=-1, dtype=v.dtype), e

@@ -145,9 +145,9 @@ def prepare(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, z = layer.codes()
     s = layer.scales.float().contiguous()
     if z.numel() and bool((z == z.flatten()[0]).all()):
-        half = s.half()
-        if torch.equal(half.float(), s):
-            return pack(q, layer.bits), half, z.flatten()[:1].float()
+        half = layer.scales if layer.scales.dtype == torch.float16 else s.half()
+        if torch.equal(half.float(), s):  # the layer's own fp16 scales, where it holds them
+            return pack(q, layer.bits), half.contiguous(), z.flatten()[:1].float()
     return pack(q, layer.bits), s, (s * z.float()).contiguous()
 
 
