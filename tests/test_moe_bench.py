@@ -71,6 +71,20 @@ def test_moe_bench_folder_and_gguf(tmp_path):
     static = [b.mlp.experts for b in step.model.model.layers]
     assert all(isinstance(x, w4a8_cpu.W4A8Experts) for x in static)
     assert ((torch.cat(out, 1) - eager).norm() / eager.norm()).item() < 1e-5
+    # batch-invariant serving (kernel_every_m): the one-call kernel at every M (9 rows x top-2
+    # routed slots, past the 8 experts), and each row's output is what it is alone, bit for bit
+    w4a8_cpu.use(fast, "w4a8", every_m=True)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, cfg["hidden_size"], generator=gen)
+    e = torch.stack([torch.randperm(cfg["num_experts"], generator=gen)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=gen)
+    moe = fast.model.layers[0].mlp.experts
+    moe.fused = None
+    with torch.no_grad():
+        together = moe(x, w, e)
+        assert isinstance(moe.fused, w4a8_cpu.Experts)
+        alone = torch.cat([moe(x[i : i + 1], w[i : i + 1], e[i : i + 1]) for i in range(9)])
+    assert torch.equal(together, alone)
     # the same folder with every quantized layer split across two shards (codes in the first,
     # scales and shapes in the second): each layer is decoded once it is whole, the same model
     split = tmp_path / "split"

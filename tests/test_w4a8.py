@@ -428,3 +428,13 @@ def test_experts_match_float64_reference(path, bits, symmetric):
             assert torch.equal(out, want), (M, dtype)
             if dtype == torch.float32:
                 assert torch.equal(out, y)
+
+
+def test_experts_with_mixed_scale_forms_are_not_one_call():
+    """Experts whose layers hold different forms of the scales (an asymmetric layer whose zero
+    points happen to be equal takes the fp16 form) are not given to the one-call kernel, which
+    reads one form per projection; the decoder then runs them expert by expert."""
+    sym = random_layer(4, 64, 64, 32, 2, symmetric=True)
+    asym = random_layer(4, 64, 64, 32, 1)
+    assert not w4a8_cpu.Experts([asym, sym], [asym, asym]).uniform
+    assert w4a8_cpu.Experts([sym, sym], [asym, asym]).uniform

@@ -210,8 +210,9 @@ class QuantExperts(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x, w, e):
-        if x.shape[0] * e.shape[-1] <= self.n_experts and (fused := self.w4a8(x)):
-            return fused(x, w, e)
+        few = x.shape[0] * e.shape[-1] <= self.n_experts
+        if (few or self._modules["0"].gate_up_proj.kernel_every_m) and (fused := self.w4a8(x)):
+            return fused(x, w, e)  # every M under kernel_every_m: a row's bits are its own
         return each_routed(
             x, w, e, self.n_experts, lambda expert, rows: self._modules[str(expert)](rows, self.act)
         )
@@ -238,7 +239,8 @@ class QuantExperts(nn.Module):
                 for ms in (gate_up, down)
                 for m in ms
             )
-            self.fused = w4a8_cpu.Experts(gate_up, down) if alike else False
+            fused = w4a8_cpu.Experts(gate_up, down) if alike else None
+            self.fused = fused if fused is not None and fused.uniform else False
         return self.fused or None
 
 

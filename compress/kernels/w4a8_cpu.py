@@ -289,6 +289,9 @@ class Experts:
     def __init__(self, gate_up: list, down: list):
         forms = [form(m) for m in gate_up], [form(m) for m in down]
         self.lists = [list(ts) for f in forms for ts in zip(*f)]  # packed, s, sz; gate_up, down
+        # one form of the scales per projection (an asymmetric layer whose zero points happen
+        # to be equal takes the fp16 form, its neighbours the fp32 one)
+        self.uniform = all(len({t.dtype for t in self.lists[i]}) == 1 for i in (1, 4))
         g, d = gate_up[0], down[0]
         self.args = (g.bits, g.group_size, d.bits, d.group_size)
         self.op = experts_op()
