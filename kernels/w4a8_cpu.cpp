@@ -344,30 +344,28 @@ void run_vnni(const Args& a, int64_t t, int nt, int64_t m0, int64_t mr) {
 
 #endif  // W4A8_X86
 
+#ifdef W4A8_X86
+// The SIMD paths' tiles for one form of the scales (HALF), by width.
+template <bool HALF>
+void simd_tiles(const Args& a, int bits, int path, int64_t t, int nt, int64_t m0, int64_t mr) {
+  if (path == 2) {
+    if (bits == 4) return run_vnni<4, HALF>(a, t, nt, m0, mr);
+    if (bits == 8) return run_vnni<8, HALF>(a, t, nt, m0, mr);
+    return run_vnni<3, HALF>(a, t, nt, m0, mr);
+  }
+  for (int i = 0; i < nt; ++i) {
+    if (bits == 4) run_avx2<4, HALF>(a, t + i, m0, mr);
+    else if (bits == 8) run_avx2<8, HALF>(a, t + i, m0, mr);
+    else run_avx2<3, HALF>(a, t + i, m0, mr);
+  }
+}
+#endif
+
 void run_tiles(const Args& a, int bits, int path, int64_t t, int nt, int64_t m0, int64_t mr) {
 #ifdef W4A8_X86
-  if (path == 2) {
-    if (a.s16) {
-      if (bits == 4) return run_vnni<4, true>(a, t, nt, m0, mr);
-      if (bits == 8) return run_vnni<8, true>(a, t, nt, m0, mr);
-      return run_vnni<3, true>(a, t, nt, m0, mr);
-    }
-    if (bits == 4) return run_vnni<4, false>(a, t, nt, m0, mr);
-    if (bits == 8) return run_vnni<8, false>(a, t, nt, m0, mr);
-    return run_vnni<3, false>(a, t, nt, m0, mr);
-  }
-  if (path == 1) {
-    for (int i = 0; i < nt; ++i) {
-      if (a.s16) {
-        if (bits == 4) run_avx2<4, true>(a, t + i, m0, mr);
-        else if (bits == 8) run_avx2<8, true>(a, t + i, m0, mr);
-        else run_avx2<3, true>(a, t + i, m0, mr);
-      } else if (bits == 4) run_avx2<4, false>(a, t + i, m0, mr);
-      else if (bits == 8) run_avx2<8, false>(a, t + i, m0, mr);
-      else run_avx2<3, false>(a, t + i, m0, mr);
-    }
-    return;
-  }
+  if (path == 2 || path == 1)
+    return a.s16 ? simd_tiles<true>(a, bits, path, t, nt, m0, mr)
+                 : simd_tiles<false>(a, bits, path, t, nt, m0, mr);
 #endif
   for (int i = 0; i < nt; ++i) tile_scalar(a, bits, t + i, m0, mr);
 }
@@ -476,11 +474,9 @@ void w4a8_experts(const float* x, const int64_t* e, const float* wts, int64_t M,
                   const float* const* dn_sz, int64_t dn_g, int dn_bits, int dn_half, float* y,
                   int path, int nthreads) {
   const int64_t S = M * k, N1 = 2 * I;
-  std::vector<int64_t> order(S);
+  std::vector<int64_t> order(S);  // the slots by ascending expert (a row's in its own order)
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return e[a] < e[b]; });
-  std::vector<int64_t> at(S);  // slot -> its row in the expert-sorted buffers
-  for (int64_t r = 0; r < S; ++r) at[order[r]] = r;
   struct Group { int64_t expert, start, n; };
   std::vector<Group> groups;
   for (int64_t r = 0; r < S; ++r) {
@@ -532,17 +528,11 @@ void w4a8_experts(const float* x, const int64_t* e, const float* wts, int64_t M,
   w4a8_quantize(a.data(), aq.data(), ad.data(), axs.data(), S, I, dn_g);
   project(aq.data(), ad.data(), axs.data(), I, H, dn_g, dn_bits, dn_half, dn_w, dn_s, dn_sz,
           z.data());
-  for (int64_t m = 0; m < M; ++m) {
-    float* ym = y + m * H;
-    std::fill(ym, ym + H, 0.0f);
-    std::vector<int64_t> js(k);  // the row's slots, ascending expert
-    std::iota(js.begin(), js.end(), 0);
-    std::stable_sort(js.begin(), js.end(), [&](int64_t p, int64_t q) { return e[m * k + p] < e[m * k + q]; });
-    for (int64_t j : js) {
-      const float wj = wts[m * k + j];
-      const float* zs = &z[at[m * k + j] * H];
-      for (int64_t c = 0; c < H; ++c) ym[c] += wj * zs[c];
-    }
+  std::fill(y, y + M * H, 0.0f);
+  for (int64_t r = 0; r < S; ++r) {  // in the sorted order: each row's experts ascending
+    float* ym = y + order[r] / k * H;
+    const float wj = wts[order[r]];
+    for (int64_t c = 0; c < H; ++c) ym[c] += wj * z[r * H + c];
   }
 }
 
