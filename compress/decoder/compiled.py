@@ -13,7 +13,9 @@ quantized experts whose layers all take the W4A8 kernel run as one op in the gra
 Dynamo's guards on the model's ~300 weight tensors cost about as much as the attention; they
 are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
 :class:`StaticDecoder` compiles its own code object for its one model. Guards on the inputs
-(the token, the position, the cache tensors) stay.
+(the token, the position, the cache tensors) stay. For the same reason inductor's size
+asserts on the inputs are dropped (``size_asserts``): the wrapper checked every weight tensor
+on every call, 6,361 of them on the OLMoE-shaped model.
 
 A compile failure (no C++ compiler, an inductor bug) falls back to the same step uncompiled, with
 a warning. With ``COMPRESS_STRICT_COMPILE=1`` (the test suite sets it) the failure is an error
@@ -106,11 +108,9 @@ class StaticDecoder(nn.Module):
             # the guards on modules are dropped only for one whole graph: after a graph break
             # the resumed frames of one layer's code would serve every layer with its weights
             guards = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            options = {"size_asserts": False, **(guards if whole else {})}
             self.step = torch.compile(
-                types.MethodType(own, self),
-                dynamic=False,
-                fullgraph=whole,
-                options=guards if whole else {},
+                types.MethodType(own, self), dynamic=False, fullgraph=whole, options=options
             )
         except Exception as e:  # no compiler, unsupported platform
             self.eager(e)

@@ -12,6 +12,10 @@ as the run folder's own report (``compress.eval.perplexity.evaluate``).
     python eval/bench/gptq_peer.py --ours outputs/gptq_int4 --peer-python /tmp/peer/bin/python
     python eval/bench/gptq_peer.py --ours RUN --peer-python P --small      # a smoke test
 
+``--peer-observer`` picks how the peer sets each group's range: ``minmax`` (its default),
+``mse`` (a shrink search, unweighted) or ``imatrix_mse`` (the shrink search weighted by the
+inputs' E[x^2], the counterpart of our ``gptq.scale_search=mse``).
+
 ``--rtn-ppl`` (RTN's ppl at the same bits and windows) adds the log-gap closed,
 ``1 - ln(ppl / ppl_fp) / ln(ppl_rtn / ppl_fp)``.
 """
@@ -39,6 +43,7 @@ def peer_quantize(args) -> None:
     tok = AutoTokenizer.from_pretrained(args.source)
     weights = {"num_bits": args.bits, "type": "int", "symmetric": False, "strategy": "group"}
     weights.update(group_size=args.group_size, actorder="static" if args.act_order else None)
+    weights.update(observer=args.observer)
     recipe = GPTQModifier(
         config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
         ignore=["lm_head"],
@@ -88,6 +93,8 @@ def main() -> None:
     ap.add_argument("--peer-python", help="the python of a venv with llmcompressor")
     ap.add_argument("--out", default=None, help="the peer's folder (default: a temp)")
     ap.add_argument("--rtn-ppl", type=float, default=None, help="RTN's ppl, for the log-gap")
+    ap.add_argument("--peer-observer", dest="observer", default="minmax",
+                    choices=("minmax", "mse", "imatrix_mse"), help="the peer's weight observer")  # fmt: skip
     ap.add_argument("--small", action="store_true", help="4 calibration samples, 1 window")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)  # the peer's side
     for name, kind in (("source", str), ("calib", str), ("bits", int), ("group-size", int)):
@@ -122,6 +129,7 @@ def main() -> None:
     argv += ["--calib", str(out.parent / f"{out.name}-calib.pt"), "--bits", str(report["bits"])]
     argv += ["--group-size", str(report["group_size"]), "--damp", str(g["damp"])]
     argv += ["--block-size", str(g["block_size"])] + (["--act-order"] if g["act_order"] else [])
+    argv += ["--peer-observer", args.observer]
     subprocess.run(argv, check=True)
     peer = evaluate_folder(out, recipe, manifest["source"])
     peer_s = json.loads((out / "peer.json").read_text())["gptq_s"]
@@ -137,6 +145,7 @@ def main() -> None:
     ]
     print(
         f"\n{report['bits']}-bit, group {report['group_size']}, act_order {g['act_order']}, "
+        f"ours scale_search {g.get('scale_search', 'minmax')}, peer observer {args.observer}, "
         f"{recipe['eval']['windows']} windows of {recipe['eval']['seqlen']}; source ppl {fp:.3f}\n"
     )
     print("| GPTQ | ppl | KL vs source | top-1 vs source | log-gap closed | GPTQ s |")

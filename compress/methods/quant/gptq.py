@@ -33,6 +33,12 @@ decreasing ``H_jj`` (the inputs with the most energy first) and the groups are *
 parameters come from the original weights in the original column order, before any update, so
 each group is still ``group_size`` consecutive input columns and the result needs no ``g_idx``.
 
+A group's grid comes from its min and max (``scale_search: minmax``), or (``mse``) from the
+range shrunk by the factor ``p`` in ``{1, 0.99, ..., 0.2}`` that minimizes the group's rounding
+error weighted by the Hessian's diagonal, ``sum_j H_jj (w_j - Q_p(w_j))^2`` (the layer's output
+error when the inputs are uncorrelated), as GPTQ's reference code's ``mse`` option searches with
+an unweighted norm.
+
 In a decoder layer (true-sequential, the default) the linears go in steps, each step's linears
 reading one input: ``q, k, v`` (MLA: ``q, k_rope, kv_a``), then MLA's ``k_b, v_b``, then ``o``, then
 ``gate, up``, then ``down`` (:data:`SEQUENTIAL`, over the adapter's roles). A step's Hessian comes
@@ -107,6 +113,29 @@ class Hessian:
         return self.sum * (2.0 / self.n)
 
 
+SCALE_SEARCHES = ("minmax", "mse")
+SHRINKS = torch.arange(100, 19, -1, dtype=torch.float64) / 100  # the ``mse`` search's range factors
+
+
+def searched_params(wg: torch.Tensor, bits: int, symmetric: bool, weight: torch.Tensor):
+    """``(s, z)`` of the groups along ``wg``'s last axis: the grid of the range shrunk by the
+    factor of :data:`SHRINKS` that minimizes ``sum_j weight_j (w_j - W_hat_j)^2`` (``weight``
+    broadcast against ``wg``); of equal errors the larger factor wins (1: the min/max grid)."""
+    best_s = best_z = best = None
+    for p in SHRINKS.tolist():
+        s, z = group_params(wg * p, bits, symmetric)
+        s1, z1 = s.unsqueeze(-1), z.unsqueeze(-1)
+        err = (((codes(wg, s1, z1, bits) - z1) * s1 - wg) ** 2 * weight).sum(-1)
+        if best is None:
+            best_s, best_z, best = s, z, err
+            continue
+        better = err < best
+        best = torch.where(better, err, best)
+        best_s = torch.where(better, s, best_s)
+        best_z = torch.where(better, z, best_z)
+    return best_s, best_z
+
+
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + damp * mean(diag H) I)^-1``."""
     h = h.clone()
@@ -133,6 +162,7 @@ def gptq_quantize(
     damp: float = 0.01,
     act_order: bool = False,
     symmetric: bool = False,
+    scale_search: str = "minmax",
 ) -> QuantizedWeight:
     """GPTQ of ``w [out, in]`` with Hessian ``h [in, in]`` (see the module docstring); computes in
     float64 when ``w`` is float64, else float32, on ``w``'s device. ``group_size=-1``: one group
@@ -150,9 +180,16 @@ def gptq_quantize(
     ng = n // g
     scales = torch.zeros(out_f, ng, dtype=dt, device=W.device)
     zeros = torch.zeros(out_f, ng, dtype=dt, device=W.device)
+    diag = H.diagonal().clone()
+
+    def params(wg, cols):  # the grid of the groups ``wg [out, k, c]`` over the columns ``cols``
+        if scale_search == "mse":
+            return searched_params(wg, bits, symmetric, diag[cols].reshape(wg.shape[1:]))
+        return group_params(wg, bits, symmetric)
+
     perm = group_of = None
     if act_order:  # static groups: the parameters of the original columns, before any update
-        s, z = group_params(W.reshape(out_f, ng, g), bits, symmetric)
+        s, z = params(W.reshape(out_f, ng, g), slice(None))
         scales.copy_(s)
         zeros.copy_(z)
         perm = torch.argsort(H.diagonal(), descending=True)
@@ -175,7 +212,7 @@ def gptq_quantize(
                     if j + g > i2:  # columns past the block still owe the block's errors
                         rest = W[:, i2 : j + g] - E1[:, :i] @ U[i1:j, i2 : j + g]
                         cur = torch.cat([cur, rest], 1)
-                    s, z = group_params(cur.unsqueeze(1), bits, symmetric)
+                    s, z = params(cur.unsqueeze(1), slice(j, j + cur.shape[1]))
                     scales[:, gi], zeros[:, gi] = s[:, 0], z[:, 0]
             s, z = scales[:, gi], zeros[:, gi]
             col = W1[:, i]
@@ -336,12 +373,19 @@ def check(cfg, hf_config=None) -> None:
         v = c.get(key, False)
         if not isinstance(v, bool):
             raise CompressError(f"gptq.{key}={v!r}: gptq.{key} takes true or false.")
+    search = c.get("scale_search", "minmax")
+    if search not in SCALE_SEARCHES:
+        raise CompressError(
+            f"gptq.scale_search={search!r}: takes one of {', '.join(SCALE_SEARCHES)} (minmax: each "
+            f"group's grid from its min and max; mse: the shrunk range with the least "
+            f"Hessian-weighted rounding error)."
+        )
     expert_calib.check(c, "gptq")
 
 
 def gptq(model: nn.Module, ctx) -> nn.Module:
     """Stage: GPTQ with ``ctx.cfg.gptq`` = {bits, group_size, damp, block_size, act_order,
-    true_sequential, batch}; writes the same packed layers (AutoAWQ GEMM at 4 bits) as AWQ."""
+    scale_search, true_sequential, batch}; writes the same packed layers as AWQ."""
     cfg = ctx.cfg.gptq
     adapter = get_adapter(model.config)
     check_family(adapter)
@@ -355,6 +399,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         damp=float(cfg.damp),
         act_order=bool(cfg.act_order),
         symmetric=bool(cfg.get("symmetric", False)),
+        scale_search=str(cfg.get("scale_search", "minmax")),
     )
     device = getattr(ctx, "device", None)
     tokens = ctx.calibration()
@@ -362,6 +407,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
     x, per_layer = capture_inputs(model, adapter, tokens, batch, device)
     n_layers = len(adapter.decoder_layers(model))
     order = " act-order" if settings["act_order"] else ""
+    order += " mse" if settings["scale_search"] == "mse" else ""
     experts = {}
     for i in tqdm(range(n_layers), desc=f"gptq int{bits} g{g}{order}", unit="layer"):
         with layer_on(model, i, device, write=True) as layer:
@@ -380,6 +426,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         group_size=g,
         gptq_damp=settings["damp"],
         gptq_act_order=settings["act_order"],
+        gptq_scale_search=settings["scale_search"],
         calib_samples=int(tokens.shape[0]),
         calib_seqlen=int(tokens.shape[1]),
     )
