@@ -8,13 +8,14 @@
 //     or (symmetric codes) s float16 [K / g, N] and sz the one float32 zero point;
 //     path: 2 AVX-512 VNNI, 1 AVX2, 0 portable (w4a8_caps() says which this CPU runs).
 //
-//   w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s,
-//                Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz,
+//   w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor gu_packed, Tensor gu_s, Tensor gu_sz,
+//                Tensor dn_packed, Tensor dn_s, Tensor dn_sz,
 //                int gu_bits, int gu_g, int dn_bits, int dn_g, int path) -> Tensor
 //     w4a8_cpu.cpp's SiLU-gated experts over the rows of x [M, H] routed to e [M, k] with
-//     weights w [M, k] (w4a8_cpu.experts): one entry per expert in each list, the gate_up
-//     projections' forms ([2I / 16, H / 32, bytes], [H / gu_g, 2I]) and the down projections'
-//     ([H / 16, I / 32, bytes], [I / dn_g, H]); y [M, H] in x's dtype.
+//     weights w [M, k] (w4a8_cpu.Experts): every expert's forms stacked along a leading dim E,
+//     the gate_up projections' ([E, 2I / 16, H / 32, bytes], [E, H / gu_g, 2I], sz [E, 1] or as
+//     s) and the down projections' ([E, H / 16, I / 32, bytes], [E, I / dn_g, H], ...);
+//     y [M, H] in x's dtype.
 //
 //   skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor
 //     skinny_cpu.cpp's fp32 product x [..., K] w [N, K]^T + b for a few rows (skinny_cpu.py):
@@ -146,6 +147,14 @@ bool scales_fit(const at::Tensor& s, const at::Tensor& sz) {
   return s.scalar_type() == at::kFloat && sz.sizes() == s.sizes();
 }
 
+// scales_fit for every expert's forms stacked: s [E, G, N], sz [E, 1] (fp16 s) or as s.
+bool stacked_scales_fit(const at::Tensor& s, const at::Tensor& sz, int64_t E) {
+  if (!s.is_contiguous() || !sz.is_contiguous() || sz.scalar_type() != at::kFloat) return false;
+  if (s.size(0) != E) return false;
+  if (s.scalar_type() == at::kHalf) return sz.numel() == E;
+  return s.scalar_type() == at::kFloat && sz.sizes() == s.sizes();
+}
+
 struct Scratch {
   std::vector<int8_t> xq;
   std::vector<float> d, xs, y;
@@ -192,54 +201,56 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 at::Tensor w4a8_experts_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& e,
-                           at::TensorList gu_packed, at::TensorList gu_s, at::TensorList gu_sz,
-                           at::TensorList dn_packed, at::TensorList dn_s, at::TensorList dn_sz,
-                           int64_t gu_bits, int64_t gu_g, int64_t dn_bits, int64_t dn_g,
-                           int64_t path) {
-  const int64_t E = (int64_t)gu_packed.size();
-  TORCH_CHECK(E > 0 && gu_s.size() == E && gu_sz.size() == E && dn_packed.size() == E &&
-                  dn_s.size() == E && dn_sz.size() == E,
-              "compress::w4a8_experts: one form per expert in each of the six lists");
+                           const at::Tensor& gu_packed, const at::Tensor& gu_s,
+                           const at::Tensor& gu_sz, const at::Tensor& dn_packed,
+                           const at::Tensor& dn_s, const at::Tensor& dn_sz, int64_t gu_bits,
+                           int64_t gu_g, int64_t dn_bits, int64_t dn_g, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && e.dim() == 2 && w.sizes() == e.sizes() && e.size(0) == x.size(0),
               "compress::w4a8_experts: x [M, H], w and e [M, k]; got x ", x.sizes(), ", w ",
               w.sizes(), ", e ", e.sizes());
-  const int64_t M = x.size(0), H = x.size(1), k = e.size(1), I = dn_s[0].size(0) * dn_g;
+  TORCH_CHECK(gu_s.dim() == 3 && dn_s.dim() == 3, "compress::w4a8_experts: scales [E, G, N]");
+  const int64_t E = gu_packed.size(0), M = x.size(0), H = x.size(1), k = e.size(1);
+  const int64_t I = dn_s.size(1) * dn_g;
   TORCH_CHECK(H % 32 == 0 && I % 32 == 0 && gu_g % 32 == 0 && dn_g % 32 == 0 &&
                   H % gu_g == 0 && I % dn_g == 0 && (2 * I) % 16 == 0 && H % 16 == 0,
               "compress::w4a8_experts: H = ", H, ", I = ", I, " and the group sizes do not fit");
+  const auto bytes = [](int64_t bits) { return bits == 4 ? 256 : bits == 8 ? 512 : 192; };
+  // one form per projection, every expert's stacked (w4a8_cpu.Experts): [E, ...] each
+  TORCH_CHECK(gu_packed.scalar_type() == at::kByte && dn_packed.scalar_type() == at::kByte &&
+                  gu_packed.is_contiguous() && dn_packed.is_contiguous() &&
+                  stacked_scales_fit(gu_s, gu_sz, E) && stacked_scales_fit(dn_s, dn_sz, E) &&
+                  dn_packed.size(0) == E &&
+                  gu_s.size(1) == H / gu_g && gu_s.size(2) == 2 * I && dn_s.size(2) == H &&
+                  gu_packed.numel() == E * (2 * I / 16) * (H / 32) * bytes(gu_bits) &&
+                  dn_packed.numel() == E * (H / 16) * (I / 32) * bytes(dn_bits),
+              "compress::w4a8_experts: the stacked forms do not match E = ", E, ", H = ", H,
+              ", I = ", I, " (w4a8_cpu.Experts)");
   const at::Tensor ec = e.to(at::kLong).contiguous(), wc = w.to(at::kFloat).contiguous();
   const int64_t* ep = ec.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M * k; ++i)
+    TORCH_CHECK(ep[i] >= 0 && ep[i] < E, "compress::w4a8_experts: expert ", ep[i], " of ", E);
   std::vector<const uint8_t*> gw(E), dw(E);
   std::vector<const void*> gs(E), ds(E);
   std::vector<const float*> gz(E), dz(E);
-  const bool gu_half = gu_s[0].scalar_type() == at::kHalf;
-  const bool dn_half = dn_s[0].scalar_type() == at::kHalf;
+  const auto* gp = gu_packed.data_ptr<uint8_t>();
+  const auto* dp = dn_packed.data_ptr<uint8_t>();
+  const auto* gsp = (const char*)gu_s.data_ptr();
+  const auto* dsp = (const char*)dn_s.data_ptr();
+  const float* gzp = gu_sz.data_ptr<float>();
+  const float* dzp = dn_sz.data_ptr<float>();
+  const int64_t gsz = gu_sz.numel() / E, dsz = dn_sz.numel() / E;
   for (int64_t i = 0; i < E; ++i) {
-    TORCH_CHECK(scales_fit(gu_s[i], gu_sz[i]) && scales_fit(dn_s[i], dn_sz[i]) &&
-                    (gu_s[i].scalar_type() == at::kHalf) == gu_half &&
-                    (dn_s[i].scalar_type() == at::kHalf) == dn_half,
-                "compress::w4a8_experts: expert ", i, "'s scales are not one form of "
-                "w4a8_cpu.prepare, or not the other experts'");
-    gw[i] = gu_packed[i].data_ptr<uint8_t>(), dw[i] = dn_packed[i].data_ptr<uint8_t>();
-    gs[i] = gu_s[i].data_ptr(), gz[i] = gu_sz[i].data_ptr<float>();
-    ds[i] = dn_s[i].data_ptr(), dz[i] = dn_sz[i].data_ptr<float>();
-  }
-  for (int64_t i = 0; i < M * k; ++i) {
-    const int64_t ex = ep[i];
-    TORCH_CHECK(ex >= 0 && ex < E, "compress::w4a8_experts: expert ", ex, " of ", E);
-    TORCH_CHECK(gu_s[ex].is_contiguous() && gu_s[ex].size(1) == 2 * I &&
-                    gu_s[ex].size(0) == H / gu_g && dn_s[ex].size(1) == H &&
-                    gu_packed[ex].is_contiguous() && dn_packed[ex].is_contiguous() &&
-                    gu_packed[ex].numel() == (2 * I / 16) * (H / 32) * (gu_bits == 4 ? 256 : gu_bits == 8 ? 512 : 192) &&
-                    dn_packed[ex].numel() == (H / 16) * (I / 32) * (dn_bits == 4 ? 256 : dn_bits == 8 ? 512 : 192),
-                "compress::w4a8_experts: expert ", ex, "'s forms do not match H = ", H,
-                ", I = ", I);
+    gw[i] = gp + i * (gu_packed.numel() / E), dw[i] = dp + i * (dn_packed.numel() / E);
+    gs[i] = gsp + i * gu_s.stride(0) * gu_s.element_size();
+    ds[i] = dsp + i * dn_s.stride(0) * dn_s.element_size();
+    gz[i] = gzp + i * gsz, dz[i] = dzp + i * dsz;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, H}, x.options().dtype(at::kFloat));
   w4a8_experts(xf.data_ptr<float>(), ep, wc.data_ptr<float>(), M, k, H, I, gw.data(), gs.data(),
-               gz.data(), gu_g, (int)gu_bits, gu_half, dw.data(), ds.data(), dz.data(), dn_g,
-               (int)dn_bits, dn_half, y.data_ptr<float>(), (int)path, at::get_num_threads());
+               gz.data(), gu_g, (int)gu_bits, gu_s.scalar_type() == at::kHalf, dw.data(),
+               ds.data(), dz.data(), dn_g, (int)dn_bits, dn_s.scalar_type() == at::kHalf,
+               y.data_ptr<float>(), (int)path, at::get_num_threads());
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
@@ -279,9 +290,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY_FRAGMENT(compress, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor s, Tensor sz, int bits, int g, int path) "
         "-> Tensor");
-  m.def("w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s, "
-        "Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz, int gu_bits, "
-        "int gu_g, int dn_bits, int dn_g, int path) -> Tensor");
+  m.def("w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor gu_packed, Tensor gu_s, "
+        "Tensor gu_sz, Tensor dn_packed, Tensor dn_s, Tensor dn_sz, int gu_bits, int gu_g, "
+        "int dn_bits, int dn_g, int path) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? b, int path) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "

@@ -420,14 +420,46 @@ def test_experts_match_float64_reference(path, bits, symmetric):
             *ptrs[:3], 32, bits, symmetric, *ptrs[3:], 64, bits, symmetric, y.data_ptr(), which, 2,
         )  # fmt: skip
         assert torch.isfinite(y).all() and rel(y, ref) < 2e-6, (M, rel(y, ref))
+        experts = w4a8_cpu.Experts(gate_up, down)
+        # the stacked forms hold what each expert's own form held, and the layers now view them
+        for j, layers in ((0, gate_up), (3, down)):
+            for i, m in enumerate(layers):
+                for f, own, now in zip(
+                    experts.forms[j : j + 3], forms[j // 3][i], w4a8_cpu.form(m)
+                ):
+                    assert torch.equal(f[i], own) and now.data_ptr() == f[i].data_ptr()
+                if symmetric:  # fp16 scales the layer held itself are held once, in the stack
+                    assert m.scales.data_ptr() == experts.forms[j + 1][i].data_ptr()
         for dtype in (torch.float32, torch.bfloat16):
-            out = w4a8_cpu.Experts(gate_up, down)(x.to(dtype), w, e, path)
+            out = experts(x.to(dtype), w, e, path)
             assert out.dtype == dtype
-            lists = [list(ts) for f in forms for ts in zip(*f)]
-            want = w4a8_cpu._ctypes_experts(x.to(dtype), w, e, *lists, bits, 32, bits, 64, which)
+            want = w4a8_cpu._ctypes_experts(
+                x.to(dtype), w, e, *experts.forms, bits, 32, bits, 64, which
+            )
             assert torch.equal(out, want), (M, dtype)
             if dtype == torch.float32:
                 assert torch.equal(out, y)
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+def test_lean_experts_still_run_one_by_one_after_stacking():
+    """Lean experts (``keep_w4a8_only``: the packed codes freed) whose forms were stacked for the
+    one-call kernel, their fp16 scales moved into the stack, still compute through their own
+    layers (prefill's path) as before, into a poisoned output, and hold their scales once."""
+    E, H, inter = 3, 64, 96
+    gate_up = [random_layer(4, H, 2 * inter, 32, 7 + i, symmetric=True) for i in range(E)]
+    down = [random_layer(4, inter, H, 32, 70 + i, symmetric=True) for i in range(E)]
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    for m in gate_up:
+        m.kernel = "w4a8"
+        cpu.keep_w4a8_only(m)
+    before = [m(x) for m in gate_up]
+    w4a8_cpu.Experts(gate_up, down)
+    for m, want in zip(gate_up, before):
+        y = torch.full_like(want, math.nan)
+        y.copy_(m(x))
+        assert torch.equal(y, want)
+        assert m.scales.data_ptr() == w4a8_cpu.form(m)[1].data_ptr()
 
 
 def test_experts_with_mixed_scale_forms_are_not_one_call():

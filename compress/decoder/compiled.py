@@ -15,7 +15,9 @@ are dropped (``skip_guard_on_all_nn_modules_unsafe``), which is safe because a
 :class:`StaticDecoder` compiles its own code object for its one model. Guards on the inputs
 (the token, the position, the cache tensors) stay. For the same reason inductor's size
 asserts on the inputs are dropped (``size_asserts``): the wrapper checked every weight tensor
-on every call, 6,361 of them on the OLMoE-shaped model.
+on every call. A sparse layer's experts enter the graph as six stacked tensors
+(``w4a8_cpu.Experts``), not six per expert: a Python list of hundreds of tensors per call was
+most of the OLMoE-shaped step's overhead.
 
 A compile failure (no C++ compiler, an inductor bug) falls back to the same step uncompiled, with
 a warning. With ``COMPRESS_STRICT_COMPILE=1`` (the test suite sets it) the failure is an error

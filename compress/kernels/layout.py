@@ -42,6 +42,21 @@ def cached(layer, key, build):
     return hit[1]
 
 
+def recache(layer, key, value, buffers: dict | None = None) -> None:
+    """Keep ``value`` (a form built elsewhere: a view into several layers' stacked forms) as
+    ``layer.cache[key]``, after replacing the layer's ``buffers`` (name -> an equal tensor, a view
+    into the same stack); what was prepared from the layer's tensors stays current."""
+    old = stamp(layer)
+    layer._buffers.update(buffers or {})
+    new = stamp(layer)
+    for k, hit in layer.cache.items():
+        if isinstance(hit, tuple) and hit == old:  # a check of the current tensors
+            layer.cache[k] = new
+        elif isinstance(hit, tuple) and len(hit) == 2 and hit[0] == old:  # a current form
+            layer.cache[k] = (new, hit[1])
+    layer.cache[key] = (new, value)
+
+
 def _where(layer) -> str:
     return (
         f"quantized layer [{layer.in_features} -> {layer.out_features}], {layer.bits}-bit, "

@@ -43,7 +43,7 @@ import torch
 
 import compress.kernels.native as native
 from compress.errors import CompressError
-from compress.kernels.layout import cached
+from compress.kernels.layout import cached, recache
 from compress.kernels.w4a8_ref import BLOCK
 from compress.kernels.w4a8_ref import matmul as ref_matmul
 from compress.kernels.workspace import workspace
@@ -246,13 +246,17 @@ def op():
 # ---- a mixture of experts over a few rows: every routed expert's two projections in one call ---
 
 EXPERTS_SCHEMA = (
-    "w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor[] gu_packed, Tensor[] gu_s, "
-    "Tensor[] gu_sz, Tensor[] dn_packed, Tensor[] dn_s, Tensor[] dn_sz, int gu_bits, int gu_g, "
-    "int dn_bits, int dn_g, int path) -> Tensor"
+    "w4a8_experts(Tensor x, Tensor w, Tensor e, Tensor gu_packed, Tensor gu_s, Tensor gu_sz, "
+    "Tensor dn_packed, Tensor dn_s, Tensor dn_sz, int gu_bits, int gu_g, int dn_bits, int dn_g, "
+    "int path) -> Tensor"
 )
 
 
 def _pointers(ts) -> ctypes.Array:
+    """One pointer per tensor of ``ts``, or per expert of a stacked form ``[E, ...]``."""
+    if isinstance(ts, torch.Tensor):
+        step = ts.stride(0) * ts.element_size()
+        return (ctypes.c_void_p * ts.shape[0])(*[ts.data_ptr() + i * step for i in range(len(ts))])
     return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
 
 
@@ -261,9 +265,9 @@ def _ctypes_experts(x, w, e, gp, gs, gz, dp, ds, dz, gu_bits, gu_g, dn_bits, dn_
     ec, wc = e.long().contiguous(), w.float().contiguous()
     y = torch.empty(M, H, dtype=torch.float32)
     native.library().w4a8_experts(
-        xf.data_ptr(), ec.data_ptr(), wc.data_ptr(), M, e.shape[1], H, ds[0].shape[0] * dn_g,
-        _pointers(gp), _pointers(gs), _pointers(gz), gu_g, gu_bits, gs[0].dtype == torch.float16,
-        _pointers(dp), _pointers(ds), _pointers(dz), dn_g, dn_bits, ds[0].dtype == torch.float16,
+        xf.data_ptr(), ec.data_ptr(), wc.data_ptr(), M, e.shape[1], H, ds.shape[1] * dn_g,
+        _pointers(gp), _pointers(gs), _pointers(gz), gu_g, gu_bits, gs.dtype == torch.float16,
+        _pointers(dp), _pointers(ds), _pointers(dz), dn_g, dn_bits, ds.dtype == torch.float16,
         y.data_ptr(), which, torch.get_num_threads(),
     )  # fmt: skip
     return y.to(x.dtype)
@@ -284,20 +288,30 @@ class Experts:
     read once for all of them, and each projection of all the routed experts is one parallel
     loop (``w4a8_experts`` in ``w4a8_cpu.cpp``). ``gate_up`` and ``down``: the experts'
     ``QuantLinear`` layers, one per expert (the gate_up layer's ``2I`` columns gate first), of one
-    width and group size per list, fitting the kernel; their :func:`form` is taken once, here."""
+    width and group size per list, fitting the kernel. Their :func:`form` is taken once, here,
+    and stacked: ``forms`` holds six tensors ``[E, ...]`` (packed, s, sz of gate_up, then of
+    down), and each layer's cached form becomes its view into them, so the experts are held
+    once; six operands instead of six per expert keep the call's cost off the decode step."""
 
     def __init__(self, gate_up: list, down: list):
-        forms = [form(m) for m in gate_up], [form(m) for m in down]
-        self.lists = [list(ts) for f in forms for ts in zip(*f)]  # packed, s, sz; gate_up, down
+        lists = [list(ts) for ms in (gate_up, down) for ts in zip(*[form(m) for m in ms])]
         # one form of the scales per projection (an asymmetric layer whose zero points happen
         # to be equal takes the fp16 form, its neighbours the fp32 one)
-        self.uniform = all(len({t.dtype for t in self.lists[i]}) == 1 for i in (1, 4))
+        self.uniform = all(len({t.dtype for t in lists[i]}) == 1 for i in (1, 4))
         g, d = gate_up[0], down[0]
         self.args = (g.bits, g.group_size, d.bits, d.group_size)
         self.op = experts_op()
+        self.forms = None
+        if self.uniform:
+            self.forms = [torch.stack(ts) for ts in lists]
+            for j, layers in ((0, gate_up), (3, down)):
+                for i, m in enumerate(layers):
+                    own = lists[j + 1][i].data_ptr() == m.scales.data_ptr()  # its fp16 scales
+                    buffers = {"scales": self.forms[j + 1][i]} if own else None
+                    recache(m, "w4a8", tuple(f[i] for f in self.forms[j : j + 3]), buffers)
 
     def __call__(self, x, w, e, which: str | None = None) -> torch.Tensor:
-        return self.op(x, w, e, *self.lists, *self.args, PATHS[which or path()])
+        return self.op(x, w, e, *self.forms, *self.args, PATHS[which or path()])
 
 
 def experts_op():
@@ -324,17 +338,17 @@ class W4A8Linear(torch.nn.Module):
 
 
 class W4A8Experts(torch.nn.Module):
-    """:class:`Experts` as a module, its forms held as (non-persistent) buffers: one opaque op
-    inside a ``torch.compile`` graph, so a compiled decode step runs a sparse layer whole."""
+    """:class:`Experts` as a module, its stacked forms held as (non-persistent) buffers: one
+    opaque op inside a ``torch.compile`` graph, so a compiled decode step runs a sparse layer
+    whole."""
 
     def __init__(self, experts: Experts):
         super().__init__()
-        self.args, self.op, self.n = experts.args, experts.op, len(experts.lists[0])
-        for j, ts in enumerate(experts.lists):
-            for i, t in enumerate(ts):
-                self.register_buffer(f"f{j}_{i}", t, persistent=False)
+        self.args, self.op = experts.args, experts.op
+        for j, t in enumerate(experts.forms):
+            self.register_buffer(f"f{j}", t, persistent=False)
         self.path = PATHS[path()]
 
     def forward(self, x, w, e):
-        lists = [[getattr(self, f"f{j}_{i}") for i in range(self.n)] for j in range(6)]
-        return self.op(x, w, e, *lists, *self.args, self.path)
+        forms = [getattr(self, f"f{j}") for j in range(6)]
+        return self.op(x, w, e, *forms, *self.args, self.path)
