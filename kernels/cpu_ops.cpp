@@ -140,18 +140,11 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, dou
 }
 
 // The two forms of a W4A8 weight's scales (w4a8_cpu.prepare): fp32 s and sz = s z, or fp16 s and
-// one fp32 zero point (symmetric codes).
-bool scales_fit(const at::Tensor& s, const at::Tensor& sz) {
+// one fp32 zero point (symmetric codes); n such weights stacked (w4a8_cpu.Experts: s [n, G, N],
+// and n zero points in the fp16 form).
+bool scales_fit(const at::Tensor& s, const at::Tensor& sz, int64_t n = 1) {
   if (!s.is_contiguous() || !sz.is_contiguous() || sz.scalar_type() != at::kFloat) return false;
-  if (s.scalar_type() == at::kHalf) return sz.numel() == 1;
-  return s.scalar_type() == at::kFloat && sz.sizes() == s.sizes();
-}
-
-// scales_fit for every expert's forms stacked: s [E, G, N], sz [E, 1] (fp16 s) or as s.
-bool stacked_scales_fit(const at::Tensor& s, const at::Tensor& sz, int64_t E) {
-  if (!s.is_contiguous() || !sz.is_contiguous() || sz.scalar_type() != at::kFloat) return false;
-  if (s.size(0) != E) return false;
-  if (s.scalar_type() == at::kHalf) return sz.numel() == E;
+  if (s.scalar_type() == at::kHalf) return sz.numel() == n;
   return s.scalar_type() == at::kFloat && sz.sizes() == s.sizes();
 }
 
@@ -218,8 +211,8 @@ at::Tensor w4a8_experts_op(const at::Tensor& x, const at::Tensor& w, const at::T
   // one form per projection, every expert's stacked (w4a8_cpu.Experts): [E, ...] each
   TORCH_CHECK(gu_packed.scalar_type() == at::kByte && dn_packed.scalar_type() == at::kByte &&
                   gu_packed.is_contiguous() && dn_packed.is_contiguous() &&
-                  stacked_scales_fit(gu_s, gu_sz, E) && stacked_scales_fit(dn_s, dn_sz, E) &&
-                  dn_packed.size(0) == E &&
+                  scales_fit(gu_s, gu_sz, E) && scales_fit(dn_s, dn_sz, E) && gu_s.size(0) == E &&
+                  dn_s.size(0) == E && dn_packed.size(0) == E &&
                   gu_s.size(1) == H / gu_g && gu_s.size(2) == 2 * I && dn_s.size(2) == H &&
                   gu_packed.numel() == E * (2 * I / 16) * (H / 32) * bytes(gu_bits) &&
                   dn_packed.numel() == E * (H / 16) * (I / 32) * bytes(dn_bits),
