@@ -193,8 +193,8 @@ class AWQConfig(_Calibrated):
 
 @dataclass(frozen=True)
 class GPTQConfig(_Calibrated):
-    """GPTQ (``gptq.*``; options: damp, block_size, act_order, scale_search, true_sequential,
-    batch)."""
+    """GPTQ (``gptq.*``; options: damp, block_size, act_order, scale_search, min_range,
+    true_sequential, batch)."""
 
     recipe: ClassVar[str] = "gptq_int4"
     stage: ClassVar[str] = "gptq"

@@ -35,12 +35,12 @@ from tests.test_methods_families import decoder_logits, hf_logits, rel_err, toke
 # ---- independent references ---------------------------------------------------------------------
 
 
-def grid(wg, bits, symmetric=False, weight=None):
+def grid(wg, bits, symmetric=False, weight=None, floor=20):
     """Asymmetric min/max grid of the groups along the last axis, fp16 scales (written out);
     ``symmetric``: max|w| / (2^(b-1) - 1), zero point 2^(b-1). ``weight`` (one per column of
-    the group): the ``mse`` search, group by group over the shrink factors k/100, k = 100..20."""
+    the group): the ``mse`` search, group by group over the shrink factors k/100, k = 100..floor."""
     if weight is not None:
-        return searched_grid(wg, bits, symmetric, weight)
+        return searched_grid(wg, bits, symmetric, weight, floor)
     if symmetric:
         s = (wg.abs().amax(-1).clamp(min=1e-5) / (2 ** (bits - 1) - 1)).half().double()
         return s, torch.full_like(s, 2 ** (bits - 1))
@@ -51,7 +51,7 @@ def grid(wg, bits, symmetric=False, weight=None):
     return s, z
 
 
-def searched_grid(wg, bits, symmetric, weight):
+def searched_grid(wg, bits, symmetric, weight, floor):
     """The grid of least ``sum_j weight_j (w_j - W_hat_j)^2`` over the shrunk ranges, one group
     (row of ``wg.reshape(-1, c)``) at a time; the first factor wins ties."""
     flat = wg.reshape(-1, wg.shape[-1])
@@ -59,7 +59,7 @@ def searched_grid(wg, bits, symmetric, weight):
     S, Z = torch.zeros(flat.shape[0], dtype=torch.float64), torch.zeros(flat.shape[0])
     for r in range(flat.shape[0]):
         best = None
-        for k in range(100, 19, -1):
+        for k in range(100, floor - 1, -1):
             s, z = grid(flat[r] * (k / 100), bits, symmetric)
             q = (torch.round(flat[r] / s) + z).clamp(0, 2**bits - 1)
             err = float((wt[r] * ((q - z) * s - flat[r]) ** 2).sum())
@@ -68,7 +68,7 @@ def searched_grid(wg, bits, symmetric, weight):
     return S.reshape(wg.shape[:-1]), Z.double().reshape(wg.shape[:-1])
 
 
-def obs_reference(w, h, bits, g, damp, act_order, symmetric=False, mse=False):
+def obs_reference(w, h, bits, g, damp, act_order, symmetric=False, mse=False, floor=20):
     """Textbook OBS/OBQ in float64: columns one at a time, ``Hinv`` the full inverse of the
     damped Hessian, downdated after each column by Gaussian elimination; returns the codes,
     scales and zeros. ``mse``: each group's grid searched with the weights ``diag H``."""
@@ -82,7 +82,7 @@ def obs_reference(w, h, bits, g, damp, act_order, symmetric=False, mse=False):
     Z = torch.zeros_like(S)
     if act_order:
         weight = diag.reshape(n // g, g) if mse else None
-        S, Z = grid(W.reshape(out_f, n // g, g), bits, symmetric, weight)
+        S, Z = grid(W.reshape(out_f, n // g, g), bits, symmetric, weight, floor)
         order = torch.argsort(H.diagonal(), descending=True).tolist()
     else:
         order = list(range(n))
@@ -91,7 +91,7 @@ def obs_reference(w, h, bits, g, damp, act_order, symmetric=False, mse=False):
     Q = torch.zeros_like(W)
     for j in order:
         if not act_order and j % g == 0:
-            s, z = grid(W[:, j : j + g], bits, symmetric, diag[j : j + g] if mse else None)
+            s, z = grid(W[:, j : j + g], bits, symmetric, diag[j : j + g] if mse else None, floor)
             S[:, j // g], Z[:, j // g] = s, z
         s, z = S[:, j // g], Z[:, j // g]
         q = (torch.round(W[:, j] / s) + z).clamp(0, 2**bits - 1)
@@ -173,16 +173,18 @@ def test_float32_gptq_close_to_reference():
 
 @pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act_order"])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
-def test_mse_scale_search_matches_column_by_column_obs(act_order, symmetric):
+@pytest.mark.parametrize("floor", [20, 80], ids=["floor0.2", "floor0.8"])
+def test_mse_scale_search_matches_column_by_column_obs(act_order, symmetric, floor):
     """``scale_search=mse``: each group's grid (static or fixed when reached, across blocks) is
-    the written-out search's, and the codes are OBS's with those grids."""
+    the written-out search's over the factors 1 .. ``min_range``, and the codes are OBS's with
+    those grids."""
     n, out_f, bits, g = 128, 16, 3, 32
     h = hessian64(correlated(600, n, seed=7))
     w = torch.randn(out_f, n, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     w[0, 3] = 6.0  # an outlier weight: its group's best range is shrunk
     qw = gptq_quantize(w, h, bits, g, block_size=48, act_order=act_order, symmetric=symmetric,
-                       scale_search="mse")  # fmt: skip
-    Q, S, Z = obs_reference(w, h, bits, g, 0.01, act_order, symmetric, mse=True)
+                       scale_search="mse", min_range=floor / 100)  # fmt: skip
+    Q, S, Z = obs_reference(w, h, bits, g, 0.01, act_order, symmetric, mse=True, floor=floor)
     assert torch.equal(qw.scales.double(), S) and torch.equal(qw.zeros.double(), Z)
     ref = dequant(Q, S, Z, g)
     assert ((qw.dequantize(torch.float64) - ref).norm() / ref.norm()).item() <= 1e-5
@@ -405,6 +407,8 @@ def test_sequential_steps_from_the_adapters_roles():
         ("gptq.block_size=0", r"gptq.block_size=0.*integer >= 1"),
         ("gptq.batch=0", r"gptq.batch=0.*integer >= 1"),
         ("gptq.scale_search=l1", r"gptq.scale_search='l1'.*minmax, mse"),
+        ("gptq.min_range=0", r"gptq.min_range=0.*between 0.01 and 1"),
+        ("gptq.min_range=1.5", r"gptq.min_range=1.5.*between 0.01 and 1"),
         ("gptq.group_size=48", r"gptq.group_size=48.*power of two"),
         ("gptq.group_size=256", r"group size 256 does not divide.*in_features=64"),
     ],

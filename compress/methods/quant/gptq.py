@@ -34,10 +34,11 @@ parameters come from the original weights in the original column order, before a
 each group is still ``group_size`` consecutive input columns and the result needs no ``g_idx``.
 
 A group's grid comes from its min and max (``scale_search: minmax``), or (``mse``) from the
-range shrunk by the factor ``p`` in ``{1, 0.99, ..., 0.2}`` that minimizes the group's rounding
-error weighted by the Hessian's diagonal, ``sum_j H_jj (w_j - Q_p(w_j))^2`` (the layer's output
-error when the inputs are uncorrelated), as GPTQ's reference code's ``mse`` option searches with
-an unweighted norm.
+range shrunk by the factor ``p`` in ``{1, 0.99, ..., min_range}`` that minimizes the group's
+rounding error weighted by the Hessian's diagonal, ``sum_j H_jj (w_j - Q_p(w_j))^2`` (the layer's
+output error when the inputs are uncorrelated), as GPTQ's reference code's ``mse`` option
+searches with an unweighted norm (its floor ``min_range`` is 0.2; llm-compressor's ``mse``
+observer's is 0.8).
 
 In a decoder layer (true-sequential, the default) the linears go in steps, each step's linears
 reading one input: ``q, k, v`` (MLA: ``q, k_rope, kv_a``), then MLA's ``k_b, v_b``, then ``o``, then
@@ -114,15 +115,21 @@ class Hessian:
 
 
 SCALE_SEARCHES = ("minmax", "mse")
-SHRINKS = torch.arange(100, 19, -1, dtype=torch.float64) / 100  # the ``mse`` search's range factors
 
 
-def searched_params(wg: torch.Tensor, bits: int, symmetric: bool, weight: torch.Tensor):
+def shrinks(min_range: float = 0.2) -> list[float]:
+    """The ``mse`` search's range factors: 1, 0.99, ... down to ``min_range`` (in hundredths)."""
+    return [k / 100 for k in range(100, round(min_range * 100) - 1, -1)]
+
+
+def searched_params(
+    wg: torch.Tensor, bits: int, symmetric: bool, weight: torch.Tensor, min_range: float = 0.2
+):
     """``(s, z)`` of the groups along ``wg``'s last axis: the grid of the range shrunk by the
-    factor of :data:`SHRINKS` that minimizes ``sum_j weight_j (w_j - W_hat_j)^2`` (``weight``
+    factor of :func:`shrinks` that minimizes ``sum_j weight_j (w_j - W_hat_j)^2`` (``weight``
     broadcast against ``wg``); of equal errors the larger factor wins (1: the min/max grid)."""
     best_s = best_z = best = None
-    for p in SHRINKS.tolist():
+    for p in shrinks(min_range):
         s, z = group_params(wg * p, bits, symmetric)
         s1, z1 = s.unsqueeze(-1), z.unsqueeze(-1)
         err = (((codes(wg, s1, z1, bits) - z1) * s1 - wg) ** 2 * weight).sum(-1)
@@ -163,6 +170,7 @@ def gptq_quantize(
     act_order: bool = False,
     symmetric: bool = False,
     scale_search: str = "minmax",
+    min_range: float = 0.2,
 ) -> QuantizedWeight:
     """GPTQ of ``w [out, in]`` with Hessian ``h [in, in]`` (see the module docstring); computes in
     float64 when ``w`` is float64, else float32, on ``w``'s device. ``group_size=-1``: one group
@@ -184,7 +192,8 @@ def gptq_quantize(
 
     def params(wg, cols):  # the grid of the groups ``wg [out, k, c]`` over the columns ``cols``
         if scale_search == "mse":
-            return searched_params(wg, bits, symmetric, diag[cols].reshape(wg.shape[1:]))
+            weight = diag[cols].reshape(wg.shape[1:])
+            return searched_params(wg, bits, symmetric, weight, min_range)
         return group_params(wg, bits, symmetric)
 
     perm = group_of = None
@@ -380,12 +389,19 @@ def check(cfg, hf_config=None) -> None:
             f"group's grid from its min and max; mse: the shrunk range with the least "
             f"Hessian-weighted rounding error)."
         )
+    floor = c.get("min_range", 0.2)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.01 <= floor <= 1:
+        raise CompressError(
+            f"gptq.min_range={floor!r}: the smallest fraction of a group's min-max range the mse "
+            f"search tries, between 0.01 and 1 (0.2: GPTQ's reference; 0.8: llm-compressor's "
+            f"mse observer)."
+        )
     expert_calib.check(c, "gptq")
 
 
 def gptq(model: nn.Module, ctx) -> nn.Module:
     """Stage: GPTQ with ``ctx.cfg.gptq`` = {bits, group_size, damp, block_size, act_order,
-    scale_search, true_sequential, batch}; writes the same packed layers as AWQ."""
+    scale_search, min_range, true_sequential, batch}; writes the same packed layers as AWQ."""
     cfg = ctx.cfg.gptq
     adapter = get_adapter(model.config)
     check_family(adapter)
@@ -400,6 +416,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         act_order=bool(cfg.act_order),
         symmetric=bool(cfg.get("symmetric", False)),
         scale_search=str(cfg.get("scale_search", "minmax")),
+        min_range=float(cfg.get("min_range", 0.2)),
     )
     device = getattr(ctx, "device", None)
     tokens = ctx.calibration()
@@ -427,6 +444,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         gptq_damp=settings["damp"],
         gptq_act_order=settings["act_order"],
         gptq_scale_search=settings["scale_search"],
+        gptq_min_range=settings["min_range"],
         calib_samples=int(tokens.shape[0]),
         calib_seqlen=int(tokens.shape[1]),
     )
