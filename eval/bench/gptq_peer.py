@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--peer-observer", dest="observer", default="minmax",
                     choices=("minmax", "mse", "imatrix_mse"), help="the peer's weight observer")  # fmt: skip
     ap.add_argument("--small", action="store_true", help="4 calibration samples, 1 window")
+    ap.add_argument("--reuse", action="store_true",
+                    help="--out holds a finished peer run of these tokens: score it, skip the peer")  # fmt: skip
     ap.add_argument("--peer-side", action="store_true", help=argparse.SUPPRESS)  # in its venv
     for name, kind in (("source", str), ("calib", str), ("bits", int), ("group-size", int)):
         ap.add_argument(f"--{name}", type=kind, help=argparse.SUPPRESS)
@@ -223,14 +225,19 @@ def main() -> None:
     text = read_text(recipe["data"]["calib"]["source"], role="calib")
     ids = calib_samples(tok, text, calib["samples"], calib["seqlen"], seed=recipe["seed"])
     out = Path(args.out or tempfile.mkdtemp(prefix="gptq_peer-"))
-    torch.save(ids, out.parent / f"{out.name}-calib.pt")
+    calib_file = out.parent / f"{out.name}-calib.pt"
+    reuse = args.reuse and (out / "peer.json").exists()
+    if reuse and not torch.equal(torch.load(calib_file), ids):
+        raise SystemExit(f"--reuse: {out} was calibrated on other tokens than {ours}'s")
+    torch.save(ids, calib_file)
     argv = [args.peer_python, __file__, "--peer-side", "--peer", args.peer]
     argv += ["--source", str(src_dir), "--out", str(out)]
-    argv += ["--calib", str(out.parent / f"{out.name}-calib.pt"), "--bits", str(report["bits"])]
+    argv += ["--calib", str(calib_file), "--bits", str(report["bits"])]
     argv += ["--group-size", str(report["group_size"]), "--damp", str(g["damp"])]
     argv += ["--block-size", str(g["block_size"])] + (["--act-order"] if g["act_order"] else [])
     argv += ["--peer-observer", args.observer]
-    subprocess.run(argv, check=True)
+    if not reuse:
+        subprocess.run(argv, check=True)
     peer = evaluate_folder(out, recipe, manifest["source"])
     peer_s = json.loads((out / "peer.json").read_text())["gptq_s"]
     if args.small:  # ours on the same single window
