@@ -115,15 +115,16 @@ class Hessian:
 
 
 SCALE_SEARCHES = ("minmax", "mse")
+MIN_RANGE = 0.2  # the ``mse`` search's default floor (GPTQ's reference ``maxshrink``)
 
 
-def shrinks(min_range: float = 0.2) -> list[float]:
+def shrinks(min_range: float = MIN_RANGE) -> list[float]:
     """The ``mse`` search's range factors: 1, 0.99, ... down to ``min_range`` (in hundredths)."""
     return [k / 100 for k in range(100, round(min_range * 100) - 1, -1)]
 
 
 def searched_params(
-    wg: torch.Tensor, bits: int, symmetric: bool, weight: torch.Tensor, min_range: float = 0.2
+    wg: torch.Tensor, bits: int, symmetric: bool, weight: torch.Tensor, min_range: float = MIN_RANGE
 ):
     """``(s, z)`` of the groups along ``wg``'s last axis: the grid of the range shrunk by the
     factor of :func:`shrinks` that minimizes ``sum_j weight_j (w_j - W_hat_j)^2`` (``weight``
@@ -170,7 +171,7 @@ def gptq_quantize(
     act_order: bool = False,
     symmetric: bool = False,
     scale_search: str = "minmax",
-    min_range: float = 0.2,
+    min_range: float = MIN_RANGE,
 ) -> QuantizedWeight:
     """GPTQ of ``w [out, in]`` with Hessian ``h [in, in]`` (see the module docstring); computes in
     float64 when ``w`` is float64, else float32, on ``w``'s device. ``group_size=-1``: one group
@@ -389,7 +390,7 @@ def check(cfg, hf_config=None) -> None:
             f"group's grid from its min and max; mse: the shrunk range with the least "
             f"Hessian-weighted rounding error)."
         )
-    floor = c.get("min_range", 0.2)
+    floor = c.get("min_range", MIN_RANGE)
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.01 <= floor <= 1:
         raise CompressError(
             f"gptq.min_range={floor!r}: the smallest fraction of a group's min-max range the mse "
@@ -416,7 +417,7 @@ def gptq(model: nn.Module, ctx) -> nn.Module:
         act_order=bool(cfg.act_order),
         symmetric=bool(cfg.get("symmetric", False)),
         scale_search=str(cfg.get("scale_search", "minmax")),
-        min_range=float(cfg.get("min_range", 0.2)),
+        min_range=float(cfg.get("min_range", MIN_RANGE)),
     )
     device = getattr(ctx, "device", None)
     tokens = ctx.calibration()
