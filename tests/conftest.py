@@ -25,11 +25,45 @@ if (
 os.environ["COMPRESS_STRICT_COMPILE"] = "1"
 
 
+# Tests of 15 s or more on one core (`--durations`) join the `slow` marker, which the suite
+# leaves out (`pytest -m slow`); of a parametrized one, a quick case stays in the suite.
+SLOW = {
+    "test_decoder.py::test_compiled_step_quantized[float32]",  # bfloat16 stays
+    "test_decoder_attn.py::test_compiled_step_on_converted[cla]",  # gqa stays
+    "test_decoder_attn.py::test_compiled_step_on_converted[mla]",
+    "test_decoder_attn.py::test_quantized_cross_layer_folder_composes",
+    "test_distill_ddp.py::test_two_processes_match_one",
+    "test_distill_fsdp.py::test_fsdp_two_processes_match_one[0]",
+    "test_distill_resume.py::test_kill_and_resume_reaches_the_same_weights",
+    "test_gptq.py::test_gptq_vs_awq_script_runs_small",
+    "test_head.py::test_pipeline_evaluates_the_quantized_head",
+    "test_iam.py::test_iam_recipe_self_mapped_equals_the_source",
+    "test_manifest_verify.py::test_decoder_cli_refuses_a_damaged_folder_and_runs_it_with_no_verify",
+    "test_minitron.py::test_width_recipe",
+    "test_minitron.py::test_depth_recipe_cli",
+    "test_minitron.py::test_error_resume_from_another_recipe",
+    "test_moe_bench.py::test_moe_bench_folder_and_gguf",
+    "test_offload.py::test_pipeline_offload_disk_run",
+    "test_pipeline.py::test_recipes_compose_on_a_run_folder",
+    "test_pipeline.py::test_decoder_figures_and_errors",
+    "test_prune_experts.py::test_minitron_experts_recipe_prunes_then_distills",
+    "test_speculative.py::test_cli",
+    "test_w4a8.py::test_decoder_default_runs_the_kernel_compiled",
+} | {  # one point of the SIGKILL sweep (temp_made) stays
+    "test_robust_run_folder.py::test_sigkill_at_each_point_leaves_nothing_loadable_and_the_next_"
+    f"run_removes_it[{point}]"
+    for point in ("spill_made", "weights_written", "manifest_written")
+}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """The compiled per-family exactness runs (40-90 s each) other than Gemma 3's join the
-    ``matrix`` marker (``pytest -m matrix``), which the suite leaves out."""
+    """The tests in ``SLOW`` join the ``slow`` marker; the compiled per-family exactness runs
+    (40-90 s each) other than Gemma 3's join the ``matrix`` marker (``pytest -m matrix``). The
+    suite leaves both out."""
     for item in items:
+        if item.nodeid.removeprefix("tests/") in SLOW:
+            item.add_marker(pytest.mark.slow)
         if (
             getattr(item, "originalname", "") == "test_compiled_step_matches_transformers"
             and "gemma3_text" not in item.nodeid

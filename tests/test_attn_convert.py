@@ -341,7 +341,6 @@ def save_converted(model, tokenizer, folder):
         shutil.copyfile(src, folder / name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cla", "mla"])
 def test_from_pretrained_remote_code_equals_in_memory(kind, tmp_path, tokenizer):
     model = make_tiny_model(num_hidden_layers=4)
@@ -498,7 +497,6 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
         }
 
 
-@pytest.mark.slow
 def test_cla_with_mqa_and_distillation(tiny_dir, tmp_path):
     out = tmp_path / "run"
     report = run_recipe(

@@ -54,12 +54,12 @@ EXTRA = {  # tiny-model settings of each recipe (no distillation: the stage is n
     ],  # fmt: skip
 }
 QUANT = ("rtn_int4", "rtn_int3", "rtn_int8", "awq_int4", "awq_int3")
-FAST = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width")}
-# a slow cross-section runs with the suite; the rest of the family x recipe matrix with -m matrix
-SLOW = {("qwen3", "rtn_int4"), ("mistral", "awq_int4"), ("llama", "awq_int3"),
+# a cross-section runs with the suite; the rest of the family x recipe matrix with -m matrix
+CROSS = {("gemma3_text", "awq_int4"), ("gemma3_text", "minitron_width"),
+        ("qwen3", "rtn_int4"), ("mistral", "awq_int4"), ("llama", "awq_int3"),
         ("qwen2", "rtn_int8"), ("gemma3_text", "rtn_int3"), ("gemma3_text", "minitron_depth"),
         ("qwen3", "gqa")}  # fmt: skip
-MATRIX = [pytest.mark.slow, pytest.mark.matrix]
+MATRIX = pytest.mark.matrix
 
 
 def rel_err(a, b) -> float:
@@ -91,9 +91,7 @@ def hf_logits(model, ids):
 
 def matrix(recipes):
     return [
-        pytest.param(
-            f, r, marks=() if (f, r) in FAST else pytest.mark.slow if (f, r) in SLOW else MATRIX
-        )
+        pytest.param(f, r, marks=() if (f, r) in CROSS else MATRIX)
         for f in FAMILIES
         for r in recipes
     ]
@@ -273,10 +271,7 @@ def test_awq_folder_loads_with_from_pretrained(family, family_dirs, tmp_path):
 
 @pytest.mark.parametrize(
     "family",
-    [
-        pytest.param(f, marks=pytest.mark.slow if f in ("llama", "gemma3_text") else MATRIX)
-        for f in FAMILIES
-    ],
+    [pytest.param(f, marks=() if f in ("llama", "gemma3_text") else MATRIX) for f in FAMILIES],
 )
 def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -290,7 +285,7 @@ def test_fp_folder_loads_in_transformers(family, family_dirs, tmp_path):
 
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow if f == "gemma3_text" else MATRIX) for f in FAMILIES],
+    [pytest.param(f, marks=() if f == "gemma3_text" else MATRIX) for f in FAMILIES],
 )
 def test_llm_int8_folder_loads_through_bitsandbytes(family, family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -337,9 +332,7 @@ def test_structural_recipes_run(family, recipe, family_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ["cla", "mla"])
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "llama" else f for f in FAMILIES]
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cla_mla_run_or_refuse_before_loading(family, recipe, family_dirs, tmp_path, monkeypatch):
     """CLA/MLA convert into Llama layers: llama converts; every family with q/k norms, (1+w)
     norms, q/k/v-only biases or sliding windows is refused by validation from config.json."""

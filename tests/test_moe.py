@@ -496,33 +496,49 @@ def test_methods_that_miss_experts_are_refused_before_loading(family, recipe, ex
     validate(compose("fp", over))
 
 
+class _Runs(dict):
+    """``runs[family, method]``: (source folder, run folder, report), each family's three runs
+    made on first use, so a test of one family pays for that family's alone."""
+
+    def __init__(self, root, tokenizer):
+        super().__init__()
+        self.root, self.tokenizer = root, tokenizer
+
+    def __missing__(self, key):
+        from compress.recipe.pipeline import run
+        from tests.conftest import compose
+
+        name = key[0]
+        root = self.root / f"rtn_{name}"
+        shared = {"shared_expert_intermediate_size": 64} if name == "qwen2_moe" else {}
+        config = moe_config(name, vocab_size=self.tokenizer.vocab_size, **shared)
+        hf_model(config).save_pretrained(root / "src")
+        self.tokenizer.save_pretrained(root / "src")
+        for method in METHODS:
+            over = [f"model.path={root / 'src'}", "calib.samples=2", "calib.seqlen=64"]
+            over += ["eval.windows=1", "eval.seqlen=64", "decode.enabled=false"]
+            over += [f"{method}.symmetric=true", f"{method}.group_size=16"]
+            report = run(compose(f"{method}_int4", over), root / method)
+            self[name, method] = (root / "src", root / method, report)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def rtn_runs(tmp_path_factory, tokenizer):
     """``{(family, method): (source folder, run folder, report)}``: each family (SmolLM2's
     vocabulary, so the pipeline's text applies) through ``recipe=rtn_int4 rtn.symmetric=true``,
     ``recipe=awq_int4 awq.symmetric=true`` and ``recipe=gptq_int4 gptq.symmetric=true``, group
     16."""
-    from compress.recipe.pipeline import run
-    from tests.conftest import compose
-
-    out = {}
-    for name in QUANT_FAMILIES:
-        root = tmp_path_factory.mktemp(f"rtn_{name}")
-        shared = {"shared_expert_intermediate_size": 64} if name == "qwen2_moe" else {}
-        hf_model(moe_config(name, vocab_size=tokenizer.vocab_size, **shared)).save_pretrained(
-            root / "src"
-        )
-        tokenizer.save_pretrained(root / "src")
-        for method in METHODS:
-            over = [f"model.path={root / 'src'}", "calib.samples=2", "calib.seqlen=64"]
-            over += ["eval.windows=1", "eval.seqlen=64", "decode.enabled=false"]
-            over += [f"{method}.symmetric=true", f"{method}.group_size=16"]
-            report = run(compose(f"{method}_int4", over), root / method)
-            out[name, method] = (root / "src", root / method, report)
-    return out
+    return _Runs(tmp_path_factory.mktemp("rtn_runs"), tokenizer)
 
 
-@pytest.mark.parametrize("name", QUANT_FAMILIES)
+# the suite runs the quantized-expert tests on one family; the others are `slow`
+QUANT_CASES = [
+    f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in QUANT_FAMILIES
+]
+
+
+@pytest.mark.parametrize("name", QUANT_CASES)
 def test_rtn_quantizes_every_expert_one_tensor_each(rtn_runs, name):
     """The folder holds every expert of every sparse layer as its own compressed-tensors layer,
     whose codes the compressed-tensors library decompresses to the symmetric RTN of that
@@ -567,7 +583,7 @@ def test_rtn_quantizes_every_expert_one_tensor_each(rtn_runs, name):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("name", QUANT_FAMILIES)
+@pytest.mark.parametrize("name", QUANT_CASES)
 def test_quantized_folder_loads_in_transformers_as_in_our_decoder(rtn_runs, name, method):
     """Stock ``from_pretrained`` (no flags: compressed-tensors decompresses the experts) and our
     decoder agree within 1e-3 on an RTN or AWQ folder, at every position whose routing is not a near tie
@@ -836,6 +852,7 @@ def test_speculative_greedy_is_the_targets_greedy(family, kv):
     assert r.drafted > 0 and 0 < r.acceptance < 1
 
 
+@pytest.mark.slow
 def test_mixtral_folder_with_block_sparse_moe_names_loads(rtn_runs, tmp_path):
     """A compressed-tensors Mixtral folder under the names Mixtral checkpoints (and
     llm-compressor's Mixtral W4A16 folders) use, ``block_sparse_moe.experts.{e}.w1`` ... and
