@@ -126,16 +126,14 @@ def test_sharded_checkpoint_loads_in_transformers(tmp_path, tokenizer):
 
 def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
     """Perplexity, KL and top-1 of disk-backed models (layers one at a time, the head a chunk
-    of tokens at a time) equal the whole models' within float32 rounding; the streamed cache
-    holds the source's log-probs and a second run reads them."""
-    from compress.eval.perplexity import _cache_path, _log_probs
-
+    of tokens at a time) equal the whole models' within float32 rounding, with the source's
+    summary cached (the two share the head) and read back."""
     folder = tmp_path / "rtn"
     model = load_run(tiny_dir)[0]
     ctx = Ctx("rtn", STAGES["rtn"][1])
     rtn(model, ctx)
     save_checkpoint(model, None, folder, ctx.quantization_config)
-    windows = torch.randint(0, 49152, (3, 48), generator=torch.Generator().manual_seed(5))
+    windows = torch.randint(0, 49152, (3, 48))
     source = load_run(tiny_dir)[0]
     ref = evaluate(load_run(folder)[0], windows, source)
     cache = tmp_path / "cache"
@@ -143,8 +141,6 @@ def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
         got = evaluate(open_lazy(folder), windows, open_lazy(tiny_dir), cache=cache, source_sha="s")
         for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
             assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
-    stored = load_file(str(_cache_path(cache, "s", windows[1])))["log_probs"]
-    torch.testing.assert_close(stored, _log_probs(source, windows[1]), rtol=1e-5, atol=1e-5)
     # the tensors rtn kept as stored are shared with the source, the figures unchanged
     ours, theirs = open_lazy(folder), open_lazy(tiny_dir)
     theirs.model.norm.weight.data[0] += 1  # one kept tensor the two no longer share
@@ -157,6 +153,96 @@ def test_disk_backed_evaluation_matches_whole(tiny_dir, tmp_path):
     got = evaluate(ours, windows, theirs)
     for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
         assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+
+
+def rtn_run(tiny_dir, folder):
+    model = load_run(tiny_dir)[0]
+    ctx = Ctx("rtn", STAGES["rtn"][1])
+    rtn(model, ctx)
+    save_checkpoint(model, None, folder, ctx.quantization_config)
+    return load_run(folder)[0]
+
+
+def test_cached_source_summary_is_the_float64_sums_and_replaces_the_source(tiny_dir, tmp_path):
+    """With a linear head W (here not the source's: one weight moved), a window's cache entry
+    holds, per position, sum p log p, W^T p, argmax p and log p(next) of the source (against
+    float64 from its logits), not its log-probs; a later evaluation reads it instead of running
+    the source: with every source layer poisoned (NaN) the figures are the clean source's. A
+    model with another head gets an entry of its own."""
+    from compress.eval.perplexity import _cache_path, _head_sha, _log_probs
+
+    ours = rtn_run(tiny_dir, tmp_path / "rtn")
+    with torch.no_grad():
+        ours.lm_head.weight = torch.nn.Parameter(ours.lm_head.weight.clone())
+        ours.lm_head.weight[5, 3] += 0.5
+    source = load_run(tiny_dir)[0]
+    windows = torch.randint(0, 49152, (2, 40))
+    ref = evaluate(ours, windows, source)
+    cache = tmp_path / "cache"
+    first = evaluate(ours, windows, source, cache=cache, source_sha="s")
+    key = f"s:{_head_sha(ours.lm_head)}"
+    assert not _cache_path(cache, "s", windows[0]).exists()  # no log-probs kept
+    entry = load_file(str(_cache_path(cache, key, windows[0], "summary")))
+    lp = _log_probs(source, windows[0]).double()
+    p, w = lp.exp(), ours.lm_head.weight.double()
+    expected = {
+        "negent": (p * lp).sum(-1),
+        "row": p @ w,
+        "argmax": lp.argmax(-1),
+        "target": lp.gather(1, windows[0, 1:, None])[:, 0],
+    }
+    for k, v in expected.items():
+        got = entry[k].to(v.dtype)
+        assert torch.equal(got, v) if k == "argmax" else (got - v).norm() / v.norm() < 1e-5, k
+    clean = load_run(tiny_dir)[0]
+    with torch.no_grad():
+        for layer in source.model.layers:
+            for t in layer.parameters():
+                t.fill_(float("nan"))
+    second = evaluate(ours, windows, source, cache=cache, source_sha="s")
+    for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
+        assert first[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+        assert second[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+    other = load_run(tiny_dir)[0]  # the source's own head: not served the entry above
+    third = evaluate(other, windows, clean, cache=cache, source_sha="s")
+    assert third["kl_vs_source"] == pytest.approx(0, abs=1e-7)
+    assert len(list(cache.iterdir())) == 4
+
+
+class Wrapped(torch.nn.Module):
+    """A head that is not an ``nn.Linear`` (as a quantized head is not)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_head_that_is_not_linear_keeps_the_sources_log_probs(tiny_dir, tmp_path):
+    """A compressed head that is not a plain linear map: the cache keeps the source's log-probs,
+    from whole and disk-backed sources alike, and the figures are unchanged."""
+    from compress.eval.perplexity import _cache_path, _log_probs, linear_head
+
+    ours = rtn_run(tiny_dir, tmp_path / "rtn")
+    ours.lm_head = Wrapped(ours.lm_head)
+    assert linear_head(ours) is None
+    source = load_run(tiny_dir)[0]
+    windows = torch.randint(0, 49152, (2, 40))
+    ref = evaluate(ours, windows, source)
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        got = evaluate(ours, windows, source, cache=cache, source_sha="s")
+        for k in ("ppl", "source_ppl", "kl_vs_source", "top1_vs_source"):
+            assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+    stored = load_file(str(_cache_path(cache, "s", windows[1])))["log_probs"]
+    torch.testing.assert_close(stored, _log_probs(source, windows[1]), rtol=1e-5, atol=1e-5)
+    lazy_cache = tmp_path / "lazy"
+    got = evaluate(ours, windows, open_lazy(tiny_dir), cache=lazy_cache, source_sha="s")
+    assert got["kl_vs_source"] == pytest.approx(ref["kl_vs_source"], rel=1e-5)
+    stored = load_file(str(_cache_path(lazy_cache, "s", windows[1])))["log_probs"]
+    torch.testing.assert_close(stored, _log_probs(source, windows[1]), rtol=1e-5, atol=1e-5)
 
 
 def test_stored_dtype_is_kept(tmp_path, tokenizer):
@@ -241,3 +327,24 @@ def test_head_log_probs_match_float64_and_name_a_bad_head():
         model.lm_head.weight[11, 2] = float("nan")
     with pytest.raises(CompressError, match=r"lm_head.weight' contains NaN"):
         offload.head_log_probs(model, h, vocab_chunk=7)
+
+
+def test_disk_backed_evaluation_applies_the_final_softcap(tmp_path):
+    """A model whose config caps its logits (``final_logit_softcapping``, kept by Gemma 3's
+    modeling code): the disk-backed evaluation's perplexity is transformers' own, capped."""
+    from tests.family_models import VOCAB, family_model
+
+    model = family_model("gemma3_text", final_logit_softcapping=0.3)
+    model.save_pretrained(tmp_path / "capped")
+    windows = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+
+    def ppl():  # transformers' forward, in float64 from its logits
+        with torch.no_grad():
+            logits = model(windows).logits[:, :-1].double()
+        return torch.exp(-torch.log_softmax(logits, -1).gather(2, windows[:, 1:, None]).mean())
+
+    capped = ppl().item()
+    got = evaluate(open_lazy(tmp_path / "capped"), windows)
+    assert got["ppl"] == pytest.approx(capped, rel=1e-5)
+    model.config.final_logit_softcapping = None
+    assert abs(ppl().item() - capped) > 1e-3 * capped  # the cap changes the figure

@@ -8,8 +8,14 @@ WikiText-2 from ``$COMPRESS_DATA_DIR/wikitext-2/``.
 Eval windows: tokenize the whole text once, cut it into
 non-overlapping windows of ``seqlen`` tokens. Calibration samples: random
 non-overlapping blocks of ``seqlen`` tokens from the calibration text, seeded.
+
+A process keeps the token ids of the last few (tokenizer, text) pairs it tokenized, keyed by the
+sha256 of the fast tokenizer's serialized state and of the text, so that runs in one process
+(the Python API, the test suite) tokenize WikiText once, not once a run.
 """
 
+import hashlib
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -75,10 +81,35 @@ def wikitext_file(name: str) -> Path:
     return Path(root) / "wikitext-2" / name
 
 
+_TOKENIZED: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+_TOKENIZED_KEEP = 4
+
+
+def _token_key(tokenizer, text: str) -> str | None:
+    """sha256 of the tokenizer's class, its serialized state and the text; None for a tokenizer
+    without one (a slow tokenizer is not kept)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    for part in (backend.to_str(), text):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Token ids of the whole text, as one 1-D tensor (the tokenizer adds BOS if it does)."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True, verbose=False).input_ids
-    return ids[0]
+    key = _token_key(tokenizer, text)
+    if key is not None and key in _TOKENIZED:
+        _TOKENIZED.move_to_end(key)
+        return _TOKENIZED[key].clone()
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True, verbose=False).input_ids[0]
+    if key is not None:
+        _TOKENIZED[key] = ids.clone()
+        while len(_TOKENIZED) > _TOKENIZED_KEEP:
+            _TOKENIZED.popitem(last=False)
+    return ids
 
 
 def eval_windows(tokenizer, text: str, seqlen: int, windows: int | None = None) -> torch.Tensor:

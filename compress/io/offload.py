@@ -370,7 +370,8 @@ def final_hidden(
 
 def head_log_probs(model: nn.Module, h: torch.Tensor, vocab_chunk: int = 16384) -> torch.Tensor:
     """``log_softmax(head(h))`` in float32 for ``h [t, hidden]``, on ``h``'s device; a linear
-    head is widened ``vocab_chunk`` rows at a time (never a float32 copy of the whole head).
+    head is widened ``vocab_chunk`` rows at a time (never a float32 copy of the whole head), and
+    a final softcap c (``final_logit_softcapping``) makes the logits ``c * tanh(logits / c)``.
     The head's weight is scanned for NaN/inf only when the logits are not finite: a scan of every
     chunk made Gemma 3 270M's disk-backed evaluation windows about 40% slower (BENCHMARKS.md)."""
     name = get_adapter(model.config).lm_head
@@ -388,6 +389,9 @@ def head_log_probs(model: nn.Module, h: torch.Tensor, vocab_chunk: int = 16384) 
             _check_finite(w, f"{name}.weight")
     else:
         logits = head(h).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
     return torch.log_softmax(logits, dim=-1)
 
 
