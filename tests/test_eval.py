@@ -1,4 +1,4 @@
-"""Perplexity, KL and top-1 against float64 math written from the definitions; the log-prob cache."""
+"""Perplexity, KL and top-1 against float64 math written from the definitions; the source cache."""
 
 import math
 
@@ -34,12 +34,13 @@ def test_figures_match_definitions(tmp_path):
     source_ppl = reference(source, source, windows)[0]
     assert math.isclose(got["source_ppl"], source_ppl, rel_tol=1e-5)
 
-    # the cache stores the source's log-probs once and gives the same figures
+    # the cache stores what the source adds once (a window an entry) and gives the same figures
     first = evaluate(model, windows, source, cache=tmp_path, source_sha="abc")
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
-    second = evaluate(model, windows, make_tiny_model(seed=3), cache=tmp_path, source_sha="abc")
-    assert (
-        first["kl_vs_source"] == second["kl_vs_source"]
-    )  # read from the cache, not the other model
+    other = make_tiny_model(seed=3)
+    second = evaluate(model, windows, other, cache=tmp_path, source_sha="abc")
+    # read from the cache, not the other model
+    assert math.isclose(first["kl_vs_source"], second["kl_vs_source"], rel_tol=1e-6)
+    assert not math.isclose(evaluate(model, windows, other)["kl_vs_source"], kl, rel_tol=1e-5)
     assert math.isclose(first["kl_vs_source"], kl, rel_tol=1e-4)
-    assert math.isclose(second["source_ppl"], source_ppl, rel_tol=1e-5)  # from the cached log-probs
+    assert math.isclose(second["source_ppl"], source_ppl, rel_tol=1e-5)  # from the cache
