@@ -238,7 +238,7 @@ def evaluate(
     key = f"{source_sha}:{_head_sha(head)}" if head is not None else source_sha
     step = _chunk_tokens(model.config.vocab_size)
     nll, source_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
-    n, vocab = windows.shape[1] - 1, model.config.vocab_size
+    n = windows.shape[1] - 1
     for w, window in enumerate(tqdm(windows, desc=desc, unit="window")):
         target = window[1:]
         summary = stored = stream = parts = path = None
@@ -247,11 +247,9 @@ def evaluate(
             summary = _read_summary(path, n, head.weight.shape[1])
             parts = [] if summary is None else None
         elif cache is not None:
-            full = _cache_path(cache, source_sha, window)
-            if full.exists():
-                stored = safe_open(str(full), framework="pt")
-            else:
-                stream = TensorStream(full, "log_probs", (n, vocab), torch.float32)
+            path = _cache_path(cache, source_sha, window)
+            if path.exists():
+                stored = safe_open(str(path), framework="pt")
         try:
             for a in range(0, n, step):
                 b = min(n, a + step)
@@ -269,7 +267,9 @@ def evaluate(
                 lp = stored.get_slice("log_probs")[a:b] if stored is not None else None
                 if lp is None:
                     lp = theirs.chunk(w, a, b)[0]
-                if stream is not None:
+                if cache is not None and head is None and stored is None:
+                    if stream is None:  # the log-probs' own width (a padded head's too)
+                        stream = TensorStream(path, "log_probs", (n, lp.shape[1]), torch.float32)
                     stream.write(lp)
                 if parts is not None:
                     parts.append(_summary(lp, t, head))
