@@ -264,8 +264,9 @@ def evaluate(
                     k, g = _against_summary(part, lq, hq, t, head)
                     kl, agree = kl + k, agree + g
                     continue
-                lp = stored.get_slice("log_probs")[a:b] if stored is not None else None
-                if lp is None:
+                if stored is not None:
+                    lp = stored.get_slice("log_probs")[a:b]
+                else:
                     lp = theirs.chunk(w, a, b)[0]
                 if cache is not None and head is None and stored is None:
                     if stream is None:  # the log-probs' own width (a padded head's too)
