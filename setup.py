@@ -1,7 +1,7 @@
 """What pyproject.toml cannot say: a wheel carries the recipes (top-level ``recipes/``) and the
 C++ sources (top-level ``kernels/``, compiled on first use) as package data, in
 ``compress/recipes`` and ``compress/kernels/csrc``. A checkout or an editable install reads the
-top-level folders themselves (``compress.recipe.config.RECIPES``, ``compress.kernels.native.CSRC``)."""
+top-level folders themselves (``compress.recipe.overrides.RECIPES``, ``compress.kernels.native.CSRC``)."""
 
 import shutil
 from pathlib import Path

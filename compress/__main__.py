@@ -4,7 +4,8 @@ Every recipe is a Hydra primary config that starts from ``recipes/base.yaml``.
 ``recipe=NAME`` is rewritten to Hydra's ``--config-name NAME``, so
 ``--cfg job`` prints the resolved recipe and any key can be overridden
 (``eval.windows=4``, ``model.path=...``, ``hydra.run.dir=DIR``). Overrides are checked
-against the recipe before Hydra or the model sees them (``compress.recipe.config``).
+against the recipe before Hydra or the model sees them (``compress.recipe.overrides``); torch
+and transformers load only once they pass, so ``--help`` and a mistake answer in a second.
 """
 
 import logging
@@ -14,8 +15,7 @@ from pathlib import Path
 
 from compress.errors import CompressError, Interrupted, on_signal
 from compress.io.run_folder import check_writable
-from compress.recipe.config import RECIPES, available, check_overrides, summary
-from compress.recipe.pipeline import run
+from compress.recipe.overrides import RECIPES, available, check_overrides, summary
 
 log = logging.getLogger("compress")
 
@@ -112,6 +112,8 @@ def main() -> None:
 
     @hydra.main(config_path=str(RECIPES), config_name="fp", version_base=None)
     def _run(cfg) -> None:
+
+        from compress.recipe.pipeline import run  # heavy (torch, transformers): after the checks
 
         try:
             report = run(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -38,12 +38,9 @@ from compress.io.run_folder import (
     sweep,
 )
 from compress.io.source import Source
-from compress.recipe.config import (
-    check_sizes,
-    compose,
-    needs_calibration,
-)
+from compress.recipe.config import check_sizes, needs_calibration
 from compress.recipe.inputs import check_inputs, check_token_ids
+from compress.recipe.overrides import compose
 from compress.recipe.pipeline import Context
 from compress.recipe.pipeline import run as run_pipeline
 from compress.recipe.stages import get_stage

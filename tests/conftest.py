@@ -20,6 +20,14 @@ if (
     not torch.cuda.is_available()
 ):  # Triton decides at import whether to interpret: before any test imports a kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# `pytest -n N` (pytest-xdist, the README's test command): each worker process gets an equal
+# share of the cores for torch's threads and those of the subprocesses it starts, so N workers
+# do not run N x cores threads
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    _share = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    torch.set_num_threads(_share)
+    os.environ["OMP_NUM_THREADS"] = str(_share)
 # a compile failure of the static decode step is an error here, not an eager fallback
 # (compress.decoder.compiled); set before any test, so subprocesses inherit it too
 os.environ["COMPRESS_STRICT_COMPILE"] = "1"

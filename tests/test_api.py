@@ -68,7 +68,7 @@ def test_run_checks_settings_before_work(tiny_dir, tmp_path):
 
 def test_override_values_round_trip_through_hydra():
     from compress.api import overrides_of
-    from compress.recipe.config import compose
+    from compress.recipe.overrides import compose
 
     odd = "it's a \\path with spaces, \\'quotes\\"
     cfg = compose(

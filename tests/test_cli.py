@@ -54,6 +54,34 @@ def test_help_and_bare_invocation_print_usage():
     )
 
 
+# the CLI's answers before a run, in one process: usage, and refusals of the recipe or an override
+QUICK = """
+import sys
+import compress.__main__ as m
+from compress.errors import CompressError
+print(m.usage()[:5])
+for argv in (["eval.windows=2"], ["recipe=nope"], ["recipe=fp", "eval.windowz=2"],
+             ["recipe=awq_int4", "awq.bits=x"], ["recipe=fp", "hydra.run.dir=/proc/x/run"]):
+    try:
+        m.rewrite_argv(argv)
+    except CompressError as e:
+        print("refused:", str(e)[:40])
+print(sorted(n for n in ("torch", "transformers", "compress.recipe.pipeline") if n in sys.modules))
+"""
+
+
+def test_usage_and_refusals_import_neither_torch_nor_transformers():
+    """``--help`` and a refused recipe or override answer before torch and transformers load
+    (8 s of imports on one core): the modules are not in ``sys.modules`` afterwards."""
+    res = subprocess.run(
+        [sys.executable, "-c", QUICK], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0, res.stderr
+    assert lines[0] == "usage" and sum(line.startswith("refused:") for line in lines) == 5, lines
+    assert lines[-1] == "[]", lines
+
+
 def test_no_run_without_recipe(tmp_path):
     res = cli("eval.windows=2", f"hydra.run.dir={tmp_path}/run")
     assert res.returncode == 2 and "no recipe given: add recipe=NAME" in res.stderr

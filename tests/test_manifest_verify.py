@@ -183,7 +183,7 @@ def test_server_cli_refuses_a_damaged_folder_before_loading(folders, tmp_path):
 
 
 def test_pipeline_refuses_a_damaged_source_unless_told(folders, tmp_path):
-    from compress.recipe.config import compose
+    from compress.recipe.overrides import compose
     from compress.recipe.pipeline import check_run, run
 
     _, _, fp = folders

@@ -479,7 +479,8 @@ def test_methods_that_miss_experts_are_refused_before_loading(family, recipe, ex
     """A method that does not reach every expert, or an RTN scheme transformers cannot load for
     experts, is refused in ``validate`` (milliseconds, before any weight is read), naming the
     reason; ``fp`` and symmetric ``rtn`` pass."""
-    from compress.recipe.config import compose, validate
+    from compress.recipe.config import validate
+    from compress.recipe.overrides import compose
 
     name, _, _, folder = family
     over = [f"model.path={folder}", "eval.seqlen=256"]
@@ -816,7 +817,8 @@ def test_gpt_oss_sinks_and_clamp_take_part(family):
 def test_gpt_oss_quantization_refused(tmp_path):
     """A quantizing recipe on gpt_oss is refused in ``validate``, naming why (its experts'
     layout); an MXFP4 checkpoint is refused before any weight is read, naming the fix."""
-    from compress.recipe.config import compose, validate
+    from compress.recipe.config import validate
+    from compress.recipe.overrides import compose
 
     folder = tmp_path / "g"
     hf_model(moe_config("gpt_oss")).save_pretrained(folder)

@@ -12,8 +12,8 @@ import torch
 import compress
 from compress.decoder.sampling import Sampling, check_sampling
 from compress.errors import CompressError
-from compress.recipe.config import compose as checked_compose
 from compress.recipe.config import validate
+from compress.recipe.overrides import compose as checked_compose
 from compress.testing import random_model, tiny_config, tiny_tokenizer
 from tests.conftest import compose
 from tests.test_bad_input import assert_clear, in_process
@@ -259,7 +259,7 @@ def test_numpy_scalars_are_sampling_settings():
 
 
 def test_interpolations_that_resolve_pass_the_override_check(monkeypatch):
-    from compress.recipe.config import check_overrides
+    from compress.recipe.overrides import check_overrides
 
     monkeypatch.setenv("COMPRESS_TEST_SET", "out")
     check_overrides(

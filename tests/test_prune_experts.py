@@ -194,7 +194,8 @@ def test_expert_no_token_reaches_scores_zero_and_goes_first():
     ],
 )
 def test_bad_expert_targets_refused_before_loading(name, experts, match, tmp_path):
-    from compress.recipe.config import compose, validate
+    from compress.recipe.config import validate
+    from compress.recipe.overrides import compose
 
     folder = tmp_path / name
     hf_model(moe_config(name)).save_pretrained(folder)
@@ -205,7 +206,8 @@ def test_bad_expert_targets_refused_before_loading(name, experts, match, tmp_pat
 
 
 def test_dense_axes_refused_on_experts_and_experts_on_dense(tmp_path, tiny_dir):
-    from compress.recipe.config import compose, validate
+    from compress.recipe.config import validate
+    from compress.recipe.overrides import compose
 
     folder = tmp_path / "q"
     hf_model(moe_config("qwen3_moe")).save_pretrained(folder)

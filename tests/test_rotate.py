@@ -99,7 +99,8 @@ def test_refusals():
 
 
 def test_stage_order_is_checked_when_composed():
-    from compress.recipe.config import check_stage_list, compose
+    from compress.recipe.config import check_stage_list
+    from compress.recipe.overrides import compose
 
     with pytest.raises(CompressError, match="awq replaces the linears"):
         check_stage_list(compose("awq_int4", ["stages=[awq,rotate]"]))

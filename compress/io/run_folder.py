@@ -28,10 +28,12 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from compress.errors import CompressError, Interrupted
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,13 @@ def sha256_files(paths) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def weights_sha256(model: torch.nn.Module) -> str:
+def weights_sha256(model: "torch.nn.Module") -> str:
     """sha256 over a model's state (names, dtypes, shapes, bytes): identifies in-memory weights.
 
     Tensors that share storage (tied embeddings) are hashed once.
     """
+    import torch  # heavy: the CLI checks run folders before it loads
+
     h, seen = hashlib.sha256(), set()
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), t.shape, t.dtype)
