@@ -112,7 +112,6 @@ def main() -> None:
 
     @hydra.main(config_path=str(RECIPES), config_name="fp", version_base=None)
     def _run(cfg) -> None:
-
         from compress.recipe.pipeline import run  # heavy (torch, transformers): after the checks
 
         try:
