@@ -1,7 +1,7 @@
-"""A composed recipe checked before any work (overrides are checked by ``compress.recipe.overrides``).
+"""A composed recipe checked before any work; ``compress.recipe.overrides`` checked its overrides.
 
-``validate(cfg)`` checks what the run will need (data files, the model path,
-group sizes, bit widths, the decoder and Hub settings) in milliseconds, before the model loads.
+``validate(cfg)`` checks what the run will need (data files, the model path, group sizes, bit
+widths, the decoder and Hub settings) in milliseconds, before the model loads.
 """
 
 from typing import TYPE_CHECKING
