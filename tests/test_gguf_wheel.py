@@ -150,6 +150,48 @@ def test_gemma_model_path_is_checked_before_loading(tmp_path, monkeypatch):
         check_path("gemma3-270m")
 
 
+def test_two_runs_converting_one_model_at_once_share_one_conversion(tmp_path, monkeypatch):
+    """Two runs started together on a machine without the cached folder: the second waits for
+    the first's conversion and reads its folder, instead of converting again and failing on a
+    folder "filled by something else"."""
+    import threading
+    import time
+
+    from compress.io import source
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
+    calls, started = [], threading.Event()
+
+    def slow_convert(name, out):
+        calls.append(name)
+        started.set()
+        time.sleep(0.5)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(source, "_convert", slow_convert)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(source.convert_embedded("smollm2-135m"))
+        except Exception as e:  # the test reports it below
+            errors.append(e)
+
+    first = threading.Thread(target=run)
+    first.start()
+    assert started.wait(30)  # the first is converting, past its own check of the cache
+    second = threading.Thread(target=run)
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert errors == [] and calls == ["smollm2-135m"]
+    assert results == [tmp_path / "smollm2-135m"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".flock")) == [
+        "smollm2-135m"
+    ]
+
+
 def gemma_available() -> bool:
     from compress.io.source import cache_dir
 

@@ -7,6 +7,7 @@ safetensors under ``$COMPRESS_CACHE/NAME`` (default ``~/.cache/compress``) so la
 seconds.
 """
 
+import fcntl
 import json
 import logging
 import os
@@ -63,40 +64,52 @@ def convert_default_model() -> Path:
 
 
 def convert_embedded(name: str) -> Path:
-    """Dequantize embedded model ``name``'s GGUF once and cache it as an HF safetensors folder."""
+    """Dequantize embedded model ``name``'s GGUF once and cache it as an HF safetensors folder.
+
+    One conversion at a time across processes, under an ``flock`` beside the folder: a second
+    run started with the first waits, then reads the first's folder."""
     final = cache_dir() / name
     if (final / "config.json").exists():
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{name}.convert.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the OS drops it when the holder dies
+        if not (final / "config.json").exists():
+            tmp = atomic_dir(final)
+            try:
+                _convert(name, tmp)
+                commit_dir(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return final
+
+
+def _convert(name: str, out: Path) -> None:
+    """Write embedded model ``name``'s GGUF, dequantized by transformers, into folder ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     m = embedded_model(name)
     gguf = embedded_gguf(name)
-    log.info("converting %s to safetensors (once) into %s", gguf.name, final)
+    log.info("converting %s to safetensors (once) into %s", gguf.name, cache_dir() / name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     model.config.name_or_path = m.base_model
-    tmp = atomic_dir(final)
-    try:
-        save_checkpoint(model, tok, tmp, quantization_config=None)  # plain fp32 now
-        (tmp / "source.json").write_text(
-            json.dumps(
-                {
-                    "gguf": gguf.name,
-                    "sha256": sha256_file(gguf),
-                    "package": " ".join(c.requirement.split("==")[0] for c in m.chunks),
-                    "license": m.license,
-                    "base_model": m.base_model,
-                },
-                indent=1,
-            )
+    save_checkpoint(model, tok, out, quantization_config=None)  # plain fp32 now
+    (out / "source.json").write_text(
+        json.dumps(
+            {
+                "gguf": gguf.name,
+                "sha256": sha256_file(gguf),
+                "package": " ".join(c.requirement.split("==")[0] for c in m.chunks),
+                "license": m.license,
+                "base_model": m.base_model,
+            },
+            indent=1,
         )
-        commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    )
 
 
 def check_path(path: str) -> dict | None:
