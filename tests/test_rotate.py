@@ -72,6 +72,105 @@ def test_rotation_keeps_the_logits_in_float64(family, hidden):
     assert all(torch.equal(p, torch.ones_like(p)) for p in norms if p.numel() == hidden)
 
 
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"]
+
+
+def randomize(model) -> None:
+    """Norm weights, biases, sinks and weights away from their init (ones and zeros would make
+    folding them a no-op)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.4 * torch.randn_like(p))
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("family", [*MOE_FAMILIES, "gpt_oss"])
+def test_rotation_keeps_mixture_of_experts_logits_in_float64(family):
+    """Routers, fused experts (gpt-oss's transposed ones with their biases), shared experts and
+    their gate, dense layers and DeepSeek V3's latent attention rotated: transformers' own
+    float64 forward gives the source's logits, and every expert tensor changed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_moe import moe_config
+
+    config = moe_config(family)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    randomize(model)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        before = {n: p.clone() for n, p in model.named_parameters()}
+        rotate_model(model, seed=5)
+        out = model(ids).logits
+    assert rel(out, ref) < 1e-5
+    moved = [
+        n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])
+    ]
+    for part in (
+        "experts.gate_up_proj",
+        "experts.down_proj",
+        ".router." if family == "gpt_oss" else ".gate.",
+    ):
+        assert any(part in n for n in moved), part
+
+
+@pytest.mark.parametrize("kind", ["mla", "cla"])
+def test_rotation_keeps_converted_attention_logits_in_float64(kind):
+    """Our MLA (q, the RoPE key and the latent read the stream; the latent's up-projections do
+    not) and CLA (later layers without k/v) folders rotate exactly."""
+    from compress.methods.attn.cla import convert_cla
+    from compress.methods.attn.mla import convert_mla
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model().double()
+    randomize(base)
+    model = convert_mla(base, 16, 4, "uniform") if kind == "mla" else convert_cla(base, 2, "first")
+    model = model.double().eval()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        rotate_model(model, seed=5)
+        out = model(ids).logits
+    assert model.config.model_type == f"compress_{kind}"
+    assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_rotate_stage_writes_a_mixture_of_experts_folder_transformers_reads(
+    family, tokenizer, tmp_path
+):
+    """``stages=[rotate]`` on a mixture-of-experts folder (disk-backed, one layer at a time):
+    stock transformers reads the run folder and gives the source's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.recipe.pipeline import run
+    from tests.conftest import TINY_OVERRIDES, compose
+    from tests.test_moe import moe_config
+
+    src = tmp_path / "src"
+    model = AutoModelForCausalLM.from_config(moe_config(family, vocab_size=tokenizer.vocab_size))
+    randomize(model)
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    over = [f"model.path={src}", "stages=[rotate]", "decode.enabled=false", *TINY_OVERRIDES]
+    report = run(compose("fp", over), tmp_path / "run")
+    assert "rotate" in report["stages"]
+    load = dict(dtype=torch.float32, experts_implementation="eager")
+    ref = AutoModelForCausalLM.from_pretrained(src, **load).eval()
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "run", **load).eval()
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(out(ids).logits, ref(ids).logits) < 1e-4
+    assert not torch.equal(out.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+
+
 def test_tied_head_is_untied():
     model = randomized("llama")  # the tiny llama ties its head
     assert model.config.tie_word_embeddings

@@ -88,6 +88,11 @@ class Adapter:
     sinks: bool = (
         False  # attention sinks: a learned logit per query head (gpt-oss's self_attn.sinks)
     )
+    # the attention's projections on the residual stream where ``linears`` lists none (DeepSeek
+    # V3): paths inside a layer of those reading the input norm's output (absent ones skipped)
+    # and of those adding into the stream
+    stream_reads: tuple = ()
+    stream_writes: tuple = ()
 
     def norms(self) -> tuple[str, ...]:
         """Paths inside a layer of its hidden-width norms, in the order the forward runs them."""
@@ -116,7 +121,7 @@ class Adapter:
         out = {
             path: layer.get_submodule(path)
             for role, path in self.linears
-            if role not in self.optional or _has(layer, path)
+            if role not in self.optional or has_path(layer, path)
         }
         return out | self.mlp_linears(layer) if self.router else out
 
@@ -128,10 +133,10 @@ class Adapter:
         m, names = self.mlp, ("gate_proj", "up_proj", "down_proj")
         paths = [f"{m}.{n}" for n in names] + [f"{m}.{self.shared_name}.{n}" for n in names]
         e = 0
-        while _has(layer, f"{m}.experts.{e}"):
+        while has_path(layer, f"{m}.experts.{e}"):
             paths += [f"{m}.experts.{e}.{n}" for n in self.expert_names]
             e += 1
-        return {p: layer.get_submodule(p) for p in paths if _has(layer, p)}
+        return {p: layer.get_submodule(p) for p in paths if has_path(layer, p)}
 
     def linear_shapes(self, config) -> dict[str, tuple[int, int]]:
         """``{path inside a layer: (out_features, in_features)}`` of the seven projections, read
@@ -172,7 +177,7 @@ class Adapter:
         return out
 
 
-def _has(layer: nn.Module, path: str) -> bool:
+def has_path(layer: nn.Module, path: str) -> bool:
     try:
         layer.get_submodule(path)
     except AttributeError:
@@ -272,6 +277,8 @@ DEEPSEEK_V3 = Adapter(
     shared_expert="plain",
     shared_name="shared_experts",
     dense_first="first_k_dense_replace",
+    stream_reads=("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"),
+    stream_writes=("self_attn.o_proj",),
 )
 # gpt-oss: attention sinks, q/k/v/o biases, alternating sliding and full layers (layer_types),
 # YaRN; a biased router (mlp.router) over transposed experts with biases and the clamped SwiGLU.

@@ -273,7 +273,6 @@ WHY_NOT_EXPERTS = {
     "gqa": "attention conversion of mixture-of-experts models is not built",
     "cla": "attention conversion of mixture-of-experts models is not built",
     "mla": "attention conversion of mixture-of-experts models is not built",
-    "rotate": "the rotation does not yet rotate the router and the experts",
     "iam": "IAM's attention mapping is not built for mixture-of-experts models",
 }
 
@@ -286,7 +285,7 @@ def check_experts(cfg, hf_config) -> None:
     prunes = "prune" in cfg.stages and any(
         v is not None for v in dict(cfg.prune.get("experts") or {}).values()
     )
-    reach = EXPERT_STAGES + ("distill",) + (("prune",) if prunes else ())
+    reach = EXPERT_STAGES + ("rotate", "distill") + (("prune",) if prunes else ())
     other = [s for s in cfg.stages if s not in reach]
     if other:
         why = WHY_NOT_EXPERTS.get(other[0], "it does not reach experts yet")

@@ -18,9 +18,13 @@ helps the round-to-grid of the quantizers after it. H of order n is built as Kro
 products of Sylvester (2^k) and Paley I (q + 1, q prime, q = 3 mod 4) matrices; an order
 with no such factorization gets a random orthogonal Q (QR of a Gaussian) instead, and says so.
 
-A tied head is untied (the final norm's weight goes into the head alone). Families with norms
-on the branch outputs (Gemma 3's ``attn_out_norm`` / ``mlp_out_norm``: their weight acts
-inside the rotated basis) and latent attention are refused: they need an online transform.
+A mixture of experts reads the stream with its router, every expert's gate/up (fused
+[E, 2I, H], gpt-oss's [E, H, 2I], or one linear per expert), the shared expert and its gate,
+and writes with every expert's down; latent attention reads it with the query, RoPE-key and
+latent down-projections (DeepSeek V3: ``Adapter.stream_reads``). A tied head is untied (the
+final norm's weight goes into the head alone). Families with norms on the branch outputs
+(Gemma 3's ``attn_out_norm`` / ``mlp_out_norm``: their weight acts inside the rotated basis)
+are refused: they need an online transform.
 """
 
 import logging
@@ -29,14 +33,15 @@ import math
 import torch
 from torch import nn
 
-from compress.arch.adapters import get_adapter
+from compress.arch.adapters import get_adapter, has_path
 from compress.errors import CompressError
 from compress.io.offload import layer_on
+from compress.layers.experts import LinearExperts
 
 log = logging.getLogger(__name__)
 
-READS = ("q", "k", "v", "gate", "up")  # roles reading the residual stream (through a norm)
-WRITES = ("o", "down")  # roles adding into it
+READS = ("q", "k", "v", "k_rope", "kv_a")  # attention roles reading the stream (through a norm)
+DENSE = ("gate_proj", "up_proj", "down_proj")  # a gated MLP's linears where no entry names them
 KINDS = ("hadamard", "orthogonal")
 
 
@@ -120,7 +125,7 @@ def check(cfg, hf_config=None) -> None:
 
 
 def check_family(config) -> None:
-    """Refuse a family whose norms or attention a folded rotation cannot carry."""
+    """Refuse a family whose norms a folded rotation cannot carry."""
     a = get_adapter(config)
     if a.attn_out_norm or a.mlp_out_norm:
         raise CompressError(
@@ -128,29 +133,88 @@ def check_family(config) -> None:
             f"({a.attn_out_norm}, {a.mlp_out_norm}), whose weights act inside the rotated "
             f"basis: a folded rotation is not exact there. Leave out the rotate stage."
         )
-    if a.attention == "mla":
-        raise CompressError(
-            "the rotate stage does not rotate latent attention (MLA) folders; rotate the "
-            "source model before converting its attention, or leave it out."
-        )
 
 
-def _fold(norm: nn.Module, offset: float, linears: list[nn.Linear]) -> None:
-    """W <- W diag(offset + g) for each linear; then the norm's weight becomes the identity."""
+def _mlp_io(mlp: nn.Module, a) -> tuple[list, list]:
+    """``(reads, writes)`` of a mixture-of-experts family's MLP: ``(tensor, axis)`` pairs, the
+    axis the one of width hidden. A sparse MLP reads with its router (gpt-oss: ``router``), its
+    experts (fused ``gate_up_proj`` [E, 2I, H] or gpt-oss's [E, H, 2I]; or one linear per expert,
+    ``compress.layers.experts``), its shared expert and qwen2_moe's shared gate; its down
+    projections ([E, H, I], gpt-oss's [E, I, H] with a bias [E, H]) write."""
+    reads, writes = [], []
+
+    def gated(m, names=DENSE):
+        g, u, d = (getattr(m, n) for n in names)
+        reads.extend([(g.weight, -1), (u.weight, -1)])
+        writes.extend(_writes(d))
+
+    experts = getattr(mlp, "experts", None)
+    if experts is None:  # a dense layer
+        gated(mlp)
+        return reads, writes
+    router = mlp.router if hasattr(mlp, "router") else mlp.gate
+    reads.append((router.weight, -1))
+    if isinstance(experts, LinearExperts):
+        for e in range(experts.n_experts):
+            gated(experts[e], experts[e].names)
+    elif a.expert_layout == "fused":
+        reads.append((experts.gate_up_proj, -1))
+        writes.append((experts.down_proj, -2))
+    else:  # transposed: the residual on the input side of gate_up, the output side of down
+        reads.append((experts.gate_up_proj, -2))
+        writes.extend([(experts.down_proj, -1), (experts.down_proj_bias, -1)])
+    shared = getattr(mlp, a.shared_name, None)
+    if shared is not None:
+        gated(shared)
+    if hasattr(mlp, "shared_expert_gate"):
+        reads.append((mlp.shared_expert_gate.weight, -1))
+    return reads, writes
+
+
+def _writes(lin: nn.Linear) -> list:
+    """A linear adding into the stream: its weight's output axis, its bias."""
+    return [(lin.weight, -2)] + ([(lin.bias, -1)] if lin.bias is not None else [])
+
+
+def _layer_io(layer: nn.Module, a) -> tuple[list, list, list]:
+    """``(read after the input norm, read after the post norm, written into the stream)`` of one
+    decoder layer, as ``(tensor, axis)`` pairs (:func:`_mlp_io`)."""
+    named = a.named_linears(layer)  # the roles this layer has (CLA: some without k/v)
+    present = {r: named[p] for r, p in a.linears if p in named}
+    reads = [present[r] for r in READS if r in present]
+    reads += [layer.get_submodule(p) for p in a.stream_reads if has_path(layer, p)]
+    writes = [present["o"]] if "o" in present else []
+    writes += [layer.get_submodule(p) for p in a.stream_writes]
+    if "gate" in present:  # a dense family
+        mlp_reads = [(present[r].weight, -1) for r in ("gate", "up")]
+        mlp_writes = _writes(present["down"])
+    else:
+        mlp_reads, mlp_writes = _mlp_io(layer.get_submodule(a.mlp), a)
+    attn_writes = [t for lin in writes for t in _writes(lin)]
+    return [(lin.weight, -1) for lin in reads], mlp_reads, attn_writes + mlp_writes
+
+
+def _each(t: torch.Tensor, fn) -> None:
+    """``t <- fn(t)`` in float64, expert by expert for a stacked [E, ...] tensor."""
+    for part in t.unbind(0) if t.dim() == 3 else (t,):
+        part.copy_(fn(part.double()).to(part.dtype))
+
+
+def _fold(norm: nn.Module, offset: float, reads: list) -> None:
+    """Scale each reading tensor's hidden axis by (offset + g); the norm's weight becomes the
+    identity."""
     gain = norm.weight.double() + offset
-    for lin in linears:
-        lin.weight.copy_((lin.weight.double() * gain[None, :]).to(lin.weight.dtype))
+    for t, axis in reads:
+        g = gain.to(t.device)
+        _each(t.data, lambda w, g=g, axis=axis: w * (g if axis == -1 else g[:, None]))
     norm.weight.fill_(1.0 - offset)
 
 
-def _read(lin: nn.Linear, q: torch.Tensor) -> None:
-    lin.weight.copy_((lin.weight.double() @ q).to(lin.weight.dtype))
-
-
-def _write(lin: nn.Linear, q: torch.Tensor) -> None:
-    lin.weight.copy_((q.T @ lin.weight.double()).to(lin.weight.dtype))
-    if lin.bias is not None:
-        lin.bias.copy_((lin.bias.double() @ q).to(lin.bias.dtype))
+def _turn(t: torch.Tensor, axis: int, q: torch.Tensor) -> None:
+    """Carry the hidden axis of ``t`` into the rotated basis: ``t Q`` on the last axis, ``Q^T t``
+    on the one before (a reader's [out, in] or a writer's [out, in] weight, a writer's bias)."""
+    q = q.to(t.device)
+    _each(t.data, (lambda w: w @ q) if axis == -1 or t.dim() == 1 else (lambda w: q.T @ w))
 
 
 @torch.no_grad()
@@ -169,21 +233,14 @@ def rotate_model(model: nn.Module, kind: str = "hadamard", seed: int = 0, device
             model._tied_weights_keys = None
     for i in range(len(a.decoder_layers(model))):
         with layer_on(model, i, device, write=True) as layer:
-            q_dev = q.to(next(layer.parameters()).device)
-            named = a.named_linears(layer)  # the roles this layer has (CLA: some without k/v)
-            present = {r: named[p] for r, p in a.linears if p in named}
-            _fold(
-                layer.get_submodule(a.input_norm),
-                a.norm_offset,
-                [present[r] for r in ("q", "k", "v") if r in present],
-            )
-            _fold(layer.get_submodule(a.post_norm), a.norm_offset, [present["gate"], present["up"]])
-            for role, lin in present.items():
-                (_read if role in READS else _write)(lin, q_dev)
-    _fold(model.get_submodule(a.final_norm), a.norm_offset, [head])
-    q_dev = q.to(embed.weight.device)
-    embed.weight.copy_((embed.weight.double() @ q_dev).to(embed.weight.dtype))
-    _read(head, q_dev)
+            attn_reads, mlp_reads, writes = _layer_io(layer, a)
+            _fold(layer.get_submodule(a.input_norm), a.norm_offset, attn_reads)
+            _fold(layer.get_submodule(a.post_norm), a.norm_offset, mlp_reads)
+            for t, axis in attn_reads + mlp_reads + writes:
+                _turn(t, axis, q)
+    _fold(model.get_submodule(a.final_norm), a.norm_offset, [(head.weight, -1)])
+    _turn(embed.weight, -1, q)
+    _turn(head.weight, -1, q)
     return model
 
 
