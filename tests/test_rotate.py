@@ -30,51 +30,6 @@ def test_rotation_is_orthogonal_and_seeded(n, kind):
         assert torch.allclose(q.abs(), torch.full((n, n), n**-0.5, dtype=torch.float64))
 
 
-def randomized(family: str, dtype=torch.float64, **overrides):
-    """A tiny random model of ``family`` whose norm weights and biases are random too (ones and
-    zeros would make folding them a no-op)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = family_config(family, vocab_size=512, **overrides)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.4 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-    return model
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("hidden", [64, 48])  # 48 = Paley 12 x Sylvester 4
-def test_rotation_keeps_the_logits_in_float64(family, hidden):
-    model = randomized(family, hidden_size=hidden)
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        before = {n: p.clone() for n, p in model.named_parameters()}
-        rotate_model(model, seed=5)
-        out = model(ids).logits
-    assert rel(out, ref) < 1e-5
-    changed = [
-        n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])
-    ]
-    assert any("q_proj" in n for n in changed) and any("embed_tokens" in n for n in changed)
-    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    assert all(torch.equal(p, torch.ones_like(p)) for p in norms if p.numel() == hidden)
-
-
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"]
-
-
 def randomize(model) -> None:
     """Norm weights, biases, sinks and weights away from their init (ones and zeros would make
     folding them a no-op)."""
@@ -87,6 +42,48 @@ def randomize(model) -> None:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+
+
+def randomized(family: str, dtype=torch.float64, **overrides):
+    """A tiny random model of ``family`` (:func:`randomize`)."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(family, vocab_size=512, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    randomize(model)
+    return model
+
+
+@torch.no_grad()
+def rotated(model, vocab: int) -> tuple[float, list[str]]:
+    """``(relative logit change, names of the parameters the rotation changed)``."""
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = model(ids).logits
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    rotate_model(model, seed=5)
+    out = model(ids).logits
+    moved = [
+        n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])
+    ]
+    return rel(out, ref), moved
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hidden", [64, 48])  # 48 = Paley 12 x Sylvester 4
+def test_rotation_keeps_the_logits_in_float64(family, hidden):
+    model = randomized(family, hidden_size=hidden)
+    err, moved = rotated(model, 512)
+    assert err < 1e-5
+    assert any("q_proj" in n for n in moved) and any("embed_tokens" in n for n in moved)
+    norms = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    assert all(torch.equal(p, torch.ones_like(p)) for p in norms if p.numel() == hidden)
+
+
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_yarn"]
 
 
 @pytest.mark.parametrize("family", [*MOE_FAMILIES, "gpt_oss"])
@@ -103,16 +100,8 @@ def test_rotation_keeps_mixture_of_experts_logits_in_float64(family):
         config, dtype=torch.float64, experts_implementation="eager"
     ).eval()
     randomize(model)
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        before = {n: p.clone() for n, p in model.named_parameters()}
-        rotate_model(model, seed=5)
-        out = model(ids).logits
-    assert rel(out, ref) < 1e-5
-    moved = [
-        n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])
-    ]
+    err, moved = rotated(model, config.vocab_size)
+    assert err < 1e-5
     for part in (
         "experts.gate_up_proj",
         "experts.down_proj",
@@ -133,13 +122,9 @@ def test_rotation_keeps_converted_attention_logits_in_float64(kind):
     randomize(base)
     model = convert_mla(base, 16, 4, "uniform") if kind == "mla" else convert_cla(base, 2, "first")
     model = model.double().eval()
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        rotate_model(model, seed=5)
-        out = model(ids).logits
+    err, _ = rotated(model, 256)
+    assert err < 1e-5
     assert model.config.model_type == f"compress_{kind}"
-    assert rel(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -174,14 +159,10 @@ def test_rotate_stage_writes_a_mixture_of_experts_folder_transformers_reads(
 def test_tied_head_is_untied():
     model = randomized("llama")  # the tiny llama ties its head
     assert model.config.tie_word_embeddings
-    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = model(ids).logits
-        rotate_model(model)
-        out = model(ids).logits
+    err, _ = rotated(model, 512)
     assert not model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    assert rel(out, ref) < 1e-5
+    assert err < 1e-5
 
 
 def test_refusals():
