@@ -214,7 +214,7 @@ def _turn(t: torch.Tensor, axis: int, q: torch.Tensor) -> None:
     """Carry the hidden axis of ``t`` into the rotated basis: ``t Q`` on the last axis, ``Q^T t``
     on the one before (a reader's [out, in] or a writer's [out, in] weight, a writer's bias)."""
     q = q.to(t.device)
-    _each(t.data, (lambda w: w @ q) if axis == -1 or t.dim() == 1 else (lambda w: q.T @ w))
+    _each(t.data, (lambda w: w @ q) if axis == -1 else (lambda w: q.T @ w))
 
 
 @torch.no_grad()
