@@ -155,6 +155,25 @@ def test_reads_a_folder_the_library_wrote(tmp_path, tokenizer):
     assert rel_err(decoder_logits(folder, ids), hf_logits(hf, ids)) < 1e-3
 
 
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+def test_a_scheme_without_the_symmetric_key_is_the_libraries_default(strategy):
+    """A config whose weights leave out ``"symmetric"`` (the key is optional in
+    compressed-tensors' ``QuantizationArgs``): read as the library reads it, symmetric (no zero
+    point), whatever the config was first written as."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    for written in (False, True):
+        qcfg = json.loads(json.dumps(ct.quantization_config(4, 32, written)))
+        group = qcfg["config_groups"]["group_0"]
+        del group["weights"]["symmetric"]
+        if strategy == "channel":
+            group["weights"].update(strategy="channel", group_size=None)
+        theirs = QuantizationScheme.model_validate(group).weights
+        assert theirs.symmetric is True  # the library's default
+        ours = ct.scheme(qcfg, "model.layers.0.mlp.up_proj")
+        assert ours == (4, 32 if strategy == "group" else -1, theirs.symmetric), written
+
+
 def test_unsupported_schemes_are_refused_by_name():
     qcfg = ct.quantization_config(4, 128)
     with pytest.raises(Exception, match="pack-quantized"):

@@ -110,6 +110,44 @@ def test_rotation_keeps_mixture_of_experts_logits_in_float64(family):
         assert any(part in n for n in moved), part
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@torch.no_grad()
+def test_rotation_keeps_per_expert_linears_logits_in_float64(family):
+    """Experts unfused into one gated MLP per expert (``compress.layers.experts``, as awq, gptq
+    and rtn hold them; awq.quantize=false hands them on to a later stage): every expert's gate,
+    up and down linears rotated (Mixtral's w1/w3/w2, qwen2_moe's shared expert beside them), and
+    the logits are transformers' own float64 forward of the fused, unrotated source."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from compress.arch.adapters import get_adapter
+    from compress.layers.experts import LinearExperts, unfuse_experts
+    from tests.test_moe import moe_config
+
+    config = moe_config(family)
+    fused = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    randomize(fused)
+    model = copy.deepcopy(fused)
+    a = get_adapter(model.config)
+    assert unfuse_experts(model, a) > 0
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = fused(ids).logits
+    err, moved = rotated(model, config.vocab_size)
+    assert err < 1e-5
+    assert rel(model(ids).logits, ref) < 1e-5
+    for layer in a.decoder_layers(model):
+        experts = getattr(layer.get_submodule(a.mlp), "experts", None)
+        if not isinstance(experts, LinearExperts):
+            continue  # a dense layer
+        prefix = next(n for n, m in model.named_modules() if m is experts)
+        for e in range(experts.n_experts):
+            for name in a.expert_names:
+                assert f"{prefix}.{e}.{name}.weight" in moved, (prefix, e, name)
+
+
 @pytest.mark.parametrize("kind", ["mla", "cla"])
 def test_rotation_keeps_converted_attention_logits_in_float64(kind):
     """Our MLA (q, the RoPE key and the latent read the stream; the latent's up-projections do

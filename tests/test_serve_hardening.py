@@ -192,6 +192,34 @@ def test_a_wrong_or_missing_key_gets_401_from_the_openai_client(cli_server):
     assert r.status_code == 200, r.text
 
 
+def raw_get(port: int, target: str) -> bytes:
+    """The reply to ``GET target`` sent byte for byte (no client normalizing its dot segments)
+    without a key, read to the close."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("target", ["/healthx", "/health/", "/health/../v1/models"])
+def test_only_the_exact_health_path_is_open(cli_server, target):
+    """``/health`` is open by its exact path: a path that only starts with it gets 401 without a
+    key, a dot segment through it too (the server must not match it as open, whatever a proxy
+    behind it would make of ``..``)."""
+    reply = raw_get(cli_server.port, target)
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "invalid_api_key", body
+    logged = f'"GET {target} HTTP/1.1" 401'  # the server saw the path as sent
+    deadline = time.monotonic() + 10
+    while not any(logged in line for line in cli_server.out.lines):
+        assert time.monotonic() < deadline, logged
+        time.sleep(0.05)
+    assert raw_get(cli_server.port, "/health").startswith(b"HTTP/1.1 200")
+
+
 def test_the_right_key_serves_with_the_openai_client(cli_server):
     c = client(cli_server.url)
     assert [m.id for m in c.models.list().data] == ["tiny"]

@@ -133,6 +133,40 @@ def test_kernel_matches_float64_reference(path, bits, shape, symmetric, monkeypa
 
 @pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
 @pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_symmetric_scales_float16_cannot_hold_keep_their_values(path, bits, dtype, monkeypatch):
+    """Symmetric codes whose scales fp16 does not hold exactly (fp32 ones with 24-bit mantissas;
+    bf16 ones below fp16's normal range, where it keeps a few bits): the kernel takes the fp32
+    form and computes with the scales as they are, to fp32 accuracy against ``x_hat @ W^T`` in
+    float64 built from the codes, the zero point and those scales."""
+    monkeypatch.setenv("COMPRESS_W4A8", path)
+    K, N, g = 128, 64, 32
+    gen = torch.Generator().manual_seed(40 + bits)
+    q = torch.randint(0, 2**bits, (N, K), generator=gen)
+    z = torch.full((N, K // g), 2 ** (bits - 1))
+    if dtype == torch.float32:
+        s = torch.rand(N, K // g, generator=gen, dtype=torch.float64) * 0.02 + 1e-3
+    else:  # 1e-7 .. 6e-6: fp16 subnormals, spaced 6e-8 apart
+        s = torch.rand(N, K // g, generator=gen, dtype=torch.float64) * 6e-6 + 1e-7
+    s = s.to(dtype)
+    assert not torch.equal(s.half().to(dtype), s)  # fp16 would round them
+    layer = QuantLinear.from_quantized(
+        SimpleNamespace(q=q, zeros=z, scales=torch.zeros(N, K // g), bits=bits, group_size=g)
+    )
+    layer.scales = s.t().contiguous()  # as a checkpoint's scales load: [K/g, N] in their dtype
+    layer.kernel = "w4a8"
+    w64 = (q - z.repeat_interleave(g, 1)).double() * s.double().repeat_interleave(g, 1)
+    for M in (1, 5):
+        gen = torch.Generator().manual_seed(1000 + M)
+        x = torch.randn(M, K, generator=gen) * (1 + 3 * torch.rand(M, K, generator=gen))
+        y = layer(x)
+        assert y.dtype == torch.float32 and torch.isfinite(y).all()
+        assert rel(y, x_hat64(x, g) @ w64.t()) < 2e-6, (M, rel(y, x_hat64(x, g) @ w64.t()))
+
+
+@pytest.mark.skipif(not C_PATHS, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("path", C_PATHS)
 @pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_operator_matches_float64_reference_in_every_dtype(path, bits, symmetric):
