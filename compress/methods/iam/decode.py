@@ -15,6 +15,7 @@ and the paper maps from models many times smaller than the large one.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -187,15 +188,28 @@ def load_iam(
 
 class Logits(nn.Module):
     """``model(ids [B, T]).logits``, as transformers' models answer (``eval/perplexity``): the
-    pair run over a fresh ``full`` cache."""
+    pair run over a fresh ``full`` cache. Its ``config`` and ``lm_head`` are the large model's,
+    which is what the evaluation reads of a model (widths, vocabulary, head)."""
 
     def __init__(self, model: IAMModel):
         super().__init__()
         self.model = model
 
-    def forward(self, ids):
-        from types import SimpleNamespace
+    @property
+    def config(self):
+        return self.model.large.config
 
+    @property
+    def lm_head(self):
+        return self.model.large.lm_head
+
+    def __setattr__(self, name, value):  # compress.layers.head.quantize_head swaps the head
+        if name == "lm_head":
+            self.model.large.lm_head = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, ids):
         cache = new_cache(self.model, "full", ids.shape[0], ids.shape[1])
         return SimpleNamespace(logits=self.model(ids, cache))
 
