@@ -16,7 +16,7 @@ from compress.formats.attention.absorb import absorb_output, absorb_query, expan
 from compress.io.checkpoint import load_run, save_checkpoint
 from compress.methods.attn.checks import check_rope
 from compress.methods.attn.cla import convert_cla
-from compress.methods.attn.gqa import mean_pool_kv
+from compress.methods.attn.gqa import aligned_pool_kv, mean_pool_kv
 from compress.methods.attn.mla import convert_mla
 from compress.methods.attn.rope_select import qk_pair_scores, select_pairs
 from tests.conftest import make_tiny_model
@@ -417,21 +417,22 @@ def run_recipe(recipe, model_dir, out, *extra):
 
 @pytest.mark.parametrize("recipe", ["gqa", "cla", "mla"])
 def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer):
-    """distill.tokens=0: the run folder holds the conversion of the source on the recipe's
-    calibration text, and the built-in decoder measures its cache: exactly the kind's bytes."""
+    """distill.tokens=0 fit.steps=0: the run folder holds the conversion of the source on the
+    recipe's calibration text, and the built-in decoder measures its cache: exactly the kind's
+    bytes."""
     from safetensors.torch import load_file
 
     from compress.io.data import calib_samples, read_text
     from compress.io.source import load_model
-    from tests.conftest import compose
+    from tests.conftest import compose, run_bench
 
     out = tmp_path / "run"
-    report = run_recipe(recipe, tiny_dir, out, "distill.tokens=0")
+    report = run_recipe(recipe, tiny_dir, out, "distill.tokens=0", "fit.steps=0")
     cfg = compose(recipe, [f"model.path={tiny_dir}", "calib.samples=4", "calib.seqlen=64"])
     calib = calib_samples(tokenizer, read_text(cfg.data.calib.source, role="calib"), 4, 64, seed=0)
     source = load_model(str(tiny_dir))[0]
     expected = {
-        "gqa": lambda: mean_pool_kv(source, 1),
+        "gqa": lambda: aligned_pool_kv(source, 1, calib),
         "cla": lambda: convert_cla(source, 2, "lstsq", calib),
         "mla": lambda: convert_mla(source, 16, 4, "2norm", calib, "activations"),
     }[recipe]()
@@ -445,8 +446,18 @@ def test_recipe_saves_the_converted_model(recipe, tiny_dir, tmp_path, tokenizer)
     if recipe == "gqa":
         assert "vllm serve" in card and "trust_remote_code=True" not in card
         assert raw["model_type"] == "llama" and raw["num_key_value_heads"] == 1
-        assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2}
+        assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2, "gqa_init": "aligned"}
+        assert "fit" not in report
         assert report["kv_bytes_per_token"] == 2 * 2 * 1 * 32 * 2  # the decoder runs it: 1 KV head
+        # eval/bench/eval_folders.py: the same windows give the report's own figures
+        table = run_bench(
+            "eval_folders", out, "--source", tiny_dir, "--windows", 2, "--seqlen", 64
+        ).stdout
+        row = next(line for line in table.splitlines() if line.startswith("| run |"))
+        assert (
+            f"| {report['ppl']:.3f} | {report['kl_vs_source']:.4f} | {report['top1_vs_source']:.4f} |"
+            in row
+        ), row
         return
     c = raw  # tiny: 2 layers, 2 KV heads of 32 dims; the decoder's fp16 cache, 2 bytes a value
     per_layer = {
@@ -507,9 +518,13 @@ def test_cla_with_mqa_and_distillation(tiny_dir, tmp_path):
         "distill.tokens=64",
         "distill.seqlen=32",
         "distill.grad_accum=1",
+        "fit.steps=3",
     )
     assert report["distill_tokens"] == 64 and report["distill"]["steps"] == 2
-    assert report["attn"] == {"kv_heads": 1, "source_kv_heads": 2, "share": 2, "cla_init": "lstsq"}
+    assert report["attn"] == {
+        "kv_heads": 1, "source_kv_heads": 2, "gqa_init": "aligned", "share": 2, "cla_init": "lstsq",
+    }  # fmt: skip
+    assert report["fit"]["groups"] == [[0, 1]] and report["fit"]["steps"] == 3
     raw = json.loads((out / "config.json").read_text())
     assert raw["num_key_value_heads"] == 1 and raw["cla_share"] == 2
 
@@ -538,6 +553,11 @@ def odd_dirs(tmp_path_factory, tokenizer):
         ("gqa", ["attn.kv_heads=3"], None, "valid values: 1, 2"),
         ("cla", ["attn.share=3"], None, "must divide the model's 2 layers"),
         ("cla", ["attn.cla_init=mean"], None, "cla_init"),
+        ("gqa", ["attn.kv_heads=1", "attn.gqa_init=svd"], None, "gqa_init"),
+        ("gqa", ["attn.kv_heads=1", "fit.lr=0"], None, "fit.lr"),
+        ("cla", ["fit.steps=-2"], None, "fit.steps"),
+        ("mla", ["fit.batch=0"], None, "fit.batch"),
+        ("mla", ["calib.samples=1"], None, "calib.samples=1"),
         ("mla", ["mla.d_kv=57"], None, "full rank 56"),
         ("mla", ["mla.rope_pairs=17"], None, "rope_pairs=17"),
         ("mla", ["mla.rope_select=middle"], None, "rope_select"),

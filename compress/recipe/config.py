@@ -163,7 +163,13 @@ def run_eval_device(cfg) -> "torch.device":
 
 
 DISTRIBUTED_STAGES = ("distill",)  # split across the processes of `accelerate launch`
-REPEATED_STAGES = ("prune", "gqa", "cla", "mla")  # deterministic: every process computes the same
+REPEATED_STAGES = (
+    "prune",
+    "gqa",
+    "cla",
+    "mla",
+    "fit",
+)  # deterministic: every process computes the same
 
 
 def check_distributed(cfg) -> int:
@@ -273,6 +279,7 @@ WHY_NOT_EXPERTS = {
     "gqa": "attention conversion of mixture-of-experts models is not built",
     "cla": "attention conversion of mixture-of-experts models is not built",
     "mla": "attention conversion of mixture-of-experts models is not built",
+    "fit": "attention conversion of mixture-of-experts models is not built",
     "iam": "IAM's attention mapping is not built for mixture-of-experts models",
 }
 
@@ -361,7 +368,7 @@ def needs_calibration(cfg) -> bool:
         and int8.get("outlier_stats", True)
         and int8.get("threshold", 6.0) != 0
     )
-    return int8_calib or bool({"awq", "gptq", "prune", "distill", "iam"} & set(cfg.stages))
+    return int8_calib or bool({"awq", "gptq", "prune", "distill", "iam", "fit"} & set(cfg.stages))
 
 
 def check_decode(dcfg) -> None:

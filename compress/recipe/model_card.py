@@ -96,6 +96,7 @@ def loaders(config: dict, stages: list) -> list[str]:
         return ["transformers"]
     if method is None and set(stages) <= {
         "gqa",
+        "fit",
         "distill",
     }:  # unmodified, or GQA: a plain checkpoint
         return ["transformers", "vllm"]

@@ -2,7 +2,7 @@
 
 A stage is ``fn(model, ctx) -> model`` (``ctx``: ``compress.recipe.pipeline.Context``). Stage ``NAME``
 reads its settings from the config group ``NAME`` (``rtn.*``, ``awq.*``, ``gptq.*``, ``llm_int8.*``,
-``prune.*``, ``distill.*``, ``mla.*``, ``iam.*``, ``rotate.*``), except the attention conversions ``gqa`` and ``cla``,
+``prune.*``, ``distill.*``, ``mla.*``, ``fit.*``, ``iam.*``, ``rotate.*``), except the attention conversions ``gqa`` and ``cla``,
 which share ``attn.*`` (``attn.kv_heads=1 attn.share=2`` composes them); quantization stages spell their common knobs ``bits`` and
 ``group_size``. Each stage also has ``check(cfg, hf_config)``: it refuses its settings in milliseconds, before
 any model loads (``hf_config`` is None when the model is not a local folder), so
@@ -39,6 +39,7 @@ STAGES = {
     "gqa": Stage(attn.gqa, attn.check_gqa_stage),
     "cla": Stage(attn.cla, attn.check_cla_stage),
     "mla": Stage(attn.mla, attn.check_mla_stage),
+    "fit": Stage(attn.fit, attn.check_fit_stage),
     "iam": Stage(iam.iam, iam.check),
 }
 

@@ -3,12 +3,15 @@
 Recipe keys::
 
     attn.kv_heads:   gqa: KV heads after mean-pooling (null keeps the model's)
+    attn.gqa_init:   gqa: aligned (heads grouped, turned and the key norm restored) | mean
     attn.share:      cla: layers sharing one layer's K/V (1: no sharing)
     attn.cla_init:   cla: lstsq | first
     mla.d_kv:        mla: latent values per KV head (the layer's latent: d_kv x KV heads)
     mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
     mla.rope_select: mla: 2norm | uniform | high | low
     mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
+    fit.steps:       fit: Adam steps per layer (group) of layer-local fitting; 0 skips it
+    fit.lr, fit.batch: fit: its learning rate (cosine decay) and sequences per step
     mla.style:       mla: mha2mla (the keys above; a compress_mla folder) | deepseek_v3 (a stock
                      deepseek_v3 folder, ``compress.methods.attn.deepseek_mla``: one shared RoPE
                      key of mla.rope_dim channels, a latent of mla.kv_lora_rank, its RMSNorm)
@@ -21,10 +24,12 @@ import logging
 
 from compress.errors import CompressError
 from compress.formats.attention import folder_files
+from compress.io.source import load_model
 from compress.methods.attn.checks import check_llama_layers, check_rope, check_source
 from compress.methods.attn.cla import check_share, convert_cla
 from compress.methods.attn.deepseek_mla import check_deepseek_mla, convert_deepseek_mla
-from compress.methods.attn.gqa import check_kv_heads, mean_pool_kv
+from compress.methods.attn.fit import fit_attention
+from compress.methods.attn.gqa import INITS, aligned_pool_kv, check_kv_heads, mean_pool_kv
 from compress.methods.attn.mla import check_mla, convert_mla
 
 log = logging.getLogger(__name__)
@@ -44,9 +49,19 @@ def gqa(model, ctx):
         check_kv_heads(model.config, int(kv_heads))
     if kv_heads is None or int(kv_heads) == source:
         return model
-    log.info("gqa: %d -> %d KV heads (mean-pooled)", source, int(kv_heads))
-    _record(ctx, kv_heads=int(kv_heads), source_kv_heads=source)
-    return mean_pool_kv(model, int(kv_heads))
+    init = _gqa_init(ctx.cfg.attn)
+    log.info("gqa: %d -> %d KV heads (%s)", source, int(kv_heads), init)
+    _record(ctx, kv_heads=int(kv_heads), source_kv_heads=source, gqa_init=init)
+    if init == "mean":
+        return mean_pool_kv(model, int(kv_heads))
+    return aligned_pool_kv(model, int(kv_heads), ctx.calibration())
+
+
+def _gqa_init(a) -> str:
+    init = str(a.get("gqa_init") or "aligned")
+    if init not in INITS:
+        raise CompressError(f"attn.gqa_init={init!r}: use one of {', '.join(INITS)}.")
+    return init
 
 
 def cla(model, ctx):
@@ -63,6 +78,52 @@ def cla(model, ctx):
     ctx.files.update(folder_files(out.config.model_type))
     _record(ctx, share=share, cla_init=init, kv_heads=out.config.num_key_value_heads)
     return out
+
+
+def fit(model, ctx):
+    """Fit each converted attention block to the source's on the source's own inputs
+    (``compress.methods.attn.fit``), before any end-to-end training."""
+
+    f = ctx.cfg.fit
+    steps, lr, batch = int(f.steps), float(f.lr), int(f.batch)
+    if steps == 0:
+        return model
+    m = ctx.cfg.model
+    home = next(model.parameters()).device
+    source = load_model(m.path, m.dtype, m.trust_remote_code)[0].float().to(ctx.device)
+    model.float().to(ctx.device)  # float32 weights to fit, where calibration runs (``device``)
+    log.info("fit: %d steps per layer (lr %g, %d sequences a step)", steps, lr, batch)
+    report = fit_attention(source, model, ctx.calibration().to(ctx.device), steps, lr, batch)
+    del source
+    model.to(home)
+    first, last = sum(report["before"]), sum(report["after"])
+    log.info("fit: mean relative error of the attention outputs %.4f -> %.4f (%.0f s)",
+             first / len(report["before"]), last / len(report["after"]), report["seconds"])  # fmt: skip
+    ctx.record["fit"] = report
+    return model
+
+
+def check_fit_stage(cfg, hf_config=None) -> None:
+    """Refuse ``fit.*`` settings the fitting cannot run with."""
+    f = cfg.get("fit") or {}
+    rules = (
+        ("steps", 0, "Adam steps per layer; 0 skips the stage"),
+        ("batch", 1, "sequences a step"),
+    )
+    for key, low, what in rules:
+        v = f.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise CompressError(f"fit.{key}={v!r}: fit.{key} takes an integer >= {low} ({what}).")
+    lr = f.get("lr")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise CompressError(f"fit.lr={lr!r}: fit.lr takes a number > 0 (Adam's learning rate).")
+    samples = (cfg.get("calib") or {}).get("samples", 2)
+    if f.get("steps") and isinstance(samples, int) and samples < 2:
+        raise CompressError(
+            f"calib.samples={samples} with fit.steps={f.get('steps')}: the fitting holds one batch "
+            f"of calibration sequences out and trains on the rest; use calib.samples >= 2, or "
+            f"fit.steps=0 to skip it."
+        )
 
 
 STYLES = ("mha2mla", "deepseek_v3")
@@ -134,6 +195,7 @@ def check_deepseek_source(config, rank: int, rope_dim: int, anchor: bool) -> Non
 def check_gqa_stage(cfg, hf_config=None) -> None:
     """Refuse ``attn.kv_heads`` that mean-pooling cannot meet, from config.json alone."""
     kv_heads = (cfg.get("attn") or {}).get("kv_heads")
+    _gqa_init(cfg.get("attn") or {})
     if hf_config is not None and kv_heads is not None:
         check_kv_heads(hf_config, int(kv_heads))
 
