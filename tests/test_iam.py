@@ -118,6 +118,30 @@ def test_self_mapping_gives_the_models_own_logits(pair):
     assert rel_err(got, want) < 1e-5
 
 
+def test_evaluation_reads_the_pair_as_a_model(pair):
+    """``Logits`` (what the recipe's evaluation gets): the large model's config and head, so
+    ``evaluate`` runs on it and gives transformers' figures for a self-mapped pair; a quantized
+    head (``quant.lm_head``) replaces the large model's own."""
+    from compress.eval.perplexity import evaluate
+    from compress.methods.iam.decode import Logits
+
+    folder, _, big, _ = pair
+    every = list(range(BIG["num_hidden_layers"]))
+    large, _ = load_mapped(folder, every)
+    small, _ = load(folder)
+    iam = Logits(
+        IAMModel(large, small, {ly: ly for ly in every}, {ly: list(range(4)) for ly in every})
+    )
+    assert iam.config is large.config and iam.lm_head is large.lm_head
+    windows = ids_of((2, 32), seed=4)
+    got, want = evaluate(iam, windows, big), evaluate(big, windows)
+    assert abs(got["ppl"] - want["ppl"]) / want["ppl"] < 1e-5 and got["kl_vs_source"] < 1e-8
+    head = torch.nn.Linear(large.lm_head.in_features, large.lm_head.out_features, bias=False)
+    iam.lm_head = head  # as quantize_head puts its QuantLinear in place
+    assert large.lm_head is head and iam.lm_head is head
+    assert "lm_head" not in dict(iam.named_children())
+
+
 def test_self_map_file_maps_each_layer_and_head_to_itself(pair, tmp_path):
     folder = pair[0]
     m = iam_map.build_map(folder, folder, tokens=128, seqlen=64, skip_first=0)
