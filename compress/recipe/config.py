@@ -163,13 +163,8 @@ def run_eval_device(cfg) -> "torch.device":
 
 
 DISTRIBUTED_STAGES = ("distill",)  # split across the processes of `accelerate launch`
-REPEATED_STAGES = (
-    "prune",
-    "gqa",
-    "cla",
-    "mla",
-    "fit",
-)  # deterministic: every process computes the same
+# deterministic: every process computes the same
+REPEATED_STAGES = ("prune", "gqa", "cla", "mla", "fit")
 
 
 def check_distributed(cfg) -> int:

@@ -1,4 +1,5 @@
-"""The attention-conversion stages ``gqa``, ``cla`` and ``mla`` (``(model, ctx) -> model``).
+"""The attention-conversion stages ``gqa``, ``cla`` and ``mla``, and ``fit``, the layer-local fitting
+after them (``(model, ctx) -> model``).
 
 Recipe keys::
 
@@ -10,11 +11,12 @@ Recipe keys::
     mla.rope_pairs:  mla: RoPE frequency pairs kept per KV head (2 x rope_pairs dims)
     mla.rope_select: mla: 2norm | uniform | high | low
     mla.svd:         mla: weights (MHA2MLA's SVD_joint) | activations (in E[x x^T]'s metric)
-    fit.steps:       fit: Adam steps per layer (group) of layer-local fitting; 0 skips it
-    fit.lr, fit.batch: fit: its learning rate (cosine decay) and sequences per step
     mla.style:       mla: mha2mla (the keys above; a compress_mla folder) | deepseek_v3 (a stock
                      deepseek_v3 folder, ``compress.methods.attn.deepseek_mla``: one shared RoPE
                      key of mla.rope_dim channels, a latent of mla.kv_lora_rank, its RMSNorm)
+    fit.steps:       fit: Adam steps per layer (a CLA group) of layer-local fitting; 0 skips it
+    fit.lr:          fit: Adam's learning rate, cosine-decayed to 0
+    fit.batch:       fit: calibration sequences a step (one batch is held out)
 
 ``cla`` and ``mla`` give models of their own type (``compress.formats.attention``), whose modeling files
 the run folder carries; ``mla.style=deepseek_v3`` gives transformers' own DeepseekV3ForCausalLM. report.json gets ``attn`` (what was converted, with which settings).
