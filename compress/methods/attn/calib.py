@@ -32,13 +32,16 @@ def attention_inputs(model, tokens: torch.Tensor, *visitors, batch_size: int = 4
 
 
 class InputGram:
-    """A visitor for ``attention_inputs``: ``grams()`` gives each layer's E[x x^T] (float64)."""
+    """A visitor for ``attention_inputs``: ``grams()`` gives each layer's E[x x^T] (float64);
+    with ``bias``, E[[x, 1][x, 1]^T] (for projections with a bias as a last column)."""
 
-    def __init__(self):
-        self.sums, self.count = {}, 0
+    def __init__(self, bias: bool = False):
+        self.sums, self.count, self.bias = {}, 0, bias
 
     def __call__(self, i, x):
         x = x.double()
+        if self.bias:
+            x = torch.cat((x, torch.ones_like(x[:, :1])), dim=1)
         self.sums[i] = self.sums[i] + x.T @ x if i in self.sums else x.T @ x
         if i == 0:
             self.count += x.shape[0]

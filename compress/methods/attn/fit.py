@@ -137,11 +137,10 @@ def fit_attention(
         )
     batch = min(batch, tokens.shape[0] // 2)
     chunks = [tokens[i : i + batch] for i in range(0, tokens.shape[0] - batch + 1, batch)]
-    train, held = len(chunks) - 1, len(chunks) - 1
+    held = len(chunks) - 1  # the last batch; the others train
     layer_calls = _record_calls(source, src_layers, chunks[0])
     our_calls = _record_calls(model, our_attn, chunks[0])
-    with torch.no_grad():
-        hidden = [_embedded(source, src_layers[0], c) for c in chunks]
+    hidden = [_embedded(source, src_layers[0], c) for c in chunks]
 
     report = {"groups": [], "before": [], "after": [], "steps": steps, "lr": lr, "batch": batch}
     bar = tqdm(groups_of(model.config), desc="fit attention", unit="group")
@@ -185,7 +184,7 @@ def fit_attention(
             for s in range(steps):
                 for g in opt.param_groups:
                     g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * s / steps))
-                loss = loss_of(s % train)
+                loss = loss_of(s % held)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -42,8 +42,8 @@ from torch import nn
 from compress.arch.adapters import get_adapter, head_dim, set_module
 from compress.arch.spec import spec_of
 from compress.errors import CompressError
-from compress.methods.attn.calib import attention_inputs
-from compress.methods.attn.cla import augmented, projection
+from compress.methods.attn.calib import InputGram, attention_inputs
+from compress.methods.attn.cla import projection
 
 INITS = ("aligned", "mean")
 
@@ -97,16 +97,9 @@ def mean_pool_kv(model, kv_heads: int):
 
 def input_moments(model, tokens: torch.Tensor, bias: bool) -> list[torch.Tensor]:
     """Each layer's ``E[[x, 1][x, 1]^T]`` (float64; ``[x]`` alone without biases) on ``tokens``."""
-    sums, count = {}, [0]
-
-    def visit(i, x):
-        x = augmented(x, bias)
-        sums[i] = sums[i] + x.T @ x if i in sums else x.T @ x
-        if i == 0:
-            count[0] += x.shape[0]
-
-    attention_inputs(model, tokens, visit)
-    return [sums[i] / count[0] for i in sorted(sums)]
+    grams = InputGram(bias)
+    attention_inputs(model, tokens, grams)
+    return grams.grams()
 
 
 def _heads(w: torch.Tensor, n: int) -> list[torch.Tensor]:
